@@ -1,0 +1,42 @@
+# `make demo` and `make test` each set themselves up on a machine that has only Python 3.10+.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.rayfleet-installed
+
+.PHONY: setup demo test test-fast test-gpu lint bench clean
+
+setup: $(STAMP)
+
+# Re-install only when the pins change. DeepSpeed ships only an sdist whose build imports
+# torch: it goes in a second step without build isolation, or pip would pull a CUDA torch
+# into the build environment.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
+	$(BIN)/pip install -q -e '.[dev,workloads]'
+	$(BIN)/pip install -q --no-build-isolation -e '.[deepspeed]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/demo.sh
+
+# Everything but `gpu` and `aws_live` (DESIGN: pytest markers).
+test: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m "not slow and not ray and not gpu and not aws_live" $(PYTEST_ARGS)
+
+test-gpu: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m gpu $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m bench
+
+clean:
+	-$(BIN)/rayfleet local down 2>/dev/null
+	rm -rf $(VENV) .pytest_cache build *.egg-info
