@@ -1,0 +1,401 @@
+"""`rayfleet local up | down | status | env`: a real single-machine Ray cluster with token auth.
+
+The head runs as ``ray start --head --block`` in its own process group, so ``down`` stops
+exactly what ``up`` started (``ray stop`` would kill every Ray process on the machine, the
+user's own included). Token authentication (Ray >= 2.52, DESIGN rule 21) is on: the token is
+generated once into the state folder with mode 0600 and handed to Ray through
+``RAY_AUTH_TOKEN_PATH``; clients get it the same way from ``rayfleet local env``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rayfleet.errors import ClusterError, ConfigError, RayfleetError
+
+DEFAULT_GCS_PORT = 6379
+DEFAULT_DASHBOARD_PORT = 8265
+# Auxiliary ports: Ray's defaults when free, otherwise any free port, so a second cluster
+# (the test suite's, say) can run beside the user's.
+DEFAULT_CLIENT_PORT = 10001
+DEFAULT_AGENT_PORT = 52365
+# Ray refuses an object store below 75 MiB (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
+MIN_OBJECT_STORE = 75 * 1024 * 1024
+START_TIMEOUT_S = 120
+
+
+def state_dir() -> Path:
+    """The rayfleet state folder: $RAYFLEET_HOME, else ~/.rayfleet."""
+    return Path(os.environ.get("RAYFLEET_HOME") or Path.home() / ".rayfleet").expanduser()
+
+
+def token_path() -> Path:
+    return state_dir() / "auth_token"
+
+
+def ensure_token() -> Path:
+    """Create the cluster token once (0600); tighten the mode of an existing one."""
+    path = token_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    if not path.exists():
+        # O_EXCL + mode at creation: the token is never readable by others, even briefly.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    elif stat.S_IMODE(path.stat().st_mode) != 0o600:
+        os.chmod(path, 0o600)
+    if not path.read_text().strip():
+        raise RayfleetError(f"token file {path} is empty; delete it and run `rayfleet local up`")
+    return path
+
+
+def auth_env(token: Path | None = None) -> dict[str, str]:
+    """Environment that makes any Ray process or client use token auth with our token."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token or token_path())}
+
+
+@dataclass
+class LocalCluster:
+    pid: int
+    gcs_port: int
+    dashboard_port: int
+    client_port: int
+    agent_port: int
+    num_cpus: int | None
+    num_gpus: int | None
+    object_store_memory: int | None
+    log: str
+    started_at: float
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def client_env(self) -> dict[str, str]:
+        return {
+            # ray.init() and drivers read RAY_ADDRESS (the GCS); the Jobs CLI prefers
+            # RAY_API_SERVER_ADDRESS and `serve deploy` reads RAY_DASHBOARD_ADDRESS.
+            "RAY_ADDRESS": self.address,
+            "RAY_API_SERVER_ADDRESS": self.dashboard_url,
+            "RAY_DASHBOARD_ADDRESS": self.dashboard_url,
+            **auth_env(),
+        }
+
+
+def _state_file() -> Path:
+    return state_dir() / "local" / "cluster.json"
+
+
+def load_state() -> LocalCluster | None:
+    try:
+        return LocalCluster(**json.loads(_state_file().read_text()))
+    except (FileNotFoundError, json.JSONDecodeError, TypeError):
+        return None
+
+
+def _save_state(cluster: LocalCluster) -> None:
+    path = _state_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(cluster), indent=2))
+    tmp.replace(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of this process still answers kill(0); treat it as gone.
+    try:
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return True
+
+
+def port_in_use(port: int) -> bool:
+    for host in ("0.0.0.0", "127.0.0.1"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                return True
+    return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pick(default: int) -> int:
+    return default if not port_in_use(default) else free_port()
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_size(text: str | int | None, key: str = "--object-store-memory") -> int | None:
+    """'2GB', '512MiB', '1000000' -> bytes."""
+    if text is None:
+        return None
+    m = _SIZE.match(str(text))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ConfigError(key, f"cannot read {text!r} as a size; use e.g. 2GB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def _request(url: str, token: str | None, timeout: float = 2.0) -> int:
+    req = urllib.request.Request(url)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def jobs_api_ready(dashboard_url: str, token: str | None) -> bool:
+    try:
+        return _request(f"{dashboard_url}/api/jobs/", token) == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _print_info(cluster: LocalCluster, headline: str, out=sys.stdout) -> None:
+    env = cluster.client_env()
+    print(headline, file=out)
+    print(f"  address:    {cluster.address}", file=out)
+    print(f"  dashboard:  {cluster.dashboard_url}  (loopback only; token required)", file=out)
+    print(f"  token:      {env['RAY_AUTH_TOKEN_PATH']}  (mode 0600)", file=out)
+    print("  submit a job:", file=out)
+    print('    eval "$(rayfleet local env)"', file=out)
+    print("    ray job submit --working-dir . -- python -m workloads.train --smoke-test",
+          file=out)
+
+
+def up(num_cpus: int | None = None, num_gpus: int | None = None,
+       object_store_memory: str | int | None = None, port: int = DEFAULT_GCS_PORT,
+       dashboard_port: int = DEFAULT_DASHBOARD_PORT, quiet: bool = False) -> LocalCluster:
+    """Start the head (idempotent). Raises RayfleetError with one line on any expected failure."""
+    if num_cpus is not None and num_cpus < 1:
+        raise ConfigError("--num-cpus", f"must be at least 1, got {num_cpus}")
+    if num_gpus is not None and num_gpus < 0:
+        raise ConfigError("--num-gpus", f"must be 0 or more, got {num_gpus}")
+    store = parse_size(object_store_memory)
+    if store is not None and store < MIN_OBJECT_STORE:
+        raise ConfigError("--object-store-memory",
+                          f"{store} bytes is below Ray's minimum of 75MiB")
+
+    existing = load_state()
+    if existing and _alive(existing.pid):
+        token = ensure_token().read_text().strip()
+        if jobs_api_ready(existing.dashboard_url, token):
+            if not quiet:
+                _print_info(existing, "rayfleet local cluster is already up.")
+            return existing
+        raise ClusterError(
+            f"a rayfleet head (pid {existing.pid}) is running but its Jobs API at "
+            f"{existing.dashboard_url} does not answer; run `rayfleet local down` first")
+
+    for p, what, flag in ((port, "GCS", "--port"), (dashboard_port, "dashboard", "--dashboard-port")):
+        if port_in_use(p):
+            raise ClusterError(
+                f"port {p} ({what}) is already in use by another process; stop it "
+                f"(`ray stop` if it is another Ray) or pick another with {flag}")
+
+    token = ensure_token()
+    logdir = state_dir() / "local"
+    logdir.mkdir(parents=True, exist_ok=True)
+    log = logdir / "ray-head.log"
+    client_port, agent_port = _pick(DEFAULT_CLIENT_PORT), _pick(DEFAULT_AGENT_PORT)
+    cmd = [
+        _ray_bin(), "start", "--head", "--block", "--disable-usage-stats",
+        f"--port={port}",
+        # The dashboard serves the Jobs API (remote code execution by design): loopback only
+        # (CVE-2023-48022; DESIGN rule 22). Remote users reach it through a tunnel.
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+        "--node-ip-address=127.0.0.1",
+        f"--ray-client-server-port={client_port}",
+        f"--dashboard-agent-listen-port={agent_port}",
+    ]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
+    if num_gpus is not None:
+        cmd.append(f"--num-gpus={num_gpus}")
+    if store is not None:
+        cmd.append(f"--object-store-memory={store}")
+    env = {**os.environ, **auth_env(token)}
+    env.pop("RAY_AUTH_TOKEN", None)  # a stray token in the environment would win over the file
+    with open(log, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    cluster = LocalCluster(pid=proc.pid, gcs_port=port, dashboard_port=dashboard_port,
+                           client_port=client_port, agent_port=agent_port, num_cpus=num_cpus,
+                           num_gpus=num_gpus, object_store_memory=store, log=str(log),
+                           started_at=time.time())
+    _save_state(cluster)
+    secret = token.read_text().strip()
+    deadline = time.time() + START_TIMEOUT_S
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            _forget()
+            raise ClusterError(f"ray start exited with code {proc.returncode}: "
+                               f"{_last_line(log)} (full log: {log})")
+        if jobs_api_ready(cluster.dashboard_url, secret):
+            if not quiet:
+                _print_info(cluster, "rayfleet local cluster is up.")
+            return cluster
+        time.sleep(0.5)
+    _stop(cluster)
+    raise ClusterError(f"Ray head did not answer within {START_TIMEOUT_S}s; see {log}")
+
+
+def _ray_bin() -> str:
+    # The `ray` next to this interpreter: the kit's pinned Ray, whatever PATH says.
+    candidate = Path(sys.executable).with_name("ray")
+    return str(candidate) if candidate.exists() else "ray"
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors or lines or ["(empty log)"])[-1].strip()[:300]
+
+
+def _forget() -> None:
+    try:
+        _state_file().unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _stop(cluster: LocalCluster, timeout: float = 30.0) -> None:
+    """SIGTERM the `ray start --block` leader only: it tears its children down in order, as
+    `ray stop` would (a group-wide SIGTERM leaves it hung on unreaped children). Whatever is
+    left of that process group, and only of it, gets SIGKILL after the grace period."""
+    try:
+        pgid = os.getpgid(cluster.pid)
+        os.kill(cluster.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pgid = cluster.pid  # the leader is gone; its group may still hold raylet/workers
+    end = time.time() + timeout
+    while time.time() < end and _group_alive(pgid):
+        time.sleep(0.3)
+    if _group_alive(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _forget()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # Only zombies left (children of this very process) count as gone.
+    try:
+        while os.waitpid(-pgid, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def down(quiet: bool = False) -> bool:
+    """Stop the head `up` started, and only it. Returns False when there was nothing to stop."""
+    cluster = load_state()
+    if cluster is None:
+        if not quiet:
+            print("no rayfleet local cluster is running (nothing to stop).")
+        return False
+    _stop(cluster)
+    if not quiet:
+        print(f"rayfleet local cluster stopped (head pid {cluster.pid}).")
+    return True
+
+
+def require_running() -> LocalCluster:
+    cluster = load_state()
+    if cluster is None or not _alive(cluster.pid):
+        raise ClusterError("no rayfleet local cluster is running; start one with "
+                           "`rayfleet local up`")
+    return cluster
+
+
+def env_lines(shell: str = "sh") -> list[str]:
+    env = require_running().client_env()
+    if shell == "fish":
+        return [f"set -gx {k} {v};" for k, v in env.items()]
+    return [f"export {k}={v}" for k, v in env.items()]
+
+
+def status(out=sys.stdout) -> int:
+    """Print nodes (ALIVE/DEAD) and free CPUs/GPUs/memory, read from the GCS."""
+    cluster = require_running()
+    os.environ.update(cluster.client_env())
+    # Imported here: `rayfleet --help` and `local env` must not pay for importing Ray.
+    import ray
+
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    try:
+        nodes = ray.nodes()
+        free = ray.available_resources()
+        total = ray.cluster_resources()
+    finally:
+        ray.shutdown()
+    print(f"rayfleet local cluster at {cluster.address}  dashboard {cluster.dashboard_url}",
+          file=out)
+    print(f"{'NODE':<18} {'STATE':<6} {'ADDRESS':<16} {'CPU':>5} {'GPU':>5} {'MEMORY':>10}",
+          file=out)
+    for n in nodes:
+        res = n.get("Resources", {})
+        print(f"{n['NodeID'][:16]:<18} {'ALIVE' if n['Alive'] else 'DEAD':<6} "
+              f"{n.get('NodeManagerAddress', '?'):<16} {res.get('CPU', 0):>5g} "
+              f"{res.get('GPU', 0):>5g} {_gib(res.get('memory', 0)):>10}", file=out)
+    print(f"free: CPU {free.get('CPU', 0):g}/{total.get('CPU', 0):g}  "
+          f"GPU {free.get('GPU', 0):g}/{total.get('GPU', 0):g}  "
+          f"memory {_gib(free.get('memory', 0))}/{_gib(total.get('memory', 0))}  "
+          f"object store {_gib(free.get('object_store_memory', 0))}/"
+          f"{_gib(total.get('object_store_memory', 0))}", file=out)
+    return 0
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f}GiB"
