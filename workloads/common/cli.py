@@ -1,0 +1,38 @@
+"""Entry-point helpers shared by every workload (DESIGN conventions 4 and 6)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from rayfleet.errors import RayfleetError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line and exit 2 (argparse would print usage too)."""
+
+    def error(self, message: str):  # noqa: D102
+        raise RayfleetError(f"{self.prog}: {message}")
+
+
+def run_main(fn: Callable[[list[str] | None], int], argv: list[str] | None, prog: str) -> int:
+    """Call fn(argv); expected failures become one line on stderr and exit code 2."""
+    try:
+        return fn(argv)
+    except RayfleetError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def parse_env_pairs(pairs: list[str] | None, flag: str = "--env") -> dict[str, str]:
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise RayfleetError(f"{flag} expects KEY=VALUE, got {pair!r}")
+        out[key] = value
+    return out

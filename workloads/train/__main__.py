@@ -1,0 +1,5 @@
+import sys
+
+from workloads.train.driver import main
+
+sys.exit(main())

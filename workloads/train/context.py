@@ -1,0 +1,118 @@
+"""Contexts that run `loop.train_loop`: under Ray Train, or under `torchrun` / one process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+class RayContext:
+    """ray.train's worker context: Ray has already set up the process group."""
+
+    def __init__(self):
+        import ray.train
+        import ray.train.torch
+
+        self._train = ray.train
+        self._torch = ray.train.torch
+        tctx = ray.train.get_context()
+        self.rank = tctx.get_world_rank()
+        self.local_rank = tctx.get_local_rank()
+        self.world_size = tctx.get_world_size()
+        self.device = ray.train.torch.get_device()
+
+    def prepare_ddp(self, model):
+        return self._torch.prepare_model(model)  # device placement + DDP when world > 1
+
+    def prepare_data_loader(self, loader: DataLoader) -> DataLoader:
+        # Adds a DistributedSampler and moves batches to the device.
+        return self._torch.prepare_data_loader(loader)
+
+    def dataset_shard(self):
+        return self._train.get_dataset_shard("train")
+
+    @contextlib.contextmanager
+    def latest_checkpoint(self):
+        # Ray Train V2 hands back the run's latest registered checkpoint: after a worker
+        # failure (FailureConfig) and when the same run name + storage path is run again.
+        checkpoint = self._train.get_checkpoint()
+        if checkpoint is None:
+            yield None
+            return
+        with checkpoint.as_directory() as d:
+            yield Path(d)
+
+    def report(self, metrics: dict, checkpoint_dir: Path | None) -> None:
+        checkpoint = (self._train.Checkpoint.from_directory(str(checkpoint_dir))
+                      if checkpoint_dir is not None else None)
+        self._train.report(metrics, checkpoint=checkpoint)
+
+
+class TorchrunContext:
+    """torch.distributed from torchrun's env vars (RANK, WORLD_SIZE, LOCAL_RANK), or a
+    single process when they are absent. Checkpoints go to a local folder; `report` keeps
+    the metrics for the caller."""
+
+    def __init__(self, checkpoint_root: str | Path, keep: int = 2):
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        if self.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.root = Path(checkpoint_root)
+        self.keep = keep
+        self.reports: list[dict] = []
+
+    def prepare_ddp(self, model):
+        model = model.to(self.device)
+        if self.world_size > 1:
+            ids = [self.local_rank] if self.device.type == "cuda" else None
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        return model
+
+    def prepare_data_loader(self, loader: DataLoader) -> DataLoader:
+        if self.world_size == 1:
+            return loader
+        return DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=True,
+                          sampler=DistributedSampler(loader.dataset, shuffle=True),
+                          num_workers=loader.num_workers,
+                          persistent_workers=loader.num_workers > 0,
+                          pin_memory=self.device.type == "cuda")
+
+    def dataset_shard(self):
+        raise RuntimeError("Ray Data shards exist only under Ray Train")
+
+    def _checkpoints(self) -> list[Path]:
+        if not self.root.exists():
+            return []
+        return sorted(p for p in self.root.glob("checkpoint_*") if p.is_dir())
+
+    @contextlib.contextmanager
+    def latest_checkpoint(self):
+        found = self._checkpoints()
+        yield found[-1] if found else None
+
+    def report(self, metrics: dict, checkpoint_dir: Path | None) -> None:
+        self.reports.append(metrics)
+        if checkpoint_dir is None:
+            return
+        # Every rank copies its part into the shared folder, like Ray's merge.
+        import shutil
+
+        dest = self.root / f"checkpoint_{metrics['step']:09d}"
+        shutil.copytree(checkpoint_dir, dest, dirs_exist_ok=True)
+        if self.world_size > 1:
+            dist.barrier()
+        if self.rank == 0:
+            for old in self._checkpoints()[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)

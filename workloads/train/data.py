@@ -1,0 +1,64 @@
+"""Training data: byte-level tokens from a corpus every machine has offline (the Python
+standard library's own source), as a torch Dataset of fixed-length blocks, or a Ray Data
+dataset of packed sequences (column ``tokens``, length seq_len + 1) handed in by the driver."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+def stdlib_files() -> list[Path]:
+    """Every .py file of this interpreter's standard library, in a fixed order. Tests and
+    site-packages are left out: they differ between installs and would make runs unrepeatable."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
+
+
+def stdlib_corpus(max_bytes: int) -> bytes:
+    out, size = [], 0
+    for path in stdlib_files():
+        data = path.read_bytes()
+        out.append(data)
+        size += len(data)
+        if size >= max_bytes:
+            break
+    return b"".join(out)[:max_bytes]
+
+
+class ByteBlocks(Dataset):
+    """Non-overlapping windows of seq_len + 1 bytes: inputs are [:-1], targets [1:]."""
+
+    def __init__(self, corpus: bytes, seq_len: int):
+        self.tokens = torch.from_numpy(np.frombuffer(corpus, dtype=np.uint8).astype(np.int64))
+        self.seq_len = seq_len
+        self.n = (len(self.tokens) - 1) // seq_len
+        if self.n < 1:
+            raise ValueError(f"corpus of {len(corpus)} bytes is shorter than one sequence")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1]
+
+
+def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DataLoader batch (B, T+1) or a Ray Data batch {"tokens": (B, T+1)} -> (x, y)."""
+    tokens = batch["tokens"] if isinstance(batch, dict) else batch
+    tokens = tokens.long()
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def stdlib_ray_dataset(max_bytes: int, seq_len: int):
+    """The same corpus as a Ray Data dataset of packed sequences (for the streaming path)."""
+    import ray.data
+
+    blocks = ByteBlocks(stdlib_corpus(max_bytes), seq_len)
+    rows = [{"tokens": blocks[i].numpy()} for i in range(len(blocks))]
+    return ray.data.from_items(rows)

@@ -1,0 +1,321 @@
+"""`python -m workloads.train`: the Ray Train driver.
+
+    ray job submit --working-dir . -- python -m workloads.train --smoke-test
+    ray job submit --working-dir . -- python -m workloads.train \
+        --model 125m --strategy fsdp --num-workers 8 --use-gpu \
+        --storage-path s3://my-bucket/runs --name gpt-125m
+
+Re-running with the same --name and --storage-path resumes from the run's latest checkpoint
+(Ray Train V2). Before `fit()` the request is checked against the cluster (fail fast rather
+than hang) and a per-worker memory estimate is compared with what a worker has.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+from rayfleet.errors import CheckpointError, ClusterError, ConfigError, RayfleetError
+from workloads.common.cli import ArgumentParser, parse_env_pairs, run_main
+from workloads.train.loop import STRATEGIES, LoopConfig
+from workloads.train.model import PRESETS, GPTConfig
+
+PROG = "workloads.train"
+# Per-GPU memory by Ray accelerator type, for the OOM warning (GiB).
+GPU_MEMORY_GIB = {"A100": 40, "A100-40G": 40, "A100-80G": 80, "H100": 80, "H200": 141,
+                  "A10G": 24, "L4": 24, "T4": 16}
+
+
+DEFAULTS = {"batch_size": 16, "max_steps": 200, "checkpoint_every": 50, "log_every": 10,
+            "corpus_bytes": 4 << 20, "lr": 1e-3}
+SMOKE = {"batch_size": 8, "max_steps": 30, "checkpoint_every": 10, "log_every": 5,
+         "corpus_bytes": 256 << 10, "lr": 3e-3}
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="Distributed GPT training with Ray Train.")
+    p.add_argument("--smoke-test", action="store_true",
+                   help="tiny model and data, 2 CPU workers, well under a minute")
+    p.add_argument("--model", default="small", help=f"size preset: {', '.join(PRESETS)}")
+    p.add_argument("--seq-len", type=int, default=None, help="override the preset's context")
+    p.add_argument("--strategy", default="ddp", help="ddp (default), fsdp or deepspeed")
+    p.add_argument("--zero-stage", type=int, default=2, help="DeepSpeed ZeRO stage: 2 or 3")
+    p.add_argument("--offload", action="store_true", help="DeepSpeed: optimizer state on CPU")
+    p.add_argument("--num-workers", type=int, default=2, help="training workers (ranks)")
+    p.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument("--resources-per-worker", default=None, metavar="JSON",
+                   help='extra Ray resources per worker, e.g. {"accelerator_type:A100": 0.01}')
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per worker per step")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate for ONE worker; scaled linearly by world size")
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--warmup-steps", type=int, default=None)
+    p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--log-every", type=int, default=None)
+    p.add_argument("--num-to-keep", type=int, default=2, help="checkpoints kept in storage")
+    p.add_argument("--max-failures", type=int, default=3,
+                   help="worker-group restarts before the run fails (FailureConfig)")
+    p.add_argument("--corpus-bytes", type=int, default=None)
+    p.add_argument("--dataset", default=None,
+                   help="stream a Ray Data dataset: 'stdlib' or a folder/s3:// of Parquet "
+                        "with a 'tokens' column (from workloads.data)")
+    p.add_argument("--storage-path", default=os.environ.get("RAYFLEET_STORAGE",
+                                                              os.path.expanduser("~/rayfleet-runs")),
+                   help="local folder or s3://bucket/prefix (env RAYFLEET_STORAGE)")
+    p.add_argument("--s3-endpoint", default=None,
+                   help="S3-compatible endpoint URL (env AWS_ENDPOINT_URL_S3)")
+    p.add_argument("--name", default=None, help="run name; the same name resumes")
+    p.add_argument("--env", action="append", metavar="KEY=VALUE",
+                   help="environment variable for every worker (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="per-GPU memory for the OOM estimate (default: from accelerator type)")
+    return p
+
+
+def validate_args(args) -> GPTConfig:
+    # Flags left unset take the smoke-test values (tiny, seconds on 2 CPUs) or the defaults;
+    # flags given explicitly always win, so `--smoke-test --max-steps 3` works.
+    defaults = SMOKE if args.smoke_test else DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.smoke_test:
+        args.model = "tiny"
+        args.num_workers = min(args.num_workers, 2) if args.num_workers >= 1 else args.num_workers
+    if args.strategy not in STRATEGIES:
+        raise ConfigError("--strategy", f"unknown strategy {args.strategy!r}", STRATEGIES,
+                          args.strategy)
+    if args.model not in PRESETS:
+        raise ConfigError("--model", f"unknown model size {args.model!r}", PRESETS, args.model)
+    if args.num_workers < 1:
+        raise ConfigError("--num-workers", f"must be at least 1, got {args.num_workers}")
+    if args.zero_stage not in (2, 3):
+        raise ConfigError("--zero-stage", f"must be 2 or 3, got {args.zero_stage}")
+    for flag in ("batch_size", "grad_accum", "max_steps", "checkpoint_every", "log_every",
+                 "num_to_keep"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')}", "must be at least 1")
+    if args.max_failures < -1:
+        raise ConfigError("--max-failures", "must be -1 (retry forever) or more")
+    if args.cpus_per_worker <= 0:
+        raise ConfigError("--cpus-per-worker", "must be more than 0")
+    if args.resources_per_worker:
+        try:
+            extra = json.loads(args.resources_per_worker)
+            assert isinstance(extra, dict) and all(
+                isinstance(v, (int, float)) for v in extra.values())
+        except (ValueError, AssertionError):
+            raise ConfigError("--resources-per-worker",
+                              'must be a JSON object of numbers, e.g. {"memory": 4e9}') from None
+    model = PRESETS[args.model]
+    if args.seq_len:
+        model = GPTConfig.from_dict({**model.to_dict(), "seq_len": args.seq_len})
+    return model
+
+
+def worker_bundle(args) -> dict[str, float]:
+    bundle = {"CPU": args.cpus_per_worker}
+    if args.use_gpu:
+        bundle["GPU"] = 1.0
+    if args.resources_per_worker:
+        bundle.update(json.loads(args.resources_per_worker))
+    return bundle
+
+
+def check_resources(args, nodes: list[dict], total: dict) -> None:
+    """Fail in seconds, naming what is missing, when no placement can exist (instead of
+    Ray Train waiting forever for resources)."""
+    bundle = worker_bundle(args)
+    alive = [n["Resources"] for n in nodes if n.get("Alive")]
+    for key, need in bundle.items():
+        if need > 0 and total.get(key, 0) == 0:
+            what = {"GPU": "GPUs (use_gpu)", "CPU": "CPUs"}.get(key, f"resource {key!r}")
+            raise ClusterError(
+                f"the job asks for {args.num_workers} workers with {need:g} {what} each, "
+                f"but the cluster has no {key} at all; drop --use-gpu or add GPU nodes"
+                if key == "GPU" else
+                f"the job asks for {key}={need:g} per worker, but no node has {key}")
+    fits = sum(min(math.floor(res.get(k, 0) / v + 1e-9) for k, v in bundle.items() if v > 0)
+               for res in alive)
+    if fits < args.num_workers:
+        largest = max(alive, key=lambda r: r.get("GPU", 0) * 1000 + r.get("CPU", 0), default={})
+        have = ", ".join(f"{k} {largest.get(k, 0):g}" for k in bundle)
+        totals = ", ".join(f"{k} {total.get(k, 0):g}" for k in bundle)
+        raise ClusterError(
+            f"the job needs {args.num_workers} workers x {_fmt(bundle)} but the cluster fits "
+            f"only {fits} (cluster total: {totals}; largest node: {have}); lower "
+            "--num-workers or the per-worker resources, or add nodes")
+
+
+def _fmt(bundle: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in bundle.items()) + "}"
+
+
+def memory_estimate_bytes(model: GPTConfig, args) -> dict[str, float]:
+    """Per-worker bytes: parameters, gradients, optimizer state (AdamW: 2 fp32 moments)
+    for the strategy, plus activations (Korthikanti et al. 2022: ~34·s·b·h per layer)."""
+    n, w = model.num_params(), args.num_workers
+    p, g, o = 4.0 * n, 4.0 * n, 8.0 * n  # fp32 master weights, grads, Adam moments
+    if args.strategy == "fsdp":
+        p, g, o = p / w, g / w, o / w
+    elif args.strategy == "deepspeed":
+        g, o = g / w, o / w
+        if args.zero_stage == 3:
+            p = p / w
+        if args.offload:
+            o = 0.0  # on the host instead
+    act = 34.0 * model.seq_len * args.batch_size * model.d_model * model.n_layer
+    if args.use_gpu:
+        act /= 2  # bf16 activations
+    return {"params": p, "grads": g, "optimizer": o, "activations": act,
+            "total": p + g + o + act}
+
+
+def check_memory(model: GPTConfig, args, nodes: list[dict]) -> str | None:
+    est = memory_estimate_bytes(model, args)
+    if args.use_gpu:
+        have = args.gpu_memory_gib
+        if have is None:
+            kinds = [k.split(":", 1)[1] for n in nodes for k in n.get("Resources", {})
+                     if k.startswith("accelerator_type:")]
+            have = max((GPU_MEMORY_GIB.get(k, 0) for k in kinds), default=0) or None
+        where = "GPU"
+        have_b = have * 2**30 if have else None
+    else:
+        alive = [n["Resources"] for n in nodes if n.get("Alive")]
+        per_node = [r.get("memory", 0) / max(1, math.floor(r.get("CPU", 1) / args.cpus_per_worker))
+                    for r in alive]
+        have_b, where = (max(per_node) if per_node else None), "host"
+    if not have_b:
+        return None
+    if est["total"] > 0.9 * have_b:
+        return (f"warning: estimated {est['total'] / 2**30:.1f} GiB per worker "
+                f"(params {est['params'] / 2**30:.1f}, grads {est['grads'] / 2**30:.1f}, "
+                f"optimizer {est['optimizer'] / 2**30:.1f}, activations "
+                f"{est['activations'] / 2**30:.1f}) vs {have_b / 2**30:.1f} GiB of {where} "
+                f"memory: expect OOM; try --strategy fsdp, deepspeed --zero-stage 3 "
+                f"--offload, or a smaller --batch-size")
+    return None
+
+
+def _root_cause(err: BaseException) -> BaseException | None:
+    """The first RayfleetError in a Ray exception chain (worker errors are wrapped)."""
+    seen, stack = set(), [err]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, RayfleetError):
+            return e
+        stack.extend([e.__cause__, e.__context__, getattr(e, "cause", None)])
+        for attr in ("worker_failures", "errors"):
+            val = getattr(e, attr, None)
+            if isinstance(val, dict):
+                stack.extend(val.values())
+            elif isinstance(val, (list, tuple)):
+                stack.extend(val)
+    text = str(err)
+    if "CheckpointError" in text:
+        line = next((ln for ln in text.splitlines() if "CheckpointError" in ln), text)
+        return CheckpointError(line.split("CheckpointError:", 1)[-1].strip())
+    return None
+
+
+def _train_func(config: dict) -> None:
+    # Runs on every Ray Train worker.
+    from workloads.train.context import RayContext
+    from workloads.train.loop import train_loop
+
+    train_loop(LoopConfig(**config), RayContext())
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(_main, argv, PROG)
+
+
+def _main(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    model = validate_args(args)
+    env_vars = parse_env_pairs(args.env)
+    from workloads.common import storage as st
+
+    storage = st.resolve(args.storage_path, endpoint=args.s3_endpoint)
+    name = args.name or (f"smoke-{args.strategy}" if args.smoke_test
+                         else f"gpt-{args.model}-{args.strategy}")
+
+    # Imported late: `--help` and bad flags answer without paying for Ray.
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from workloads.train import runinfo
+
+    ray.init(logging_level="ERROR", log_to_driver=True)
+    nodes, total = ray.nodes(), ray.cluster_resources()
+    check_resources(args, nodes, total)
+    warning = check_memory(model, args, nodes)
+    if warning:
+        print(f"[rayfleet] {warning}", flush=True)
+    # A corrupt latest checkpoint stops the run here, before any worker starts and before
+    # anything in storage is overwritten.
+    runinfo.check_latest_checkpoint(storage, name, args.strategy)
+
+    world = args.num_workers
+    lr = args.lr * world  # linear LR scaling (Goyal et al. 2017)
+    cfg = LoopConfig(
+        model=model.to_dict(), strategy=args.strategy, zero_stage=args.zero_stage,
+        offload=args.offload, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=lr,
+        warmup_steps=args.warmup_steps if args.warmup_steps is not None
+        else max(1, min(100, args.max_steps // 10)),
+        max_steps=args.max_steps, checkpoint_every=args.checkpoint_every,
+        log_every=args.log_every, corpus_bytes=args.corpus_bytes, seed=args.seed,
+        use_ray_dataset=args.dataset is not None,
+        num_workers=0 if args.smoke_test else 1)
+    global_batch = args.batch_size * args.grad_accum * world
+    print(f"[rayfleet] run {name}: {model.num_params() / 1e6:.2f}M params, strategy "
+          f"{args.strategy}, {world} workers x {_fmt(worker_bundle(args))}, global batch "
+          f"{global_batch} seqs = {args.batch_size} x {args.grad_accum} accum x {world} "
+          f"workers ({global_batch * model.seq_len:,} tokens), lr {args.lr:g} x {world} = "
+          f"{lr:g}", flush=True)
+
+    datasets = None
+    if args.dataset:
+        from workloads.train.datasets import load_dataset
+
+        datasets = {"train": load_dataset(args.dataset, model.seq_len, args.corpus_bytes,
+                                          args.s3_endpoint)}
+    trainer = TorchTrainer(
+        _train_func,
+        train_loop_config=cfg.to_dict(),
+        scaling_config=ScalingConfig(num_workers=world, use_gpu=args.use_gpu,
+                                     resources_per_worker=worker_bundle(args)),
+        run_config=RunConfig(
+            name=name, storage_path=storage.path, storage_filesystem=storage.filesystem,
+            checkpoint_config=CheckpointConfig(num_to_keep=args.num_to_keep),
+            failure_config=FailureConfig(max_failures=args.max_failures),
+            worker_runtime_env={"env_vars": env_vars} if env_vars else None),
+        datasets=datasets,
+    )
+    started = time.time()
+    try:
+        result = trainer.fit()
+    except Exception as e:
+        cause = _root_cause(e)
+        if cause is not None:
+            raise cause from None
+        raise
+    summary = runinfo.summarize(result, storage, name, started, global_batch, cfg)
+    print(runinfo.format_summary(summary), flush=True)
+    print("RAYFLEET_SUMMARY " + json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,370 @@
+"""The per-worker training loop: plain PyTorch behind a small context (DESIGN convention 5).
+
+`train_loop(cfg, ctx)` knows nothing about Ray. The context supplies rank, world size,
+device, data-loader preparation, the latest checkpoint and `report`; `context.RayContext`
+implements it with ray.train, `context.TorchrunContext` with torch.distributed env vars, so
+the same loop runs under Ray Train, under `torchrun` (GPU checks, overhead benchmarks) and
+in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import math
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from workloads.train import checkpoint as ckpt
+from workloads.train.data import ByteBlocks, split_batch, stdlib_corpus
+from workloads.train.model import GPT, GPTConfig
+
+STRATEGIES = ("ddp", "fsdp", "deepspeed")
+# Peak dense bf16 FLOP/s per GPU, for MFU. A100: 312 TFLOP/s; H100 SXM: 989 TFLOP/s.
+PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+
+
+@dataclass
+class LoopConfig:
+    model: dict = field(default_factory=lambda: GPTConfig().to_dict())
+    strategy: str = "ddp"
+    zero_stage: int = 2
+    offload: bool = False
+    batch_size: int = 8               # per worker, per micro-step
+    grad_accum: int = 1
+    lr: float = 3e-3                  # already scaled by world size by the driver
+    warmup_steps: int = 10
+    max_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    checkpoint_every: int = 50
+    log_every: int = 10
+    corpus_bytes: int = 1 << 20
+    seed: int = 0
+    use_ray_dataset: bool = False
+    num_workers: int = 1              # DataLoader worker processes (0 = in the train process)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Context(Protocol):
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    def prepare_ddp(self, model: torch.nn.Module) -> torch.nn.Module: ...
+    def prepare_data_loader(self, loader: DataLoader) -> DataLoader: ...
+    def dataset_shard(self) -> Any: ...
+    def latest_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]: ...
+    def report(self, metrics: dict, checkpoint_dir: Path | None) -> None: ...
+
+
+def lr_at(step: int, cfg: LoopConfig) -> float:
+    """Linear warmup then cosine decay to 10% (a pure function of step: the schedule's state
+    is the step, which every checkpoint records)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+class _Engine:
+    """The strategy-specific parts: wrapping, stepping, saving and loading state."""
+
+    def __init__(self, cfg: LoopConfig, ctx: Context, model: GPT):
+        self.cfg, self.ctx, self.strategy = cfg, ctx, cfg.strategy
+        cuda = ctx.device.type == "cuda"
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda
+                         else contextlib.nullcontext())
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        self.raw = model
+        if self.strategy == "deepspeed":
+            import deepspeed
+
+            ds_config = {
+                "train_micro_batch_size_per_gpu": cfg.batch_size,
+                "gradient_accumulation_steps": cfg.grad_accum,
+                "gradient_clipping": cfg.grad_clip,
+                "zero_optimization": {"stage": cfg.zero_stage},
+                # bf16 only where the hardware has it; the CPU accelerator trains in fp32.
+                "bf16": {"enabled": cuda},
+                # A torch AdamW with ZeRO-Offload: DeepSpeedCPUAdam needs a compiled op.
+                "zero_force_ds_cpu_optimizer": False,
+                "steps_per_print": 10**9,
+            }
+            if cfg.offload:
+                ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+            groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                      {"params": no_decay, "weight_decay": 0.0}]
+            opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+            self.model, self.optimizer, _, _ = deepspeed.initialize(
+                model=model.to(ctx.device), optimizer=opt, config=ds_config,
+                dist_init_required=False)
+            return
+        if self.strategy == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            model = model.to(ctx.device)
+            mp = None
+            if cuda:
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            # FSDP2: shard each block, then the root (embeddings, final norm).
+            for block in model.blocks:
+                fully_shard(block, mp_policy=mp) if mp else fully_shard(block)
+            fully_shard(model, mp_policy=mp) if mp else fully_shard(model)
+            self.model = model
+        else:
+            self.model = ctx.prepare_ddp(model)
+        groups = [{"params": [p for n, p in self.model.named_parameters() if p.dim() >= 2],
+                   "weight_decay": cfg.weight_decay},
+                  {"params": [p for n, p in self.model.named_parameters() if p.dim() < 2],
+                   "weight_decay": 0.0}]
+        # Fused AdamW where the device has the kernel (CUDA); foreach elsewhere.
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95),
+                                           fused=True if cuda else None)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
+        if self.strategy == "deepspeed":
+            with self.autocast:
+                _, loss = self.model(x, y)
+            self.model.backward(loss)
+            self.model.step()  # DeepSpeed only steps at accumulation boundaries
+            return loss.detach()
+        sync = contextlib.nullcontext()
+        if not last and self.strategy == "ddp" and hasattr(self.model, "no_sync"):
+            sync = self.model.no_sync()  # skip the all-reduce on accumulation micro-steps
+        with sync:
+            with self.autocast:
+                _, loss = self.model(x, y)
+            (loss / self.cfg.grad_accum).backward()
+        if last:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def save(self, d: Path, final: bool) -> None:
+        rank = self.ctx.rank
+        if self.strategy == "ddp":
+            if rank == 0:
+                torch.save(self.raw.state_dict(), d / "model.pt")
+                torch.save(self.optimizer.state_dict(), d / "optim.pt")
+        elif self.strategy == "fsdp":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            msd, osd = get_state_dict(self.model, self.optimizer)
+            # Each rank writes only its own shard (rank 0 adds .metadata); Ray merges the
+            # per-rank folders into one checkpoint in storage.
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(d / "dcp"))
+            if final:
+                self._save_full(d)
+        else:
+            client = {"rayfleet": True}
+            self.model.save_checkpoint(str(d / "ds"), tag="ckpt", client_state=client)
+            if final:
+                self._save_full(d)
+
+    def _save_full(self, d: Path) -> None:
+        """Gather full fp32 weights onto rank 0 (a collective: every rank calls it)."""
+        if self.strategy == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                 get_model_state_dict)
+
+            sd = get_model_state_dict(self.model, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True))
+        elif self.cfg.zero_stage == 3:
+            sd = self.model._zero3_consolidated_16bit_state_dict()
+        else:
+            sd = self.model.module.state_dict()
+        if self.ctx.rank == 0:
+            torch.save({k: v.detach().float().cpu() for k, v in sd.items()}, d / "model.pt")
+
+    def load(self, d: Path) -> None:
+        if self.strategy == "ddp":
+            self.raw.load_state_dict(torch.load(d / "model.pt", map_location=self.ctx.device,
+                                                weights_only=True))
+            self.optimizer.load_state_dict(torch.load(d / "optim.pt",
+                                                      map_location=self.ctx.device,
+                                                      weights_only=False))
+        elif self.strategy == "fsdp":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            msd, osd = get_state_dict(self.model, self.optimizer)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=str(d / "dcp"))
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        else:
+            path, _ = self.model.load_checkpoint(str(d / "ds"), tag="ckpt")
+            if path is None:
+                raise ckpt.CheckpointError(f"checkpoint {d} has no DeepSpeed state under ds/")
+
+
+def _history_csv(history: list[dict]) -> str:
+    if not history:
+        return ""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(history[0].keys()))
+    w.writeheader()
+    w.writerows(history)
+    return buf.getvalue()
+
+
+def _read_history(text: str) -> list[dict]:
+    return [{k: (float(v) if k != "step" else int(float(v))) for k, v in row.items()}
+            for row in csv.DictReader(io.StringIO(text))]
+
+
+def _batches(loader, epoch: int, skip: int) -> Iterator:
+    sampler = getattr(loader, "sampler", None)
+    if hasattr(sampler, "set_epoch"):
+        # Distributed samplers shuffle by epoch: without this every epoch repeats one order.
+        sampler.set_epoch(epoch)
+    for i, batch in enumerate(loader):
+        if i >= skip:
+            yield batch
+
+
+def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
+    """Train to cfg.max_steps, resuming from ctx's latest checkpoint. Returns final metrics."""
+    torch.manual_seed(cfg.seed)  # same init on every rank; DDP broadcasts rank 0's anyway
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    model_cfg = GPTConfig.from_dict(cfg.model)
+    engine = _Engine(cfg, ctx, GPT(model_cfg))
+
+    step, epoch, batch_in_epoch, history = 0, 0, 0, []
+    with ctx.latest_checkpoint() as d:
+        if d is not None:
+            marker = ckpt.validate(d, expect_strategy=cfg.strategy)
+            state = json.loads((d / "trainer_state.json").read_text())
+            engine.load(d)
+            ckpt.load_rng(d, ctx.rank)
+            step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+            history = _read_history((d / "metrics.csv").read_text()) \
+                if (d / "metrics.csv").exists() else []
+            if ctx.rank == 0:
+                print(f"[rayfleet] resumed from step {marker['step']} ({d.name})", flush=True)
+
+    if cfg.use_ray_dataset:
+        shard = ctx.dataset_shard()
+
+        def epoch_batches(epoch: int, skip: int):
+            # Streaming: Ray Data preprocesses while this loop trains; position inside an
+            # epoch is not replayed on resume (the shard is a stream).
+            return shard.iter_torch_batches(batch_size=cfg.batch_size, drop_last=True)
+    else:
+        dataset = ByteBlocks(stdlib_corpus(cfg.corpus_bytes), model_cfg.seq_len)
+        loader = ctx.prepare_data_loader(DataLoader(
+            dataset, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
+            num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0))
+
+        def epoch_batches(epoch: int, skip: int):
+            return _batches(loader, epoch, skip)
+
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * model_cfg.seq_len * ctx.world_size
+    flops_per_token = model_cfg.flops_per_token()
+    peak = peak_flops(ctx.device)
+    engine.model.train()
+    t_last, steps_since, losses = time.perf_counter(), 0, []
+    metrics: dict = dict(history[-1]) if history else {}
+    done = step >= cfg.max_steps
+    if done and ctx.rank == 0:
+        print(f"[rayfleet] run already complete at step {step}; raise --max-steps to go on",
+              flush=True)
+    while not done:
+        micro, seen = 0, 0
+        for batch in epoch_batches(epoch, batch_in_epoch):
+            batch_in_epoch += 1
+            seen += 1
+            x, y = (t.to(ctx.device, non_blocking=True) for t in split_batch(batch))
+            micro += 1
+            last = micro == cfg.grad_accum
+            if micro == 1:
+                engine.set_lr(lr_at(step, cfg))
+            losses.append(engine.micro_step(x, y, last))
+            if not last:
+                continue
+            micro = 0
+            step += 1
+            steps_since += 1
+            is_final = step >= cfg.max_steps
+            save = is_final or step % cfg.checkpoint_every == 0
+            if step % cfg.log_every == 0 or save:
+                if ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = (time.perf_counter() - t_last) / steps_since
+                loss = torch.stack(losses).mean()
+                if dist.is_available() and dist.is_initialized():
+                    dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+                    loss = loss / ctx.world_size
+                tps = tokens_per_step / dt
+                metrics = {"step": step, "epoch": epoch, "loss": round(loss.item(), 5),
+                           "lr": lr_at(step - 1, cfg), "step_time_s": round(dt, 5),
+                           "tokens_per_s": round(tps, 1),
+                           "mfu": round(flops_per_token * tps / (peak * ctx.world_size), 4)
+                           if peak else 0.0}
+                history.append(metrics)
+                t_last, steps_since, losses = time.perf_counter(), 0, []
+                if ctx.rank == 0:
+                    print(f"[rayfleet] step {step}/{cfg.max_steps} loss {metrics['loss']:.4f} "
+                          f"{tps:,.0f} tok/s {dt * 1000:.0f} ms/step", flush=True)
+            if save:
+                with tempfile.TemporaryDirectory(prefix="rayfleet-ckpt-") as tmp:
+                    d = Path(tmp)
+                    engine.save(d, final=is_final)
+                    ckpt.save_rng(d, ctx.rank)
+                    if ctx.rank == 0:
+                        (d / "model_config.json").write_text(json.dumps(model_cfg.to_dict()))
+                        (d / "trainer_state.json").write_text(json.dumps({
+                            "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+                            "schedule": {"name": "warmup_cosine", "lr": cfg.lr,
+                                         "warmup_steps": cfg.warmup_steps,
+                                         "max_steps": cfg.max_steps},
+                            "loop_config": cfg.to_dict()}))
+                        (d / "metrics.csv").write_text(_history_csv(history))
+                        ckpt.write_marker(d, step=step, strategy=cfg.strategy,
+                                          world_size=ctx.world_size, final=is_final)
+                    ctx.report(metrics, d)
+            elif step % cfg.log_every == 0:
+                ctx.report(metrics, None)
+            if is_final:
+                done = True
+                break
+        else:
+            if seen == 0 and batch_in_epoch == 0:
+                raise ValueError(f"rank {ctx.rank} got no full batch of {cfg.batch_size} in "
+                                 f"epoch {epoch}: the data is smaller than one global batch")
+            epoch += 1
+            batch_in_epoch = 0
+    return metrics
