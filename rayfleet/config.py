@@ -1,0 +1,748 @@
+"""The stack configuration: the one place it is parsed and validated (DESIGN convention 2).
+
+Every consumer — the Pulumi program in ``infra/``, and ``rayfleet render / preflight / cost`` —
+gets the same typed, frozen :class:`StackConfig`, built by one of three entry points:
+
+- :meth:`StackConfig.from_mapping` — a plain dict, keys ``"rayfleet:azCount"`` or ``"azCount"``,
+  values typed (``3``) or as Pulumi stores them (``"3"``, ``'["10.0.0.0/8"]'``);
+- :func:`load_stack_file` — a ``Pulumi.<stack>.yaml`` file, without the Pulumi CLI;
+- :func:`load_stack_config` — inside the Pulumi program, from ``pulumi.Config``.
+
+Everything is checked before any resource or API call exists; each failure is a
+:class:`~rayfleet.errors.ConfigError` whose one line names the key, what is allowed and, where
+one is close, the value that was probably meant. ``SCHEMA`` lists every key with its type,
+default and description; ``Pulumi.yaml``'s ``config:`` block mirrors it (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rayfleet.errors import ConfigError, did_you_mean
+
+NAMESPACE = "rayfleet"
+
+# Tag the Ray autoscaler puts on every instance it launches (ray/autoscaler/tags.py,
+# TAG_RAY_CLUSTER_NAME). The head role's EC2 permissions are conditioned on it.
+RAY_CLUSTER_TAG = "ray-cluster-name"
+
+
+# ----------------------------------------------------------------------------- tables
+
+# Commercial and GovCloud regions, for "did you mean" on typos (us-east1 -> us-east-1).
+AWS_REGIONS = (
+    "us-east-1", "us-east-2", "us-west-1", "us-west-2", "us-gov-east-1", "us-gov-west-1",
+    "ca-central-1", "ca-west-1", "mx-central-1", "sa-east-1",
+    "eu-central-1", "eu-central-2", "eu-west-1", "eu-west-2", "eu-west-3", "eu-south-1",
+    "eu-south-2", "eu-north-1", "il-central-1", "me-south-1", "me-central-1", "af-south-1",
+    "ap-east-1", "ap-east-2", "ap-south-1", "ap-south-2", "ap-northeast-1", "ap-northeast-2",
+    "ap-northeast-3", "ap-southeast-1", "ap-southeast-2", "ap-southeast-3", "ap-southeast-4",
+    "ap-southeast-5", "ap-southeast-7",
+)
+
+# Regions that offer each A100 instance type. Source: the AWS P4 instance pages and
+# `aws ec2 describe-instance-type-offerings --location-type region --filters
+# Name=instance-type,Values=p4d.24xlarge` as published in mid-2025; not re-checked live here.
+# The table only decides which regions the config accepts; `rayfleet preflight` should confirm
+# with describe_instance_type_offerings (and the AZ) before a launch. Extend it when AWS does.
+A100_REGIONS: Mapping[str, tuple[str, ...]] = {
+    "p4d.24xlarge": (
+        "us-east-1", "us-east-2", "us-west-2", "us-gov-west-1",
+        "eu-central-1", "eu-west-1", "ap-northeast-1", "ap-northeast-2",
+    ),
+    # p4de (A100 80 GB) was launched in two regions and has stayed there.
+    "p4de.24xlarge": ("us-east-1", "us-west-2"),
+}
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """What a node type offers; render declares these as Ray resources (convention 3)."""
+
+    name: str
+    vcpus: int
+    memory_gib: int
+    gpus: int = 0
+    gpu_memory_gib: int = 0
+    # Elastic Fabric Adapters: one per network card (p4d: 4 cards x 100 Gbps).
+    efa_interfaces: int = 0
+
+
+# A100 workers (https://aws.amazon.com/ec2/instance-types/p4/).
+WORKER_INSTANCE_TYPES: Mapping[str, InstanceSpec] = {
+    "p4d.24xlarge": InstanceSpec("p4d.24xlarge", 96, 1152, gpus=8, gpu_memory_gib=40,
+                                 efa_interfaces=4),
+    "p4de.24xlarge": InstanceSpec("p4de.24xlarge", 96, 1152, gpus=8, gpu_memory_gib=80,
+                                  efa_interfaces=4),
+}
+
+
+def _cpu_instance_types() -> dict[str, InstanceSpec]:
+    # x86 families only: the head boots the same Deep Learning AMI as the workers so that Ray
+    # and Python are identical on every node (DESIGN rule 25); a Graviton head would need an
+    # arm64 image. GiB per vCPU: c=2, m=4, r=8.
+    gib_per_vcpu = {"c": 2, "m": 4, "r": 8}
+    sizes = {"large": 2, "xlarge": 4, "2xlarge": 8, "4xlarge": 16, "8xlarge": 32,
+             "12xlarge": 48, "16xlarge": 64}
+    out = {}
+    for family in ("m5", "m6i", "m6a", "m7i", "m7a", "c6i", "c7i", "r6i", "r7i"):
+        for size, vcpus in sizes.items():
+            name = f"{family}.{size}"
+            out[name] = InstanceSpec(name, vcpus, vcpus * gib_per_vcpu[family[0]])
+    return out
+
+
+HEAD_INSTANCE_TYPES: Mapping[str, InstanceSpec] = _cpu_instance_types()
+
+# The only values CloudWatch Logs accepts for retentionInDays (PutRetentionPolicy API);
+# 0 ("never expire") is left out on purpose: rule 8 wants a retention.
+LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096,
+                      1827, 2192, 2557, 2922, 3288, 3653)
+
+
+@dataclass(frozen=True)
+class RayPort:
+    """A port Ray listens on, the `ray start` flag that pins it, and why peers need it."""
+
+    name: str
+    from_port: int
+    to_port: int
+    flag: str
+    why: str
+
+
+# Every port a Ray node accepts from other nodes. infra/ opens exactly these, and only from the
+# cluster's own security group (rule 4); render passes each `flag` to `ray start` so that none
+# is left to Ray's default of a random port, which no firewall rule could name.
+# https://docs.ray.io/en/latest/ray-core/configure.html#ports-configurations
+RAY_PORTS: tuple[RayPort, ...] = (
+    RayPort("ssh", 22, 22, "",
+            "SSH from the head: the autoscaler runs setup and start commands on workers"),
+    RayPort("gcs", 6379, 6379, "--port",
+            "GCS on the head: every node registers and heartbeats here"),
+    RayPort("dashboard", 8265, 8265, "--dashboard-port",
+            "Dashboard and Jobs API on the head: runs arbitrary code, so never public"),
+    RayPort("client", 10001, 10001, "--ray-client-server-port",
+            "Ray Client server on the head (ray:// connections)"),
+    RayPort("object-manager", 8076, 8076, "--object-manager-port",
+            "Object manager on every node: object transfers between nodes"),
+    RayPort("node-manager", 8077, 8077, "--node-manager-port",
+            "Raylet on every node: task scheduling and worker leases"),
+    RayPort("runtime-env-agent", 8078, 8078, "--runtime-env-agent-port",
+            "Runtime env agent on every node: sets up working_dir and pip envs"),
+    RayPort("metrics-export", 8079, 8079, "--metrics-export-port",
+            "Metrics endpoint on every node, scraped for the dashboard"),
+    RayPort("dashboard-agent-grpc", 52366, 52366, "--dashboard-agent-grpc-port",
+            "Dashboard agent gRPC on every node: the head dashboard queries it"),
+    RayPort("dashboard-agent-http", 52365, 52365, "--dashboard-agent-listen-port",
+            "Dashboard agent HTTP on every node: the Jobs API hands submissions to it"),
+    RayPort("serve-http", 8000, 8000, "serve http_options.port",
+            "Ray Serve HTTP proxy on every node"),
+    RayPort("serve-grpc", 9000, 9000, "serve grpc_options.port",
+            "Ray Serve gRPC proxy on every node"),
+    RayPort("worker-ports", 10002, 19999, "--min-worker-port/--max-worker-port",
+            "One port per worker process: direct task and actor calls"),
+)
+
+
+# ----------------------------------------------------------------------------- schema
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """One stack config key as Pulumi.yaml declares it: type, default, description."""
+
+    name: str
+    type: str  # Pulumi's project config types: string, integer, boolean, array (of strings)
+    default: Any
+    description: str
+
+    @property
+    def qualified(self) -> str:
+        return f"{NAMESPACE}:{self.name}"
+
+
+SCHEMA: tuple[ConfigKey, ...] = (
+    ConfigKey("clusterName", "string", "rayfleet",
+              "Ray cluster name: the ray-cluster-name tag on every node and the prefix of "
+              "resource names; 3-32 lowercase letters, digits, hyphens."),
+    ConfigKey("region", "string", "us-east-1",
+              "AWS region for every resource (the stack uses an explicit provider; aws:region "
+              "is not read). Must offer the A100 worker type."),
+    ConfigKey("azCount", "integer", 3,
+              "Availability zones to spread public and private subnets over (3-6)."),
+    ConfigKey("workerAz", "string", "",
+              "AZ for the A100 workers and their cluster placement group (e.g. us-east-1b); "
+              "empty means the first available AZ."),
+    ConfigKey("vpcCidr", "string", "10.42.0.0/16",
+              "Private IPv4 CIDR of the VPC, /16 to /22."),
+    ConfigKey("natGateways", "string", "single",
+              "NAT gateways: single (one, cheapest) or per-az (one per AZ, survives an AZ "
+              "outage)."),
+    ConfigKey("flowLogRetentionDays", "integer", 90,
+              "Days CloudWatch keeps VPC flow logs (a CloudWatch retention value)."),
+    ConfigKey("operatorCidrs", "array", [],
+              "CIDRs allowed SSH (22) and dashboard (8265) to the nodes, e.g. a VPN range. "
+              "Empty (default) means SSM Session Manager only. 0.0.0.0/0 and ::/0 are refused."),
+    ConfigKey("headInstanceType", "string", "m6i.2xlarge",
+              "Instance type of the CPU head node."),
+    ConfigKey("workerInstanceType", "string", "p4d.24xlarge",
+              "A100 worker instance type: p4d.24xlarge (8x A100 40 GB) or p4de.24xlarge "
+              "(8x A100 80 GB)."),
+    ConfigKey("minWorkers", "integer", 0,
+              "A100 workers the autoscaler keeps running."),
+    ConfigKey("maxWorkers", "integer", 2,
+              "Most A100 workers the autoscaler may launch (1-64)."),
+    ConfigKey("onDemandWorkers", "integer", 0,
+              "How many of maxWorkers run on-demand; the rest are spot. 0 means all spot, "
+              "maxWorkers means no spot."),
+    ConfigKey("headRootVolumeGb", "integer", 200,
+              "Encrypted gp3 root volume of the head, GiB."),
+    ConfigKey("workerRootVolumeGb", "integer", 500,
+              "Encrypted gp3 root volume of each A100 worker, GiB (models, images, wheels)."),
+    ConfigKey("amiId", "string", "",
+              "Pin the node image (ami-...); empty means the newest AWS Deep Learning AMI "
+              "(OSS Nvidia driver, PyTorch, Ubuntu 22.04)."),
+    ConfigKey("rayInDocker", "boolean", False,
+              "Ray runs in Docker on the nodes (cluster YAML docker: section): IMDSv2 hop "
+              "limit becomes 2 so containers can reach the instance role."),
+    ConfigKey("bucketPrefix", "string", "rayfleet-data-",
+              "Prefix of the checkpoint/data bucket name (AWS appends a unique suffix); "
+              "lowercase letters, digits, hyphens, at most 37 characters."),
+    ConfigKey("bucketKeyPrefix", "string", "rayfleet/",
+              "Key prefix inside the bucket that the node roles may read and write; ends "
+              "with /."),
+    ConfigKey("bucketEncryption", "string", "kms",
+              "Bucket encryption: kms (a customer-managed key of this stack, rotated "
+              "yearly) or s3 (S3-managed AES256)."),
+    ConfigKey("noncurrentVersionDays", "integer", 30,
+              "Days after which overwritten or deleted object versions expire."),
+    ConfigKey("abortMultipartDays", "integer", 7,
+              "Days after which incomplete multipart uploads are aborted."),
+    ConfigKey("budgetMonthlyUsd", "integer", 0,
+              "Monthly AWS Budgets limit in USD; 0 means no budget."),
+    ConfigKey("budgetEmails", "array", [],
+              "Addresses alerted at 80% actual, 100% actual and 100% forecast spend."),
+)
+
+SCHEMA_BY_NAME: Mapping[str, ConfigKey] = {k.name: k for k in SCHEMA}
+DEFAULTS: Mapping[str, Any] = {k.name: k.default for k in SCHEMA}
+
+
+# ----------------------------------------------------------------------------- typed config
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    vpc_cidr: str
+    az_count: int
+    nat_gateways: str  # "single" | "per-az"
+    flow_log_retention_days: int
+    worker_az: str | None  # None: the first available AZ
+
+    def subnet_cidrs(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(private, public) CIDRs, one each per AZ.
+
+        The VPC splits into eight blocks: the first ``az_count`` are the (large) private
+        subnets where nodes live; the last block is cut into eight small public subnets,
+        which only hold NAT gateways.
+        """
+        vpc = ipaddress.ip_network(self.vpc_cidr)
+        blocks = list(vpc.subnets(new_prefix=vpc.prefixlen + 3))
+        public = list(blocks[-1].subnets(new_prefix=blocks[-1].prefixlen + 3))
+        return (tuple(str(b) for b in blocks[: self.az_count]),
+                tuple(str(b) for b in public[: self.az_count]))
+
+
+@dataclass(frozen=True)
+class AccessConfig:
+    operator_cidrs: tuple[str, ...]
+
+    @property
+    def mode(self) -> str:
+        """``ssm`` (Session Manager only) or ``ssm+cidr`` (plus SSH/8265 from named CIDRs)."""
+        return "ssm+cidr" if self.operator_cidrs else "ssm"
+
+
+@dataclass(frozen=True)
+class NodesConfig:
+    head_instance_type: str
+    worker_instance_type: str
+    min_workers: int
+    max_workers: int
+    on_demand_workers: int
+    head_root_volume_gb: int
+    worker_root_volume_gb: int
+    ami_id: str | None
+    ray_in_docker: bool
+
+    @property
+    def head(self) -> InstanceSpec:
+        return HEAD_INSTANCE_TYPES[self.head_instance_type]
+
+    @property
+    def worker(self) -> InstanceSpec:
+        return WORKER_INSTANCE_TYPES[self.worker_instance_type]
+
+    @property
+    def imds_hop_limit(self) -> int:
+        # IMDSv2 answers carry an IP TTL of the hop limit; a container on Docker's bridge is one
+        # hop further than the host, so it needs 2. Without containers, 1 keeps any forwarded or
+        # proxied request from reaching instance credentials (rule 9).
+        return 2 if self.ray_in_docker else 1
+
+    # The Ray autoscaler gets two worker node types from these: on-demand first (it fills
+    # min_workers with them), spot for the rest.
+    @property
+    def on_demand_min(self) -> int:
+        return min(self.min_workers, self.on_demand_workers)
+
+    @property
+    def on_demand_max(self) -> int:
+        return self.on_demand_workers
+
+    @property
+    def spot_min(self) -> int:
+        return self.min_workers - self.on_demand_min
+
+    @property
+    def spot_max(self) -> int:
+        return self.max_workers - self.on_demand_workers
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    bucket_prefix: str
+    key_prefix: str
+    encryption: str  # "kms" | "s3"
+    noncurrent_version_days: int
+    abort_multipart_days: int
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    monthly_usd: int
+    emails: tuple[str, ...]
+
+    @property
+    def enabled(self) -> bool:
+        return self.monthly_usd > 0
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """The validated stack config. Build it with :meth:`from_mapping`, never directly."""
+
+    cluster_name: str
+    region: str
+    network: NetworkConfig
+    access: AccessConfig
+    nodes: NodesConfig
+    storage: StorageConfig
+    budget: BudgetConfig
+    # The raw values (defaults filled in), keyed by bare key name: what to_mapping returns.
+    values: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any], namespace: str = NAMESPACE) -> StackConfig:
+        """Validate a mapping of config keys (``"rayfleet:azCount"`` or ``"azCount"``)."""
+        raw = _collect(mapping, namespace)
+        v = {k.name: _coerce(k, raw[k.name]) if k.name in raw else k.default for k in SCHEMA}
+        region = _region(v["region"])
+        worker_type = _choice("workerInstanceType", v["workerInstanceType"],
+                              WORKER_INSTANCE_TYPES)
+        _worker_in_region(worker_type, region)
+        nodes = _nodes(v, worker_type)
+        budget = _budget(v)
+        return cls(
+            cluster_name=_cluster_name(v["clusterName"]),
+            region=region,
+            network=NetworkConfig(
+                vpc_cidr=_vpc_cidr(v["vpcCidr"]),
+                az_count=_int_range("azCount", v["azCount"], 3, 6),
+                nat_gateways=_choice("natGateways", v["natGateways"], ("single", "per-az")),
+                flow_log_retention_days=_choice(
+                    "flowLogRetentionDays", v["flowLogRetentionDays"], LOG_RETENTION_DAYS),
+                worker_az=_worker_az(v["workerAz"], region),
+            ),
+            access=AccessConfig(operator_cidrs=_operator_cidrs(v["operatorCidrs"])),
+            nodes=nodes,
+            storage=StorageConfig(
+                bucket_prefix=_bucket_prefix(v["bucketPrefix"]),
+                key_prefix=_key_prefix(v["bucketKeyPrefix"]),
+                encryption=_choice("bucketEncryption", v["bucketEncryption"], ("kms", "s3")),
+                noncurrent_version_days=_int_range(
+                    "noncurrentVersionDays", v["noncurrentVersionDays"], 1, 3650),
+                abort_multipart_days=_int_range(
+                    "abortMultipartDays", v["abortMultipartDays"], 1, 365),
+            ),
+            budget=budget,
+            values=v,
+        )
+
+    @property
+    def partition(self) -> str:
+        """The AWS partition of the region, for ARNs (GovCloud differs)."""
+        return "aws-us-gov" if self.region.startswith("us-gov-") else "aws"
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The config as ``{"rayfleet:key": value}``; ``from_mapping`` of it is equal."""
+        return {f"{NAMESPACE}:{k}": val for k, val in self.values.items()}
+
+
+# ----------------------------------------------------------------------------- entry points
+
+def load_stack_file(path: str | Path) -> StackConfig:
+    """Validate a ``Pulumi.<stack>.yaml`` file (what render/preflight/cost read)."""
+    import yaml
+
+    p = Path(path)
+    try:
+        doc = yaml.safe_load(p.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(str(p), f"cannot read the stack file ({e.strerror})") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(str(p), "is not valid YAML") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("config", {}), dict):
+        raise ConfigError(str(p), "expected a mapping with a config: section")
+    return StackConfig.from_mapping(doc.get("config") or {})
+
+
+def load_stack_config(config: Any = None) -> StackConfig:
+    """Validate the running Pulumi program's config (``pulumi.Config`` of the project)."""
+    import pulumi
+
+    config = config if config is not None else pulumi.Config()
+    namespace = config.name
+    raw: dict[str, Any] = {}
+    for key in SCHEMA:
+        value = config.get(key.name)
+        if value is not None:
+            raw[key.name] = value
+    # pulumi.Config can only answer for keys one names; to catch typos ("azcount") look at
+    # every key the engine handed the program.
+    for full_key, value in _runtime_config().items():
+        ns, _, name = full_key.partition(":")
+        if (ns == namespace and name not in SCHEMA_BY_NAME) or ns == "aws":
+            raw[full_key] = value
+    return StackConfig.from_mapping(raw, namespace=namespace)
+
+
+def _runtime_config() -> dict[str, Any]:
+    try:
+        from pulumi.runtime import config as runtime_config
+    except ImportError:  # pragma: no cover - pulumi is a hard dependency
+        return {}
+    merged = dict(runtime_config.get_config_env())
+    merged.update(runtime_config.CONFIG.get())
+    return merged
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _q(name: str) -> str:
+    return f"{NAMESPACE}:{name}"
+
+
+def _collect(mapping: Mapping[str, Any], namespace: str) -> dict[str, Any]:
+    """Bare-keyed values of our namespace; unknown keys are errors with a close match."""
+    known = [k.qualified for k in SCHEMA]
+    raw: dict[str, Any] = {}
+    for full_key, value in mapping.items():
+        full_key = str(full_key)
+        ns, sep, name = full_key.partition(":")
+        if not sep:
+            ns, name = namespace, full_key
+        if ns == "aws":
+            _aws_key(full_key, value, mapping, namespace)
+            continue
+        if ns != namespace:
+            continue  # another package's config; not ours to judge
+        if name not in SCHEMA_BY_NAME:
+            raise ConfigError(_q(name), f"is not a rayfleet setting{did_you_mean(_q(name), known)}"
+                                        "; Pulumi.yaml lists them all")
+        if isinstance(value, dict) and "secure" in value:
+            raise ConfigError(_q(name), "is not a secret setting; set it with plain "
+                                        "`pulumi config set`")
+        raw[name] = value
+    return raw
+
+
+def _aws_key(full_key: str, value: Any, mapping: Mapping[str, Any], namespace: str) -> None:
+    # The program builds an explicit aws.Provider from rayfleet:region (so every resource
+    # carries the validated region and the cluster's default tags); the ambient aws:* config
+    # would be silently ignored, which is worse than refusing it.
+    if full_key == "aws:region":
+        ours = mapping.get(f"{namespace}:region", mapping.get("region", DEFAULTS["region"]))
+        if str(value) == str(ours):
+            return
+        raise ConfigError("aws:region", f"is {value} but rayfleet deploys to "
+                                        f"rayfleet:region ({ours}); set rayfleet:region instead")
+    raise ConfigError(full_key, "is not read: the stack uses an explicit AWS provider; set "
+                                "credentials with AWS_PROFILE or the AWS_* environment "
+                                "variables, the region with rayfleet:region")
+
+
+def _coerce(key: ConfigKey, value: Any) -> Any:
+    """Accept typed values and Pulumi's string forms ("3", "true", '["a"]')."""
+    name = key.qualified
+    if key.type == "integer":
+        if isinstance(value, bool):
+            raise ConfigError(name, f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
+            return int(value)
+        raise ConfigError(name, f"expected an integer, got {value!r}")
+    if key.type == "boolean":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        raise ConfigError(name, f"expected true or false, got {value!r}")
+    if key.type == "array":
+        if isinstance(value, str):
+            text = value.strip()
+            if not text:
+                return []
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                # A single bare value ("10.0.0.0/8") is read as a one-item list.
+                value = [text]
+        if isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value):
+            return [x.strip() for x in value]
+        raise ConfigError(name, f"expected a list of strings, got {value!r}")
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ConfigError(name, f"expected a string, got {value!r}")
+    return value.strip()
+
+
+def _choice(name: str, value: Any, allowed: Any) -> Any:
+    if value in allowed:
+        return value
+    shown = [str(a) for a in allowed]
+    if isinstance(value, int) and all(isinstance(a, int) for a in allowed):
+        # Spelling distance means nothing for numbers: suggest the nearest allowed one.
+        nearest = min(allowed, key=lambda a: abs(a - value))
+        raise ConfigError(_q(name), f"{value} is not allowed; allowed: {', '.join(shown)}"
+                                    f"{_suggest(str(nearest))}")
+    raise ConfigError(_q(name), f"{value!r} is not allowed", allowed=shown, value=value)
+
+
+def _int_range(name: str, value: int, lo: int, hi: int) -> int:
+    if not lo <= value <= hi:
+        raise ConfigError(_q(name), f"must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def _suggest(value: str) -> str:
+    return f' (did you mean "{value}"?)'
+
+
+def _slug(value: str) -> str:
+    return re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]", "-", value.lower())).strip("-")
+
+
+def _cluster_name(value: str) -> str:
+    # The name goes into resource names, IAM policy conditions and Ray's cluster_name, so keep
+    # it to what all of them accept.
+    if re.fullmatch(r"[a-z][a-z0-9-]{1,30}[a-z0-9]", value) and "--" not in value:
+        return value
+    slug = _slug(value)
+    hint = _suggest(slug) if slug and slug != value and 3 <= len(slug) <= 32 else ""
+    raise ConfigError(_q("clusterName"), f"{value!r} must be 3-32 lowercase letters, digits "
+                                         f"or single hyphens, starting with a letter{hint}")
+
+
+def _region(value: str) -> str:
+    if value in AWS_REGIONS:
+        return value
+    raise ConfigError(_q("region"), f"{value!r} is not an AWS region"
+                                    f"{did_you_mean(value, AWS_REGIONS)}")
+
+
+def _worker_in_region(worker_type: str, region: str) -> None:
+    regions = A100_REGIONS[worker_type]
+    if region not in regions:
+        raise ConfigError(_q("region"), f"{worker_type} is not offered in {region}",
+                          allowed=regions, value=region)
+
+
+def _worker_az(value: str, region: str) -> str | None:
+    if not value:
+        return None
+    if re.fullmatch(re.escape(region) + r"[a-z]", value):
+        return value
+    hint = _suggest(region + value[-1]) if re.fullmatch(r"[a-z]", value[-1:]) else ""
+    raise ConfigError(_q("workerAz"), f"{value!r} is not an availability zone of {region} "
+                                      f"(expected {region}a, {region}b, ...){hint}")
+
+
+def _network(name: str, value: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    try:
+        return ipaddress.ip_network(value, strict=True)
+    except ValueError:
+        pass
+    try:
+        fixed = ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        raise ConfigError(_q(name), f"{value!r} is not a CIDR (expected e.g. 10.0.0.0/16)") \
+            from None
+    raise ConfigError(_q(name), f"{value!r} has host bits set{_suggest(str(fixed))}")
+
+
+def _vpc_cidr(value: str) -> str:
+    net = _network("vpcCidr", value)
+    if net.version != 4:
+        raise ConfigError(_q("vpcCidr"), f"{value!r} must be an IPv4 CIDR")
+    private = [ipaddress.ip_network(n) for n in
+               ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")]
+    if not any(net.subnet_of(p) for p in private):
+        raise ConfigError(_q("vpcCidr"), f"{value!r} must lie in a private range",
+                          allowed=[str(p) for p in private])
+    # /22 is the smallest VPC whose eighth-of-an-eighth public subnets are still /28, the
+    # smallest subnet AWS allows.
+    if not 16 <= net.prefixlen <= 22:
+        raise ConfigError(_q("vpcCidr"), f"{value!r} must be /16 to /22")
+    return str(net)
+
+
+def _operator_cidrs(values: list[str]) -> tuple[str, ...]:
+    """Rule 24: refuse world-open and malformed CIDRs; an empty list means SSM only."""
+    out: list[str] = []
+    for value in values:
+        net = _network("operatorCidrs", value)
+        if net.prefixlen == 0:
+            raise ConfigError(_q("operatorCidrs"), f"{value} opens SSH and the dashboard to "
+                                                   "the whole internet; name your VPN or office "
+                                                   "range, or leave the list empty for SSM only")
+        # Broader than a /8 (or an IPv6 /32) is "most of the internet" split in pieces.
+        floor = 8 if net.version == 4 else 32
+        if net.prefixlen < floor:
+            raise ConfigError(_q("operatorCidrs"), f"{value} is broader than /{floor}; name "
+                                                   "a narrower range")
+        if str(net) not in out:
+            out.append(str(net))
+    return tuple(out)
+
+
+def _nodes(v: Mapping[str, Any], worker_type: str) -> NodesConfig:
+    head = v["headInstanceType"]
+    if head in WORKER_INSTANCE_TYPES:
+        raise ConfigError(_q("headInstanceType"), f"{head} is a GPU type; the head is a CPU "
+                                                  "node (it runs no training)",
+                          allowed=["m6i.2xlarge", "m6i.4xlarge", "m7i.2xlarge"])
+    if head not in HEAD_INSTANCE_TYPES:
+        raise ConfigError(_q("headInstanceType"), f"{head!r} is not a supported head type "
+                                                  "(m5 m6i m6a m7i m7a c6i c7i r6i r7i, large to "
+                                                  "16xlarge)"
+                                                  f"{did_you_mean(head, HEAD_INSTANCE_TYPES)}")
+    min_w = _int_range("minWorkers", v["minWorkers"], 0, 64)
+    max_w = _int_range("maxWorkers", v["maxWorkers"], 1, 64)
+    if min_w > max_w:
+        raise ConfigError(_q("minWorkers"), f"is {min_w} but rayfleet:maxWorkers is {max_w}; "
+                                            "minWorkers must be <= maxWorkers")
+    on_demand = v["onDemandWorkers"]
+    if not 0 <= on_demand <= max_w:
+        raise ConfigError(_q("onDemandWorkers"), f"must be between 0 and rayfleet:maxWorkers "
+                                                 f"({max_w}), got {on_demand}")
+    ami = v["amiId"] or None
+    if ami is not None and not re.fullmatch(r"ami-([0-9a-f]{8}|[0-9a-f]{17})", ami):
+        raise ConfigError(_q("amiId"), f"{ami!r} is not an AMI id (ami- and 8 or 17 hex "
+                                       "digits); leave it empty for the newest Deep Learning "
+                                       "AMI")
+    return NodesConfig(
+        head_instance_type=head,
+        worker_instance_type=worker_type,
+        min_workers=min_w,
+        max_workers=max_w,
+        on_demand_workers=on_demand,
+        head_root_volume_gb=_int_range("headRootVolumeGb", v["headRootVolumeGb"], 100, 16384),
+        # The Deep Learning AMI's own root snapshot is ~100 GiB; models and images need more.
+        worker_root_volume_gb=_int_range("workerRootVolumeGb", v["workerRootVolumeGb"],
+                                         200, 16384),
+        ami_id=ami,
+        ray_in_docker=v["rayInDocker"],
+    )
+
+
+def _bucket_prefix(value: str) -> str:
+    # S3 bucket naming rules
+    # (https://docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html); AWS
+    # appends a 26-character unique suffix to the prefix, so the prefix may be at most 37.
+    # Dots are refused too: they break TLS for virtual-hosted-style requests.
+    name = _q("bucketPrefix")
+    fixed = re.sub(r"[^a-z0-9-]", "-", value.lower())[:37]
+    hint = _suggest(fixed) if fixed != value and len(fixed) >= 3 else ""
+    if not 3 <= len(value) <= 37:
+        raise ConfigError(name, f"{value!r} must be 3-37 characters{hint}")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", value):
+        raise ConfigError(name, f"{value!r} may hold only lowercase letters, digits and "
+                                f"hyphens, starting with a letter or digit{hint}")
+    for reserved in ("xn--", "sthree-", "amzn-s3-demo-"):
+        if value.startswith(reserved):
+            raise ConfigError(name, f"{value!r} starts with {reserved}, which S3 reserves")
+    return value
+
+
+def _key_prefix(value: str) -> str:
+    name = _q("bucketKeyPrefix")
+    if re.fullmatch(r"([A-Za-z0-9_.=-]+/)+", value) and ".." not in value.split("/"):
+        return value
+    fixed = "/".join(s for s in value.split("/") if s and s != "..")
+    hint = _suggest(fixed + "/") if fixed else ""
+    raise ConfigError(name, f"{value!r} must be one or more path segments ending with / "
+                            f"(letters, digits, _ . = -), without a leading /{hint}")
+
+
+def _budget(v: Mapping[str, Any]) -> BudgetConfig:
+    amount = v["budgetMonthlyUsd"]
+    emails = tuple(v["budgetEmails"])
+    if amount < 0:
+        raise ConfigError(_q("budgetMonthlyUsd"), f"must be 0 (no budget) or more, got {amount}")
+    for email in emails:
+        if not re.fullmatch(r"[^@\s]+@[^@\s]+\.[A-Za-z]{2,}", email):
+            raise ConfigError(_q("budgetEmails"), f"{email!r} is not an email address")
+    if amount and not emails:
+        raise ConfigError(_q("budgetEmails"), f"is empty but rayfleet:budgetMonthlyUsd is "
+                                              f"{amount}; name at least one address to alert")
+    if emails and not amount:
+        raise ConfigError(_q("budgetMonthlyUsd"), "is 0 (no budget) but rayfleet:budgetEmails "
+                                                  "is set; set a monthly limit in USD")
+    # AWS Budgets allows at most 10 email subscribers per notification.
+    if len(emails) > 10:
+        raise ConfigError(_q("budgetEmails"), f"has {len(emails)} addresses; AWS Budgets "
+                                              "allows at most 10")
+    return BudgetConfig(monthly_usd=amount, emails=emails)
+
+
+__all__ = [
+    "A100_REGIONS",
+    "AWS_REGIONS",
+    "DEFAULTS",
+    "HEAD_INSTANCE_TYPES",
+    "LOG_RETENTION_DAYS",
+    "NAMESPACE",
+    "RAY_CLUSTER_TAG",
+    "RAY_PORTS",
+    "SCHEMA",
+    "WORKER_INSTANCE_TYPES",
+    "AccessConfig",
+    "BudgetConfig",
+    "ConfigKey",
+    "InstanceSpec",
+    "NetworkConfig",
+    "NodesConfig",
+    "RayPort",
+    "StackConfig",
+    "StorageConfig",
+    "load_stack_config",
+    "load_stack_file",
+]

@@ -1,0 +1,273 @@
+"""rayfleet.config: every bad stack setting fails early, on one line, naming the key."""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayfleet.config import (
+    A100_REGIONS,
+    DEFAULTS,
+    SCHEMA,
+    StackConfig,
+    load_stack_file,
+)
+from rayfleet.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cfg(**values) -> StackConfig:
+    return StackConfig.from_mapping({f"rayfleet:{k}": v for k, v in values.items()})
+
+
+def error_for(mapping: dict) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        StackConfig.from_mapping(mapping)
+    return info.value
+
+
+# ----------------------------------------------------------------------------- good configs
+
+def test_defaults_are_a_complete_secure_stack():
+    c = StackConfig.from_mapping({})
+    assert c.region == "us-east-1" and c.network.az_count == 3
+    assert c.access.operator_cidrs == () and c.access.mode == "ssm"
+    assert c.nodes.worker_instance_type == "p4d.24xlarge"
+    assert c.nodes.imds_hop_limit == 1
+    assert c.storage.encryption == "kms"
+    assert not c.budget.enabled
+
+
+def test_example_stack_file_loads():
+    c = load_stack_file(ROOT / "Pulumi.dev.yaml")
+    assert c.cluster_name == "rayfleet-dev"
+    assert c.network.worker_az == "us-east-1b"
+    assert c.budget.enabled and c.budget.emails == ("ml-platform@example.com",)
+
+
+def test_pulumi_string_forms_are_accepted():
+    # What the engine hands a program: every value a string, arrays as JSON.
+    c = StackConfig.from_mapping({
+        "rayfleet:azCount": "4", "rayfleet:rayInDocker": "true",
+        "rayfleet:operatorCidrs": '["10.8.0.0/16"]', "rayfleet:budgetMonthlyUsd": "100",
+        "rayfleet:budgetEmails": '["a@example.com"]',
+    })
+    assert c.network.az_count == 4 and c.nodes.ray_in_docker
+    assert c.access.operator_cidrs == ("10.8.0.0/16",) and c.access.mode == "ssm+cidr"
+    assert c.nodes.imds_hop_limit == 2
+
+
+def test_bare_and_namespaced_keys_mean_the_same():
+    assert StackConfig.from_mapping({"azCount": 5}) == StackConfig.from_mapping(
+        {"rayfleet:azCount": 5})
+
+
+def test_round_trip_through_to_mapping():
+    c = load_stack_file(ROOT / "Pulumi.dev.yaml")
+    assert StackConfig.from_mapping(c.to_mapping()) == c
+
+
+def test_aws_region_equal_to_ours_is_fine():
+    assert cfg(region="us-west-2").region == StackConfig.from_mapping(
+        {"rayfleet:region": "us-west-2", "aws:region": "us-west-2"}).region
+
+
+def test_other_packages_config_is_ignored():
+    assert StackConfig.from_mapping({"other:thing": "x"}) == StackConfig.from_mapping({})
+
+
+@pytest.mark.parametrize("on_demand,min_w,max_w,expected", [
+    (0, 0, 2, (0, 0, 0, 2)),
+    (1, 0, 2, (0, 1, 0, 1)),
+    (1, 2, 4, (1, 1, 1, 3)),
+    (4, 2, 4, (2, 4, 0, 0)),
+])
+def test_worker_counts_split_into_on_demand_then_spot(on_demand, min_w, max_w, expected):
+    n = cfg(onDemandWorkers=on_demand, minWorkers=min_w, maxWorkers=max_w).nodes
+    assert (n.on_demand_min, n.on_demand_max, n.spot_min, n.spot_max) == expected
+    assert n.on_demand_min + n.spot_min == min_w
+    assert n.on_demand_max + n.spot_max == max_w
+
+
+@pytest.mark.parametrize("vpc,azs", [("10.42.0.0/16", 3), ("10.0.0.0/22", 6),
+                                     ("172.20.0.0/18", 4)])
+def test_subnets_fit_the_vpc_and_never_overlap(vpc, azs):
+    private, public = cfg(vpcCidr=vpc, azCount=azs).network.subnet_cidrs()
+    nets = [ipaddress.ip_network(n) for n in private + public]
+    assert len(private) == len(public) == azs
+    assert all(n.subnet_of(ipaddress.ip_network(vpc)) for n in nets)
+    assert all(not a.overlaps(b) for i, a in enumerate(nets) for b in nets[i + 1:])
+    assert all(n.prefixlen <= 28 for n in nets)  # AWS's smallest subnet
+
+
+def test_p4de_regions_are_a_subset_of_p4d_regions():
+    assert set(A100_REGIONS["p4de.24xlarge"]) <= set(A100_REGIONS["p4d.24xlarge"])
+
+
+def test_config_import_stays_light_for_the_cli():
+    # render/preflight/cost import rayfleet.config on every invocation: no Pulumi, no boto3.
+    code = "import sys, rayfleet.config; print(sorted({'pulumi', 'boto3'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout.strip()
+    assert out == "[]"
+
+
+# ----------------------------------------------------------------------------- Pulumi.yaml
+
+def test_pulumi_yaml_declares_every_key_as_config_py_does():
+    project = yaml.safe_load((ROOT / "Pulumi.yaml").read_text())
+    declared = project["config"]
+    assert set(declared) == {k.qualified for k in SCHEMA}
+    for key in SCHEMA:
+        entry = declared[key.qualified]
+        assert entry["type"] == key.type, key.name
+        assert entry["default"] == key.default, key.name
+        assert entry["description"] == key.description, key.name
+
+
+def test_pulumi_yaml_follows_the_project_file_rules():
+    # The checks `pulumi` applies to a project's config block (sdk/go/common/workspace/
+    # project.go, Project.Validate): typed keys belong to the project's namespace, arrays
+    # name their item type, defaults match the type.
+    project = yaml.safe_load((ROOT / "Pulumi.yaml").read_text())
+    assert project["name"] == "rayfleet"
+    assert project["runtime"]["name"] == "python"
+    assert project["runtime"]["options"]["virtualenv"] == ".venv"
+    assert project["main"] == "infra/"
+    python_types = {"string": str, "integer": int, "boolean": bool, "array": list}
+    for key, entry in project["config"].items():
+        assert key.startswith("rayfleet:"), key
+        assert {"type", "default", "description"} <= set(entry), key
+        assert "value" not in entry, key
+        assert type(entry["default"]) is python_types[entry["type"]], key
+        if entry["type"] == "array":
+            assert entry["items"] == {"type": "string"}, key
+        assert entry["description"].strip(), key
+
+
+def test_pulumi_yaml_defaults_build_the_default_config():
+    project = yaml.safe_load((ROOT / "Pulumi.yaml").read_text())
+    defaults = {k: v["default"] for k, v in project["config"].items()}
+    assert StackConfig.from_mapping(defaults) == StackConfig.from_mapping({})
+    assert {f"rayfleet:{k}": v for k, v in DEFAULTS.items()} == defaults
+
+
+# ----------------------------------------------------------------------------- bad configs
+
+BAD = [
+    # (mapping, key named, fragments the line must hold)
+    ({"rayfleet:azcount": 3}, "rayfleet:azcount", ['did you mean "rayfleet:azCount"']),
+    ({"rayfleet:clusterName": "My_Cluster"}, "rayfleet:clusterName",
+     ['did you mean "my-cluster"']),
+    ({"rayfleet:clusterName": "a"}, "rayfleet:clusterName", ["3-32"]),
+    ({"rayfleet:region": "us-east1"}, "rayfleet:region", ['did you mean "us-east-1"']),
+    ({"rayfleet:region": "us-west-1"}, "rayfleet:region",
+     ["p4d.24xlarge is not offered in us-west-1", "us-east-1", 'did you mean "us-west-2"']),
+    ({"rayfleet:region": "eu-central-1", "rayfleet:workerInstanceType": "p4de.24xlarge"},
+     "rayfleet:region", ["p4de.24xlarge is not offered", "allowed: us-east-1, us-west-2"]),
+    ({"rayfleet:azCount": 2}, "rayfleet:azCount", ["between 3 and 6"]),
+    ({"rayfleet:azCount": "three"}, "rayfleet:azCount", ["expected an integer"]),
+    ({"rayfleet:workerAz": "us-east-1"}, "rayfleet:workerAz", ["not an availability zone"]),
+    ({"rayfleet:workerAz": "us-west-2b"}, "rayfleet:workerAz", ['did you mean "us-east-1b"']),
+    ({"rayfleet:vpcCidr": "10.0.0.0/8"}, "rayfleet:vpcCidr", ["/16 to /22"]),
+    ({"rayfleet:vpcCidr": "10.42.1.0/16"}, "rayfleet:vpcCidr",
+     ['host bits', 'did you mean "10.42.0.0/16"']),
+    ({"rayfleet:vpcCidr": "8.8.0.0/16"}, "rayfleet:vpcCidr", ["private range", "10.0.0.0/8"]),
+    ({"rayfleet:vpcCidr": "banana"}, "rayfleet:vpcCidr", ["not a CIDR"]),
+    ({"rayfleet:natGateways": "per_az"}, "rayfleet:natGateways",
+     ["allowed: single, per-az", 'did you mean "per-az"']),
+    ({"rayfleet:flowLogRetentionDays": 0}, "rayfleet:flowLogRetentionDays",
+     ['did you mean "1"']),
+    ({"rayfleet:flowLogRetentionDays": 91}, "rayfleet:flowLogRetentionDays",
+     ['did you mean "90"']),
+    ({"rayfleet:operatorCidrs": ["0.0.0.0/0"]}, "rayfleet:operatorCidrs",
+     ["whole internet", "SSM"]),
+    ({"rayfleet:operatorCidrs": ["::/0"]}, "rayfleet:operatorCidrs", ["whole internet"]),
+    ({"rayfleet:operatorCidrs": ["0.0.0.0/1"]}, "rayfleet:operatorCidrs", ["broader than /8"]),
+    ({"rayfleet:operatorCidrs": ["10.0.0.1/8"]}, "rayfleet:operatorCidrs",
+     ['did you mean "10.0.0.0/8"']),
+    ({"rayfleet:operatorCidrs": ["10.0.0.300/24"]}, "rayfleet:operatorCidrs", ["not a CIDR"]),
+    ({"rayfleet:operatorCidrs": "not json ["}, "rayfleet:operatorCidrs", ["not a CIDR"]),
+    ({"rayfleet:operatorCidrs": [1, 2]}, "rayfleet:operatorCidrs", ["list of strings"]),
+    ({"rayfleet:headInstanceType": "m6i.2xlarg"}, "rayfleet:headInstanceType",
+     ['did you mean "m6i.2xlarge"']),
+    ({"rayfleet:headInstanceType": "p4d.24xlarge"}, "rayfleet:headInstanceType",
+     ["GPU type", "CPU"]),
+    ({"rayfleet:workerInstanceType": "p5.48xlarge"}, "rayfleet:workerInstanceType",
+     ["allowed: p4d.24xlarge, p4de.24xlarge"]),
+    ({"rayfleet:workerInstanceType": "p4d.24xl"}, "rayfleet:workerInstanceType",
+     ['did you mean "p4d.24xlarge"']),
+    ({"rayfleet:minWorkers": 3, "rayfleet:maxWorkers": 2}, "rayfleet:minWorkers",
+     ["must be <= maxWorkers", "rayfleet:maxWorkers is 2"]),
+    ({"rayfleet:maxWorkers": 0}, "rayfleet:maxWorkers", ["between 1 and 64"]),
+    ({"rayfleet:minWorkers": -1}, "rayfleet:minWorkers", ["between 0 and 64"]),
+    ({"rayfleet:onDemandWorkers": 3}, "rayfleet:onDemandWorkers", ["rayfleet:maxWorkers (2)"]),
+    ({"rayfleet:headRootVolumeGb": 8}, "rayfleet:headRootVolumeGb", ["between 100"]),
+    ({"rayfleet:workerRootVolumeGb": 100}, "rayfleet:workerRootVolumeGb", ["between 200"]),
+    ({"rayfleet:amiId": "ami-123"}, "rayfleet:amiId", ["not an AMI id"]),
+    ({"rayfleet:rayInDocker": "yes"}, "rayfleet:rayInDocker", ["true or false"]),
+    ({"rayfleet:bucketPrefix": "My_Bucket"}, "rayfleet:bucketPrefix",
+     ['did you mean "my-bucket"']),
+    ({"rayfleet:bucketPrefix": "data.bucket"}, "rayfleet:bucketPrefix",
+     ['did you mean "data-bucket"']),
+    ({"rayfleet:bucketPrefix": "x" * 38}, "rayfleet:bucketPrefix", ["3-37 characters"]),
+    ({"rayfleet:bucketPrefix": "xn--bucket"}, "rayfleet:bucketPrefix", ["reserves"]),
+    ({"rayfleet:bucketKeyPrefix": "/data"}, "rayfleet:bucketKeyPrefix",
+     ['did you mean "data/"']),
+    ({"rayfleet:bucketKeyPrefix": "data"}, "rayfleet:bucketKeyPrefix",
+     ['did you mean "data/"']),
+    ({"rayfleet:bucketKeyPrefix": ""}, "rayfleet:bucketKeyPrefix", ["ending with /"]),
+    ({"rayfleet:bucketEncryption": "sse-kms"}, "rayfleet:bucketEncryption",
+     ["allowed: kms, s3"]),
+    ({"rayfleet:noncurrentVersionDays": 0}, "rayfleet:noncurrentVersionDays", ["between 1"]),
+    ({"rayfleet:abortMultipartDays": 0}, "rayfleet:abortMultipartDays", ["between 1"]),
+    ({"rayfleet:budgetMonthlyUsd": 100}, "rayfleet:budgetEmails", ["at least one address"]),
+    ({"rayfleet:budgetEmails": ["a@example.com"]}, "rayfleet:budgetMonthlyUsd",
+     ["set a monthly limit"]),
+    ({"rayfleet:budgetMonthlyUsd": 100, "rayfleet:budgetEmails": ["not-an-email"]},
+     "rayfleet:budgetEmails", ["not an email address"]),
+    ({"rayfleet:budgetMonthlyUsd": -5}, "rayfleet:budgetMonthlyUsd", ["0 (no budget) or more"]),
+    ({"rayfleet:budgetMonthlyUsd": 1, "rayfleet:budgetEmails": [f"a{i}@x.io" for i in range(11)]},
+     "rayfleet:budgetEmails", ["at most 10"]),
+    ({"rayfleet:region": {"secure": "AAAbase64"}}, "rayfleet:region", ["not a secret"]),
+    ({"aws:region": "eu-west-1"}, "aws:region", ["rayfleet:region (us-east-1)"]),
+    ({"aws:profile": "prod"}, "aws:profile", ["AWS_PROFILE"]),
+]
+
+
+@pytest.mark.parametrize("mapping,key,fragments", BAD,
+                         ids=[f"{i}-{k}" for i, (_, k, _) in enumerate(BAD)])
+def test_bad_setting_fails_on_one_line_naming_the_key(mapping, key, fragments):
+    err = error_for(mapping)
+    line = str(err)
+    assert "\n" not in line
+    assert line.startswith(f"{key}: "), line
+    assert err.key == key
+    for fragment in fragments:
+        assert fragment in line, line
+
+
+def test_every_key_has_a_bad_value_test():
+    named = {key for _, key, _ in BAD}
+    assert {k.qualified for k in SCHEMA} <= named
+
+
+def test_stack_file_problems_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read the stack file"):
+        load_stack_file(tmp_path / "Pulumi.missing.yaml")
+    bad_yaml = tmp_path / "Pulumi.bad.yaml"
+    bad_yaml.write_text("config: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_stack_file(bad_yaml)
+    typo = tmp_path / "Pulumi.typo.yaml"
+    typo.write_text("config:\n  rayfleet:maxWorker: 4\n")
+    with pytest.raises(ConfigError, match='did you mean "rayfleet:maxWorkers"'):
+        load_stack_file(typo)
