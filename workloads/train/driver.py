@@ -228,12 +228,12 @@ def _root_cause(err: BaseException) -> BaseException | None:
     return None
 
 
-def _train_func(config: dict) -> None:
-    # Runs on every Ray Train worker.
+def _train_func(config: dict) -> dict:
+    # Runs on every Ray Train worker; rank 0's return value is Result.return_value.
     from workloads.train.context import RayContext
     from workloads.train.loop import train_loop
 
-    train_loop(LoopConfig(**config), RayContext())
+    return train_loop(LoopConfig(**config), RayContext())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,11 +252,17 @@ def _main(argv: list[str] | None) -> int:
 
     # Imported late: `--help` and bad flags answer without paying for Ray.
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import (CheckpointConfig, FailureConfig, LoggingConfig, RunConfig,
+                           ScalingConfig)
     from ray.train.torch import TorchTrainer
 
     from workloads.train import runinfo
 
+    # Train V2 propagates these from the driver to its controller and workers: poll the
+    # workers' result queues every second (default 2 s stalls short runs at each report),
+    # and print worker output once (the print patch would echo it through the logger too).
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "1.0")
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     ray.init(logging_level="ERROR", log_to_driver=True)
     nodes, total = ray.nodes(), ray.cluster_resources()
     check_resources(args, nodes, total)
@@ -300,7 +306,8 @@ def _main(argv: list[str] | None) -> int:
             name=name, storage_path=storage.path, storage_filesystem=storage.filesystem,
             checkpoint_config=CheckpointConfig(num_to_keep=args.num_to_keep),
             failure_config=FailureConfig(max_failures=args.max_failures),
-            worker_runtime_env={"env_vars": env_vars} if env_vars else None),
+            worker_runtime_env={"env_vars": env_vars} if env_vars else None,
+            logging_config=LoggingConfig(log_level="WARNING")),
         datasets=datasets,
     )
     started = time.time()

@@ -335,10 +335,13 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
                            "mfu": round(flops_per_token * tps / (peak * ctx.world_size), 4)
                            if peak else 0.0}
                 history.append(metrics)
-                t_last, steps_since, losses = time.perf_counter(), 0, []
+                losses = []
                 if ctx.rank == 0:
                     print(f"[rayfleet] step {step}/{cfg.max_steps} loss {metrics['loss']:.4f} "
                           f"{tps:,.0f} tok/s {dt * 1000:.0f} ms/step", flush=True)
+            # Metrics go to Ray only with checkpoints: ray.train.report is a barrier across
+            # ranks, and Train V2 drains each worker's one-slot result queue only when the
+            # controller polls, so frequent reports stall training.
             if save:
                 with tempfile.TemporaryDirectory(prefix="rayfleet-ckpt-") as tmp:
                     d = Path(tmp)
@@ -356,8 +359,9 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
                         ckpt.write_marker(d, step=step, strategy=cfg.strategy,
                                           world_size=ctx.world_size, final=is_final)
                     ctx.report(metrics, d)
-            elif step % cfg.log_every == 0:
-                ctx.report(metrics, None)
+            if step % cfg.log_every == 0 or save:
+                # Step time and tokens/s measure training only; checkpoint time is not in them.
+                t_last, steps_since = time.perf_counter(), 0
             if is_final:
                 done = True
                 break
