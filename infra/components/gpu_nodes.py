@@ -1,0 +1,227 @@
+"""Launch templates the Ray autoscaler launches nodes from: the CPU head and the A100 workers.
+
+Ray's cluster launcher references these by id (``node_config: LaunchTemplate``) and adds the
+subnet, security groups and instance profile itself (rule 3), so what lives here is what must
+hold for every node however it is launched: the Deep Learning AMI, IMDSv2 (rule 9), encrypted
+gp3 roots (rule 10), no public address (rule 7), the cluster tags that the head role's
+permissions hinge on, and for the A100s their EFA interfaces and cluster placement group.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_aws as aws
+
+from rayfleet.config import RAY_CLUSTER_TAG, InstanceSpec
+
+# AWS Deep Learning AMI with the open-source NVIDIA driver, CUDA, EFA installer, NCCL and
+# PyTorch preinstalled (https://docs.aws.amazon.com/dlami/latest/devguide/appendix-ami-release-notes.html).
+# The same image on the head keeps Python and Ray identical on every node (rule 25).
+DLAMI_NAME_FILTER = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch * (Ubuntu 22.04) *"
+
+# Tag that says why a launch template raised the IMDS hop limit above 1 (rule 9).
+HOP_LIMIT_REASON_TAG = "rayfleet:imds-hop-limit-reason"
+
+
+@dataclass(frozen=True)
+class GpuNodesArgs:
+    cluster_name: str
+    stack: str
+    head_instance_type: str
+    worker: InstanceSpec
+    head_root_volume_gb: int
+    worker_root_volume_gb: int
+    imds_hop_limit: int
+    worker_subnet_id: pulumi.Input[str]
+    cluster_security_group_id: pulumi.Input[str]
+    efa_security_group_id: pulumi.Input[str]
+    head_instance_profile_arn: pulumi.Input[str]
+    worker_instance_profile_arn: pulumi.Input[str]
+    ami_id: str | None = None  # None: the newest DLAMI
+
+
+def user_data(cluster_name: str, node_kind: str) -> str:
+    """The boot script, base64 as EC2 wants it. Settings only, never a credential (rule 20).
+
+    User data is readable by anyone allowed ec2:DescribeInstanceAttribute and by every process
+    on the node through IMDS; the Ray auth token therefore arrives later, over SSH, as a file
+    with mode 0600 (rule 21), and never through here.
+    """
+    script = f"""#!/bin/bash
+set -euo pipefail
+install -d -m 0755 /etc/rayfleet
+cat > /etc/rayfleet/node.env <<'ENV'
+RAYFLEET_CLUSTER_NAME={cluster_name}
+RAYFLEET_NODE_KIND={node_kind}
+RAY_AUTH_MODE=token
+ENV
+chmod 0644 /etc/rayfleet/node.env
+echo 'set -a; . /etc/rayfleet/node.env; set +a' > /etc/profile.d/rayfleet.sh
+"""
+    return base64.b64encode(script.encode()).decode()
+
+
+class GpuNodes(pulumi.ComponentResource):
+    """Cluster placement group and launch templates: head, worker on-demand, worker spot."""
+
+    def __init__(self, name: str, args: GpuNodesArgs,
+                 opts: pulumi.ResourceOptions | None = None):
+        super().__init__("rayfleet:infra:GpuNodes", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+
+        ami = self._ami(args)
+        self.ami_id = ami.id
+        root_device = ami.root_device_name or "/dev/sda1"
+
+        # All A100 workers in one rack-level group: NCCL all-reduce over EFA needs the lowest
+        # latency between nodes. A cluster group lives in one AZ, hence one worker subnet.
+        self.placement_group = aws.ec2.PlacementGroup(
+            f"{name}-workers",
+            strategy="cluster",
+            tags={"Name": f"{args.cluster_name}-workers"},
+            opts=child,
+        )
+
+        self.head = aws.ec2.LaunchTemplate(
+            f"{name}-head",
+            description=f"Ray head (CPU) of {args.cluster_name}",
+            instance_type=args.head_instance_type,
+            vpc_security_group_ids=[args.cluster_security_group_id],
+            user_data=user_data(args.cluster_name, "head"),
+            block_device_mappings=[_root(root_device, args.head_root_volume_gb, 3000, 250)],
+            tag_specifications=_tag_specs(args, "head", spot=False, efa=False),
+            **self._common(args, "head", args.head_instance_profile_arn),
+            opts=child,
+        )
+
+        workers = {}
+        for market in ("ondemand", "spot"):
+            spot = market == "spot"
+            workers[market] = aws.ec2.LaunchTemplate(
+                f"{name}-worker-{market}",
+                description=(f"Ray A100 worker ({'spot' if spot else 'on-demand'}) of "
+                             f"{args.cluster_name}"),
+                instance_type=args.worker.name,
+                network_interfaces=_efa_interfaces(args),
+                placement=aws.ec2.LaunchTemplatePlacementArgs(
+                    group_name=self.placement_group.name),
+                instance_market_options=aws.ec2.LaunchTemplateInstanceMarketOptionsArgs(
+                    market_type="spot",
+                    spot_options=aws.ec2.LaunchTemplateInstanceMarketOptionsSpotOptionsArgs(
+                        # One-time and terminate: a reclaimed worker is gone, and the
+                        # autoscaler replaces it; nothing stopped lingers to bill EBS.
+                        spot_instance_type="one-time",
+                        instance_interruption_behavior="terminate",
+                    ),
+                ) if spot else None,
+                user_data=user_data(args.cluster_name, "worker"),
+                # Models, container images and wheels on a fast root; scratch data belongs on
+                # the p4d's 8 local NVMe drives, which the DLAMI mounts at /opt/dlami/nvme.
+                block_device_mappings=[_root(root_device, args.worker_root_volume_gb, 6000, 500)],
+                tag_specifications=_tag_specs(args, "worker", spot=spot, efa=True),
+                **self._common(args, "worker", args.worker_instance_profile_arn),
+                opts=child,
+            )
+        self.worker_ondemand = workers["ondemand"]
+        self.worker_spot = workers["spot"]
+
+        self.register_outputs({
+            "ami_id": self.ami_id,
+            "placement_group": self.placement_group.name,
+            "head_launch_template_id": self.head.id,
+            "worker_ondemand_launch_template_id": self.worker_ondemand.id,
+            "worker_spot_launch_template_id": self.worker_spot.id,
+        })
+
+    def _ami(self, args: GpuNodesArgs) -> aws.ec2.AwaitableGetAmiResult:
+        invoke = pulumi.InvokeOptions(parent=self)
+        if args.ami_id:
+            # A pinned image is still looked up: it must exist and we need its root device.
+            return aws.ec2.get_ami(filters=[aws.ec2.GetAmiFilterArgs(
+                name="image-id", values=[args.ami_id])], opts=invoke)
+        return aws.ec2.get_ami(
+            most_recent=True,
+            owners=["amazon"],
+            filters=[
+                aws.ec2.GetAmiFilterArgs(name="name", values=[DLAMI_NAME_FILTER]),
+                aws.ec2.GetAmiFilterArgs(name="architecture", values=["x86_64"]),
+                aws.ec2.GetAmiFilterArgs(name="state", values=["available"]),
+            ],
+            opts=invoke,
+        )
+
+    def _common(self, args: GpuNodesArgs, kind: str, profile_arn: pulumi.Input[str]) -> dict:
+        tags = {"Name": f"{args.cluster_name}-{kind}", "rayfleet:node-kind": kind}
+        if args.imds_hop_limit > 1:
+            tags[HOP_LIMIT_REASON_TAG] = ("rayInDocker: Ray runs in containers, one network hop "
+                                          "further from IMDS than the host")
+        return {
+            "image_id": self.ami_id,
+            "iam_instance_profile": aws.ec2.LaunchTemplateIamInstanceProfileArgs(arn=profile_arn),
+            "ebs_optimized": "true",
+            # IMDSv2 only (session tokens defeat SSRF-style credential theft); hop limit 1
+            # unless Ray runs in containers (rule 9, EC2.8).
+            "metadata_options": aws.ec2.LaunchTemplateMetadataOptionsArgs(
+                http_endpoint="enabled",
+                http_tokens="required",
+                http_put_response_hop_limit=args.imds_hop_limit,
+                instance_metadata_tags="disabled",
+            ),
+            # `shutdown -h` on a node ends it instead of leaving a stopped instance that still
+            # bills for its volumes (the same reason as cache_stopped_nodes: false).
+            "instance_initiated_shutdown_behavior": "terminate",
+            # New versions become the default, which is what Ray launches from.
+            "update_default_version": True,
+            "tags": tags,
+        }
+
+
+def _root(device: str, size_gb: int, iops: int, throughput: int):
+    return aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
+        device_name=device,
+        ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(
+            volume_type="gp3",
+            volume_size=size_gb,
+            iops=iops,
+            throughput=throughput,
+            # The account's aws/ebs key: a customer key here would also need kms:CreateGrant
+            # for the head role, for no gain over the bucket's key.
+            encrypted="true",
+            delete_on_termination="true",
+        ),
+    )
+
+
+def _efa_interfaces(args: GpuNodesArgs) -> list:
+    """One EFA per network card (p4d: 4). Card 0 carries the primary interface (device 0),
+    the others device index 1, as AWS documents for multi-card instances
+    (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html)."""
+    return [
+        aws.ec2.LaunchTemplateNetworkInterfaceArgs(
+            network_card_index=card,
+            device_index=0 if card == 0 else 1,
+            interface_type="efa",
+            subnet_id=args.worker_subnet_id,
+            security_groups=[args.cluster_security_group_id, args.efa_security_group_id],
+            # Rule 7 holds without associate_public_ip_address: EC2 never auto-assigns a public
+            # IPv4 to an instance launched with several interfaces, and refuses the parameter
+            # altogether in that case (InvalidParameterCombination).
+            delete_on_termination="true",
+            description=f"{args.cluster_name} worker EFA {card}",
+        )
+        for card in range(args.worker.efa_interfaces)
+    ]
+
+
+def _tag_specs(args: GpuNodesArgs, kind: str, spot: bool, efa: bool) -> list:
+    # Tags ray-cluster-name too, so an instance launched from a template by hand is still
+    # one `rayfleet sweep` finds and the head may terminate.
+    tags = {RAY_CLUSTER_TAG: args.cluster_name, "rayfleet:cluster": args.cluster_name,
+            "rayfleet:stack": args.stack, "rayfleet:node-kind": kind}
+    kinds = ["instance", "volume"] + (["network-interface"] if efa else []) + \
+        (["spot-instances-request"] if spot else [])
+    return [aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=k, tags=tags)
+            for k in kinds]

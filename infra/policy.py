@@ -1,0 +1,739 @@
+"""DESIGN.md's security rules that concern infrastructure, as code over the resource graph.
+
+Each check is a pure function from a list of :class:`Resource` (type token, logical name, the
+inputs the program gave it, and the outputs — ids and ARNs — it came back with) to the
+:class:`Violation` s it finds; every violation names the offending resource and the rule with
+its external ID (Checkov / AWS Security Hub / tfsec). Property names are Pulumi's camelCase,
+as the mock monitor and a Pulumi policy pack (``pulumi_policy``'s ``StackValidationArgs``) both
+see them, so a policy pack can call :func:`check` over ``args.resources`` unchanged.
+
+Rules 3, 21, 22, 23 and 25 concern the cluster YAML and the nodes' runtime, not the resource
+graph; ``rayfleet lint`` checks those.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import ipaddress
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayfleet.config import RAY_CLUSTER_TAG, RAY_PORTS
+
+
+@dataclass(frozen=True)
+class Resource:
+    type: str  # e.g. "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
+    name: str  # the logical (Pulumi) name
+    inputs: Mapping[str, Any]
+    outputs: Mapping[str, Any] = field(default_factory=dict)  # id, arn, name, bucket, ...
+    urn: str = ""
+    parent: str = ""
+    provider: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.type.rsplit(':', 1)[-1]} '{self.name}'"
+
+    @property
+    def refs(self) -> set[str]:
+        """Every value another resource may use to point at this one (id, name, ARN)."""
+        out = {self.outputs.get(k) for k in ("id", "arn", "name", "bucket")}
+        out |= {self.inputs.get(k) for k in ("name", "bucket")}
+        return {str(v) for v in out if v}
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: int
+    external_id: str
+    resource: str  # Resource.label
+    message: str
+
+    def __str__(self) -> str:
+        return f"rule {self.rule} ({self.external_id}): {self.resource} {self.message}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    number: int
+    title: str
+    external_id: str
+    check: Callable[..., Iterator[Violation]]
+
+
+# ----------------------------------------------------------------------------- type tokens
+
+VPC = "aws:ec2/vpc:Vpc"
+SUBNET = "aws:ec2/subnet:Subnet"
+ROUTE = "aws:ec2/route:Route"
+ROUTE_TABLE = "aws:ec2/routeTable:RouteTable"
+ROUTE_ASSOC = "aws:ec2/routeTableAssociation:RouteTableAssociation"
+IGW = "aws:ec2/internetGateway:InternetGateway"
+SG = "aws:ec2/securityGroup:SecurityGroup"
+DEFAULT_SG = "aws:ec2/defaultSecurityGroup:DefaultSecurityGroup"
+SG_RULE = "aws:ec2/securityGroupRule:SecurityGroupRule"
+SG_INGRESS = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
+SG_EGRESS = "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule"
+FLOW_LOG = "aws:ec2/flowLog:FlowLog"
+LOG_GROUP = "aws:cloudwatch/logGroup:LogGroup"
+LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
+INSTANCE = "aws:ec2/instance:Instance"
+VOLUME = "aws:ebs/volume:Volume"
+BUCKETS = ("aws:s3/bucket:Bucket", "aws:s3/bucketV2:BucketV2")
+PUBLIC_ACCESS_BLOCK = "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock"
+SSE = ("aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration",
+       ("aws:s3/bucketServerSideEncryptionConfigurationV2:"
+       "BucketServerSideEncryptionConfigurationV2"))
+BUCKET_POLICY = "aws:s3/bucketPolicy:BucketPolicy"
+VERSIONING = ("aws:s3/bucketVersioning:BucketVersioning",
+              "aws:s3/bucketVersioningV2:BucketVersioningV2")
+LIFECYCLE = ("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration",
+             "aws:s3/bucketLifecycleConfigurationV2:BucketLifecycleConfigurationV2")
+OWNERSHIP = "aws:s3/bucketOwnershipControls:BucketOwnershipControls"
+BUCKET_ACLS = ("aws:s3/bucketAcl:BucketAcl", "aws:s3/bucketAclV2:BucketAclV2")
+ROLE = "aws:iam/role:Role"
+ROLE_POLICY = "aws:iam/rolePolicy:RolePolicy"
+ROLE_ATTACHMENT = "aws:iam/rolePolicyAttachment:RolePolicyAttachment"
+POLICY = "aws:iam/policy:Policy"
+POLICY_ATTACHMENTS = ("aws:iam/policyAttachment:PolicyAttachment",
+                      "aws:iam/userPolicyAttachment:UserPolicyAttachment",
+                      "aws:iam/groupPolicyAttachment:GroupPolicyAttachment")
+INSTANCE_PROFILE = "aws:iam/instanceProfile:InstanceProfile"
+
+WORLD = ("0.0.0.0/0", "::/0")
+# Rule 1's ports: Ray's unauthenticated-by-default surfaces and Serve.
+WORLD_FORBIDDEN_PORTS = ((6379, 6379), (8265, 8265), (10001, 10001), (8000, 8000),
+                         (9000, 9000), (52365, 52365), (10002, 19999))
+# Rule 4's ports: every port Ray listens on between nodes (ssh is rule 2's).
+RAY_ONLY_PORTS = tuple((p.from_port, p.to_port) for p in RAY_PORTS if p.name != "ssh")
+# What rayfleet:operatorCidrs may open: SSH and the dashboard/Jobs API.
+OPERATOR_PORTS = (22, 8265)
+
+# Characters EC2 accepts in security group and rule descriptions (CreateSecurityGroup API).
+_SG_DESCRIPTION = re.compile(r"[a-zA-Z0-9. _\-:/()#,@\[\]+=&;{}!$*]+")
+_TOOL_DEFAULT_DESCRIPTIONS = {"managed by pulumi", "managed by terraform"}
+
+FORBIDDEN_MANAGED_POLICIES = ("AdministratorAccess", "AmazonEC2FullAccess",
+                              "AmazonS3FullAccess", "PowerUserAccess", "IAMFullAccess")
+HOP_LIMIT_REASON_TAG = "rayfleet:imds-hop-limit-reason"
+NODE_ROLE_TAG = "rayfleet:node-role"
+
+# Credentials and secrets that must never sit in user data (rule 20).
+SECRET_PATTERNS = (
+    (re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"), "an AWS access key id"),
+    (re.compile(r"aws_secret_access_key|AWS_SECRET_ACCESS_KEY|AWS_SESSION_TOKEN"),
+     "an AWS secret key variable"),
+    (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"), "a private key"),
+    (re.compile(r"RAY_AUTH_TOKEN\s*="), "the Ray auth token"),
+    (re.compile(r"(?i)\b\w*(password|passwd|secret|api_?key|token)\w*\s*[=:]\s*['\"]?"
+                r"[A-Za-z0-9+/_\-.]{8,}"), "a password or token assignment"),
+    (re.compile(r"\bhf_[A-Za-z0-9]{30,}\b"), "a Hugging Face token"),
+)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _all(resources: Iterable[Resource], *types: str) -> list[Resource]:
+    return [r for r in resources if r.type in types]
+
+
+def _v(rule: int, r: Resource | str, message: str) -> Violation:
+    label = r.label if isinstance(r, Resource) else r
+    return Violation(rule, RULES_META[rule][1], label, message)
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    return value
+
+
+def _list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _statements(doc: Any) -> list[dict]:
+    doc = _json(doc)
+    if not isinstance(doc, dict):
+        return []
+    return [s for s in _list(doc.get("Statement")) if isinstance(s, dict)]
+
+
+def _true(value: Any) -> bool:
+    return value is True or (isinstance(value, str) and value.lower() == "true")
+
+
+def _overlaps(lo: int, hi: int, ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    return [(a, b) for a, b in ranges if lo <= b and a <= hi]
+
+
+def _ports(a: int, b: int) -> str:
+    return str(a) if a == b else f"{a}-{b}"
+
+
+def _is_world(cidr: str) -> bool:
+    try:
+        return ipaddress.ip_network(cidr, strict=False).prefixlen == 0
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class Permission:
+    """One ingress or egress permission, however it was written (rule resource or inline)."""
+
+    resource: Resource
+    direction: str  # "ingress" | "egress"
+    group: str  # the security group id it belongs to
+    protocol: str
+    from_port: int
+    to_port: int
+    cidrs: tuple[str, ...]
+    groups: tuple[str, ...]  # source/destination security groups
+    self_ref: bool
+    prefix_lists: tuple[str, ...]
+    description: str | None
+
+    @property
+    def all_ports(self) -> bool:
+        return self.protocol in ("-1", "all")
+
+    @property
+    def port_range(self) -> tuple[int, int]:
+        return (0, 65535) if self.all_ports else (self.from_port, self.to_port)
+
+    @property
+    def tcp_or_all(self) -> bool:
+        return self.protocol in ("-1", "all", "tcp", "6")
+
+    @property
+    def from_itself(self) -> bool:
+        return self.self_ref or (bool(self.groups) and set(self.groups) <= {self.group})
+
+
+def permissions(resources: Sequence[Resource]) -> list[Permission]:
+    out = []
+    for r in resources:
+        i = r.inputs
+        if r.type in (SG_INGRESS, SG_EGRESS):
+            out.append(Permission(
+                r, "ingress" if r.type == SG_INGRESS else "egress",
+                str(i.get("securityGroupId", "")), str(i.get("ipProtocol", "")).lower(),
+                int(i.get("fromPort") or 0), int(i.get("toPort") or 0),
+                tuple(c for c in (i.get("cidrIpv4"), i.get("cidrIpv6")) if c),
+                tuple(g for g in [i.get("referencedSecurityGroupId")] if g),
+                False, tuple(p for p in [i.get("prefixListId")] if p), i.get("description")))
+        elif r.type == SG_RULE:
+            out.append(Permission(
+                r, str(i.get("type", "")), str(i.get("securityGroupId", "")),
+                str(i.get("protocol", "")).lower(),
+                int(i.get("fromPort") or 0), int(i.get("toPort") or 0),
+                tuple(_list(i.get("cidrBlocks")) + _list(i.get("ipv6CidrBlocks"))),
+                tuple(g for g in [i.get("sourceSecurityGroupId")] if g),
+                _true(i.get("self")), tuple(_list(i.get("prefixListIds"))),
+                i.get("description")))
+        elif r.type in (SG, DEFAULT_SG):
+            for direction in ("ingress", "egress"):
+                for rule in _list(i.get(direction)):
+                    out.append(Permission(
+                        r, direction, str(r.outputs.get("id", "")),
+                        str(rule.get("protocol", "")).lower(),
+                        int(rule.get("fromPort") or 0), int(rule.get("toPort") or 0),
+                        tuple(_list(rule.get("cidrBlocks")) + _list(rule.get("ipv6CidrBlocks"))),
+                        tuple(_list(rule.get("securityGroups"))), _true(rule.get("self")),
+                        tuple(_list(rule.get("prefixListIds"))), rule.get("description")))
+    return out
+
+
+def public_subnet_ids(resources: Sequence[Resource]) -> set[str]:
+    """Subnets whose route table sends 0.0.0.0/0 to an internet gateway."""
+    igws = {r.outputs.get("id") for r in _all(resources, IGW)}
+
+    def to_igw(gateway: Any) -> bool:
+        return bool(gateway) and (gateway in igws or str(gateway).startswith("igw-"))
+
+    public_tables = {str(r.inputs.get("routeTableId")) for r in _all(resources, ROUTE)
+                     if r.inputs.get("destinationCidrBlock") == "0.0.0.0/0"
+                     and to_igw(r.inputs.get("gatewayId"))}
+    for table in _all(resources, ROUTE_TABLE):
+        for route in _list(table.inputs.get("routes")):
+            if route.get("cidrBlock") == "0.0.0.0/0" and to_igw(route.get("gatewayId")):
+                public_tables.add(str(table.outputs.get("id")))
+    return {str(a.inputs.get("subnetId")) for a in _all(resources, ROUTE_ASSOC)
+            if str(a.inputs.get("routeTableId")) in public_tables}
+
+
+def _decoded_user_data(r: Resource) -> str:
+    text = r.inputs.get("userData") or ""
+    b64 = r.inputs.get("userDataBase64")
+    if r.type == LAUNCH_TEMPLATE or b64:
+        raw = b64 or text
+        try:
+            return base64.b64decode(raw, validate=True).decode("utf-8", "replace")
+        except (binascii.Error, ValueError):
+            return str(raw)
+    return str(text)
+
+
+def _node_roles(resources: Sequence[Resource]) -> dict[str, Resource]:
+    """Roles nodes run as: attached to an instance profile or tagged rayfleet:node-role."""
+    profiled = {str(p.inputs.get("role")) for p in _all(resources, INSTANCE_PROFILE)}
+    out = {}
+    for r in _all(resources, ROLE):
+        if r.refs & profiled or (r.inputs.get("tags") or {}).get(NODE_ROLE_TAG):
+            out[r.name] = r
+    return out
+
+
+def _role_kind(role: Resource) -> str:
+    return str((role.inputs.get("tags") or {}).get(NODE_ROLE_TAG, ""))
+
+
+def _inline_policies(resources: Sequence[Resource], role: Resource) -> list[tuple[Resource,
+                                                                                  list[dict]]]:
+    """(resource, statements) of every inline policy of ``role``."""
+    out = [(p, _statements(p.inputs.get("policy"))) for p in _all(resources, ROLE_POLICY)
+           if str(p.inputs.get("role")) in role.refs]
+    for inline in _list(role.inputs.get("inlinePolicies")):
+        out.append((role, _statements(inline.get("policy"))))
+    return out
+
+
+def _actions(statement: dict) -> list[str]:
+    return [str(a) for a in _list(statement.get("Action"))]
+
+
+def _allows(statement: dict) -> bool:
+    return statement.get("Effect") == "Allow"
+
+
+# ----------------------------------------------------------------------------- the rules
+
+def rule_1_no_world_ray_ports(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    for p in permissions(resources):
+        if p.direction != "ingress" or not p.tcp_or_all:
+            continue
+        world = [c for c in p.cidrs if _is_world(c)]
+        hits = _overlaps(*p.port_range, WORLD_FORBIDDEN_PORTS)
+        if world and hits:
+            yield _v(1, p.resource, f"admits {world[0]} on Ray port(s) "
+                                    f"{', '.join(_ports(a, b) for a, b in hits)}")
+
+
+def rule_2_no_world_ssh(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    for p in permissions(resources):
+        if p.direction != "ingress" or not p.tcp_or_all:
+            continue
+        world = [c for c in p.cidrs if _is_world(c)]
+        if world and _overlaps(*p.port_range, [(22, 22)]):
+            yield _v(2, p.resource, f"admits SSH (22) from {world[0]}; use SSM Session Manager "
+                                    "or rayfleet:operatorCidrs")
+
+
+def rule_4_ray_ports_from_cluster_only(resources: Sequence[Resource],
+                                       operator_cidrs: Sequence[str] = (),
+                                       **_: Any) -> Iterator[Violation]:
+    allowed = {str(ipaddress.ip_network(c, strict=False)) for c in operator_cidrs}
+    for p in permissions(resources):
+        if p.direction != "ingress" or not p.tcp_or_all or p.from_itself:
+            continue
+        hits = _overlaps(*p.port_range, RAY_ONLY_PORTS)
+        if not hits:
+            continue
+        lo, hi = p.port_range
+        operator_rule = (lo == hi and lo in OPERATOR_PORTS and not p.groups
+                         and not p.prefix_lists and p.cidrs
+                         and all(_norm(c) in allowed for c in p.cidrs))
+        if operator_rule:
+            continue
+        source = ", ".join(p.cidrs + p.groups + p.prefix_lists) or "an unnamed source"
+        yield _v(4, p.resource, f"opens Ray port(s) {', '.join(_ports(a, b) for a, b in hits)} "
+                                f"to {source}, not only to its own security group")
+
+
+def _norm(cidr: str) -> str:
+    try:
+        return str(ipaddress.ip_network(cidr, strict=False))
+    except ValueError:
+        return cidr
+
+
+def rule_5_default_sg_denies_all(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    defaults = _all(resources, DEFAULT_SG)
+    for vpc in _all(resources, VPC):
+        mine = [d for d in defaults if str(d.inputs.get("vpcId")) == str(vpc.outputs.get("id"))]
+        if not mine:
+            yield _v(5, vpc, "has no DefaultSecurityGroup resource stripping the default "
+                             "group's allow-all-from-self rule")
+        for d in mine:
+            if _list(d.inputs.get("ingress")) or _list(d.inputs.get("egress")):
+                yield _v(5, d, "keeps rules on the VPC's default security group")
+
+
+def rule_6_descriptions(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    def bad(text: Any) -> str | None:
+        if not text or not str(text).strip():
+            return "has no description"
+        if str(text).strip().lower() in _TOOL_DEFAULT_DESCRIPTIONS:
+            return f"has only the tool's default description {text!r}"
+        if not _SG_DESCRIPTION.fullmatch(str(text)) or len(str(text)) > 255:
+            return (f"has a description EC2 rejects (over 255 characters, or characters "
+                    f"outside a-zA-Z0-9 ._-:/()#,@[]+=&;{{}}!$*): {text!r}")
+        return None
+
+    for g in _all(resources, SG):
+        problem = bad(g.inputs.get("description"))
+        if problem:
+            yield _v(6, g, problem)
+    for p in permissions(resources):
+        if p.resource.type == DEFAULT_SG:
+            continue  # rule 5 wants it empty anyway
+        problem = bad(p.description)
+        if problem:
+            where = "" if p.resource.type != SG else f"'s inline {p.direction} rule"
+            yield _v(6, p.resource, f"{where} {problem}".strip())
+
+
+def rule_7_private_nodes(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    public = public_subnet_ids(resources)
+    for s in _all(resources, SUBNET):
+        if _true(s.inputs.get("mapPublicIpOnLaunch")):
+            yield _v(7, s, "gives instances a public IP on launch (mapPublicIpOnLaunch)")
+    for lt in _all(resources, LAUNCH_TEMPLATE):
+        for nic in _list(lt.inputs.get("networkInterfaces")):
+            if _true(nic.get("associatePublicIpAddress")):
+                yield _v(7, lt, "associates a public IP with a network interface")
+            if nic.get("subnetId") and str(nic.get("subnetId")) in public:
+                yield _v(7, lt, f"puts nodes in public subnet {nic.get('subnetId')}")
+    for inst in _all(resources, INSTANCE):
+        if _true(inst.inputs.get("associatePublicIpAddress")):
+            yield _v(7, inst, "has a public IP")
+        if str(inst.inputs.get("subnetId")) in public:
+            yield _v(7, inst, f"runs in public subnet {inst.inputs.get('subnetId')}")
+
+
+def rule_8_flow_logs(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    groups = {ref: g for g in _all(resources, LOG_GROUP) for ref in g.refs}
+    for vpc in _all(resources, VPC):
+        logs = [f for f in _all(resources, FLOW_LOG)
+                if str(f.inputs.get("vpcId")) == str(vpc.outputs.get("id"))]
+        if not logs:
+            yield _v(8, vpc, "has no flow log")
+            continue
+        for f in logs:
+            if f.inputs.get("trafficType", "ALL") != "ALL":
+                yield _v(8, f, f"logs only {f.inputs.get('trafficType')} traffic, not ALL")
+            if f.inputs.get("logDestinationType", "cloud-watch-logs") != "cloud-watch-logs":
+                continue  # S3 destinations expire through the bucket's lifecycle
+            dest = str(f.inputs.get("logDestination", "")).removesuffix(":*")
+            group = groups.get(dest)
+            if group is None:
+                yield _v(8, f, f"sends to {dest or 'no destination'}, not a log group of this "
+                               "stack")
+            elif not int(group.inputs.get("retentionInDays") or 0):
+                yield _v(8, group, "keeps flow logs forever (no retentionInDays)")
+
+
+def rule_9_imdsv2(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    for r in _all(resources, LAUNCH_TEMPLATE, INSTANCE):
+        meta = r.inputs.get("metadataOptions") or {}
+        if meta.get("httpEndpoint") == "disabled":
+            continue  # no IMDS at all is stricter still
+        if meta.get("httpTokens") != "required":
+            yield _v(9, r, f"allows IMDSv1 (httpTokens={meta.get('httpTokens')!r}, "
+                           "must be 'required')")
+        hop = meta.get("httpPutResponseHopLimit")
+        reason = (r.inputs.get("tags") or {}).get(HOP_LIMIT_REASON_TAG)
+        if hop is None:
+            yield _v(9, r, "leaves the IMDS hop limit to the AMI (set 1)")
+        elif int(hop) == 2 and not reason:
+            yield _v(9, r, f"sets IMDS hop limit 2 without a {HOP_LIMIT_REASON_TAG} tag "
+                           "saying why")
+        elif int(hop) > 2:
+            yield _v(9, r, f"sets IMDS hop limit {hop}; 1, or 2 for containers")
+
+
+def rule_10_ebs_encrypted(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    for lt in _all(resources, LAUNCH_TEMPLATE):
+        mappings = [m for m in _list(lt.inputs.get("blockDeviceMappings")) if m.get("ebs")]
+        if not mappings:
+            yield _v(10, lt, "has no root volume mapping, so encryption is left to the AMI")
+        for m in mappings:
+            if not _true(m["ebs"].get("encrypted")):
+                yield _v(10, lt, f"leaves EBS volume {m.get('deviceName')} unencrypted")
+    for inst in _all(resources, INSTANCE):
+        devices = [inst.inputs.get("rootBlockDevice") or {}] + \
+            _list(inst.inputs.get("ebsBlockDevices"))
+        for d in devices:
+            if not _true(d.get("encrypted")):
+                yield _v(10, inst, f"leaves EBS volume {d.get('deviceName', 'root')} unencrypted")
+    for vol in _all(resources, VOLUME):
+        if not _true(vol.inputs.get("encrypted")):
+            yield _v(10, vol, "is not encrypted")
+
+
+def _for_bucket(resources: Sequence[Resource], bucket: Resource,
+                *types: str) -> list[Resource]:
+    return [r for r in _all(resources, *types) if str(r.inputs.get("bucket")) in bucket.refs]
+
+
+def rule_11_public_access_block(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    flags = ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets")
+    for b in _all(resources, *BUCKETS):
+        blocks = _for_bucket(resources, b, PUBLIC_ACCESS_BLOCK)
+        if not blocks:
+            yield _v(11, b, "has no BucketPublicAccessBlock")
+        for block in blocks:
+            off = [f for f in flags if not _true(block.inputs.get(f))]
+            if off:
+                yield _v(11, block, f"leaves {', '.join(off)} off")
+
+
+def rule_12_encryption(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    for b in _all(resources, *BUCKETS):
+        configs = _for_bucket(resources, b, *SSE)
+        algorithms = [((r.get("applyServerSideEncryptionByDefault") or {})
+                       .get("sseAlgorithm")) for c in configs for r in _list(c.inputs.get("rules"))]
+        if not any(a in ("aws:kms", "aws:kms:dsse", "AES256") for a in algorithms):
+            yield _v(12, b, "has no server-side encryption configuration (KMS or AES256)")
+
+
+def rule_13_tls_only(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    for b in _all(resources, *BUCKETS):
+        arn = str(b.outputs.get("arn", ""))
+        found = False
+        for policy in _for_bucket(resources, b, BUCKET_POLICY):
+            for s in _statements(policy.inputs.get("policy")):
+                principal = s.get("Principal")
+                cond = (s.get("Condition") or {}).get("Bool") or {}
+                resources_ = {str(x) for x in _list(s.get("Resource"))}
+                if (s.get("Effect") == "Deny" and principal in ("*", {"AWS": "*"})
+                        and {"s3:*"} & set(_actions(s))
+                        and str(cond.get("aws:SecureTransport")).lower() == "false"
+                        and {arn, f"{arn}/*"} <= resources_):
+                    found = True
+        if not found:
+            yield _v(13, b, "has no bucket policy denying every s3:* request with "
+                            "aws:SecureTransport=false on the bucket and its objects")
+
+
+def rule_14_versioning_lifecycle(resources: Sequence[Resource],
+                                 **_: Any) -> Iterator[Violation]:
+    for b in _all(resources, *BUCKETS):
+        enabled = [v for v in _for_bucket(resources, b, *VERSIONING)
+                   if (v.inputs.get("versioningConfiguration") or {}).get("status") == "Enabled"]
+        if not enabled:
+            yield _v(14, b, "has versioning off")
+        rules = [r for lc in _for_bucket(resources, b, *LIFECYCLE)
+                 for r in _list(lc.inputs.get("rules"))
+                 if r.get("status") == "Enabled" and _whole_bucket(r)]
+        if not any(int((r.get("noncurrentVersionExpiration") or {}).get("noncurrentDays") or 0)
+                   for r in rules):
+            yield _v(14, b, "has no enabled lifecycle rule expiring noncurrent versions")
+        if not any(int((r.get("abortIncompleteMultipartUpload") or {})
+                       .get("daysAfterInitiation") or 0) for r in rules):
+            yield _v(14, b, "has no enabled lifecycle rule aborting incomplete multipart uploads")
+
+
+def _whole_bucket(rule: dict) -> bool:
+    f = rule.get("filter") or {}
+    return not (rule.get("prefix") or f.get("prefix") or f.get("tag") or f.get("and")
+                or f.get("objectSizeGreaterThan") or f.get("objectSizeLessThan"))
+
+
+def rule_15_acls_disabled(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    for b in _all(resources, *BUCKETS):
+        owners = [(o.inputs.get("rule") or {}).get("objectOwnership")
+                  for o in _for_bucket(resources, b, OWNERSHIP)]
+        if "BucketOwnerEnforced" not in owners:
+            yield _v(15, b, "does not enforce bucket-owner ownership (ACLs stay enabled)")
+        if b.inputs.get("acl") or b.inputs.get("grants"):
+            yield _v(15, b, "sets an ACL")
+        for acl in _for_bucket(resources, b, *BUCKET_ACLS):
+            yield _v(15, acl, "sets an ACL on the bucket")
+
+
+def rule_16_no_broad_managed_policies(resources: Sequence[Resource],
+                                      **_: Any) -> Iterator[Violation]:
+    def forbidden(arn: Any) -> str | None:
+        name = str(arn).rsplit("/", 1)[-1]
+        return name if ":aws:policy/" in str(arn) and name in FORBIDDEN_MANAGED_POLICIES \
+            else None
+
+    for r in _all(resources, ROLE_ATTACHMENT, *POLICY_ATTACHMENTS):
+        name = forbidden(r.inputs.get("policyArn"))
+        if name:
+            yield _v(16, r, f"attaches {name}")
+    for role in _all(resources, ROLE):
+        for arn in _list(role.inputs.get("managedPolicyArns")):
+            if forbidden(arn):
+                yield _v(16, role, f"attaches {forbidden(arn)}")
+    docs = [(r, _statements(r.inputs.get("policy"))) for r in _all(resources, ROLE_POLICY,
+                                                                   POLICY)]
+    docs += [(role, _statements(p.get("policy"))) for role in _all(resources, ROLE)
+             for p in _list(role.inputs.get("inlinePolicies"))]
+    for r, statements in docs:
+        for s in statements:
+            if not _allows(s):
+                continue
+            if s.get("NotAction"):
+                yield _v(16, r, "allows NotAction (everything except a list)")
+            broad = [a for a in _actions(s) if a == "*" or re.fullmatch(r"(iam|ec2|s3):\*", a)]
+            if broad:
+                yield _v(16, r, f"allows {', '.join(broad)}")
+
+
+def rule_17_scoped_node_roles(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    bucket_arns = {str(b.outputs.get("arn")) for b in _all(resources, *BUCKETS)}
+    for role in _node_roles(resources).values():
+        kind = _role_kind(role)
+        for policy, statements in _inline_policies(resources, role):
+            for s in statements:
+                if not _allows(s):
+                    continue
+                yield from _check_s3_scope(policy, s, bucket_arns)
+                ec2 = [a for a in _actions(s) if a.lower().startswith("ec2:")
+                       and not a.lower().startswith("ec2:describe")]
+                if ec2 and kind != "head":
+                    yield _v(17, policy, f"lets the {kind or 'node'} role call "
+                                         f"{', '.join(ec2)}; only the head launches nodes")
+                elif ec2 and not _ec2_scoped(s):
+                    yield _v(17, policy, f"allows {', '.join(ec2)} without a "
+                                         f"{RAY_CLUSTER_TAG} tag condition")
+
+
+def _check_s3_scope(policy: Resource, s: dict, bucket_arns: set[str]) -> Iterator[Violation]:
+    s3 = [a for a in _actions(s) if a.lower().startswith("s3:")]
+    if not s3:
+        return
+    for res in (str(x) for x in _list(s.get("Resource"))):
+        bucket = res.split("/", 1)[0]
+        if bucket not in bucket_arns:
+            yield _v(17, policy, f"allows {', '.join(s3)} on {res}, outside the stack's bucket")
+        elif "/" in res and res.split("/", 1)[1] in ("", "*"):
+            yield _v(17, policy, f"allows {', '.join(s3)} on every object of {bucket}, not "
+                                 "only the cluster's key prefix")
+    if "s3:ListBucket" in s3 and not (s.get("Condition") or {}).get("StringLike", {}).get(
+            "s3:prefix"):
+        yield _v(17, policy, "allows s3:ListBucket on the whole bucket (no s3:prefix condition)")
+
+
+def _ec2_scoped(s: dict) -> bool:
+    cond = json.dumps(s.get("Condition") or {})
+    if RAY_CLUSTER_TAG in cond or "ec2:CreateAction" in cond:
+        return True
+    # RunInstances on the launch's supporting resources (subnet, image, volume...) cannot be
+    # tag-conditioned; it is harmless as long as the instance itself is not covered.
+    resources_ = [str(x) for x in _list(s.get("Resource"))]
+    return (_actions(s) == ["ec2:RunInstances"]
+            and not any(r == "*" or ":instance/" in r or r.endswith(":*") for r in resources_))
+
+
+def rule_18_pass_role_worker_only(resources: Sequence[Resource],
+                                  **_: Any) -> Iterator[Violation]:
+    workers = {str(r.outputs.get("arn")) for r in _node_roles(resources).values()
+               if _role_kind(r) == "worker"}
+    docs = [(r, _statements(r.inputs.get("policy"))) for r in _all(resources, ROLE_POLICY,
+                                                                   POLICY)]
+    for r, statements in docs:
+        for s in statements:
+            if not _allows(s):
+                continue
+            if not any(a in ("iam:PassRole", "iam:*", "*") for a in _actions(s)):
+                continue
+            targets = [str(x) for x in _list(s.get("Resource"))]
+            wrong = [t for t in targets if t not in workers]
+            if wrong or not targets:
+                yield _v(18, r, f"allows iam:PassRole on {', '.join(wrong) or 'nothing named'}"
+                                ", not only the worker role")
+
+
+def rule_19_ec2_trust_only(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    nodes = _node_roles(resources)
+    for role in _all(resources, ROLE):
+        for s in _statements(role.inputs.get("assumeRolePolicy")):
+            if not _allows(s):
+                continue
+            principal = s.get("Principal")
+            if not isinstance(principal, dict) or set(principal) != {"Service"}:
+                yield _v(19, role, f"trusts {json.dumps(principal)}, not an AWS service")
+                continue
+            services = [str(x) for x in _list(principal["Service"])]
+            if role.name in nodes and services != ["ec2.amazonaws.com"]:
+                yield _v(19, role, f"is a node role trusting {', '.join(services)}; only "
+                                   "ec2.amazonaws.com may assume it")
+
+
+def rule_20_no_secrets_in_user_data(resources: Sequence[Resource],
+                                    **_: Any) -> Iterator[Violation]:
+    for r in _all(resources, LAUNCH_TEMPLATE, INSTANCE):
+        text = _decoded_user_data(r)
+        for pattern, what in SECRET_PATTERNS:
+            if pattern.search(text):
+                yield _v(20, r, f"carries {what} in its user data")
+
+
+# number: (title, external IDs as DESIGN.md names them)
+RULES_META: Mapping[int, tuple[str, str]] = {
+    1: ("no 0.0.0.0/0 or ::/0 ingress to Ray's ports", "nearest EC2.18, CKV_AWS_277"),
+    2: ("no SSH from the world; SSM or named CIDRs", "CKV_AWS_24, AWS-0107"),
+    4: ("Ray ports open only from the cluster's own security group", "rayfleet"),
+    5: ("VPC default security group denies all", "CKV2_AWS_12, EC2.2"),
+    6: ("every security group and rule has a description", "CKV_AWS_23"),
+    7: ("nodes in private subnets, no public IP", "CKV_AWS_88, EC2.9"),
+    8: ("VPC flow logs on, with retention", "CKV2_AWS_11, EC2.6"),
+    9: ("IMDSv2 required, hop limit 1 (2 only where containers need it, said why)",
+        "CKV_AWS_79, CKV_AWS_341, EC2.8"),
+    10: ("EBS volumes encrypted", "CKV_AWS_8, EC2.3"),
+    11: ("S3 block public access, all four flags", "CKV_AWS_53-56, S3.8"),
+    12: ("S3 server-side encryption (KMS or S3-managed)", "CKV_AWS_19/145"),
+    13: ("bucket policy denies aws:SecureTransport=false", "S3.5"),
+    14: ("versioning, noncurrent-version lifecycle, abort incomplete multipart",
+         "CKV_AWS_21, CKV_AWS_300"),
+    15: ("bucket ACLs disabled (ownership enforced)", "CKV2_AWS_65, S3.12"),
+    16: ("no AmazonEC2FullAccess / AmazonS3FullAccess / admin policies",
+         "CKV_AWS_274, AWS-0345"),
+    17: ("worker role limited to the bucket prefix; head EC2 actions limited by cluster tag",
+         "CKV_AWS_355, IAM.21"),
+    18: ("iam:PassRole only on the worker role", "AWS-0342"),
+    19: ("role trust allows ec2.amazonaws.com only", "CKV_AWS_60/61"),
+    20: ("no secrets in user data", "CKV_AWS_46"),
+}
+
+_CHECKS: Mapping[int, Callable[..., Iterator[Violation]]] = {
+    1: rule_1_no_world_ray_ports, 2: rule_2_no_world_ssh, 4: rule_4_ray_ports_from_cluster_only,
+    5: rule_5_default_sg_denies_all, 6: rule_6_descriptions, 7: rule_7_private_nodes,
+    8: rule_8_flow_logs, 9: rule_9_imdsv2, 10: rule_10_ebs_encrypted,
+    11: rule_11_public_access_block, 12: rule_12_encryption, 13: rule_13_tls_only,
+    14: rule_14_versioning_lifecycle, 15: rule_15_acls_disabled,
+    16: rule_16_no_broad_managed_policies, 17: rule_17_scoped_node_roles,
+    18: rule_18_pass_role_worker_only, 19: rule_19_ec2_trust_only,
+    20: rule_20_no_secrets_in_user_data,
+}
+
+RULES: Mapping[int, Rule] = {
+    n: Rule(n, RULES_META[n][0], RULES_META[n][1], _CHECKS[n]) for n in RULES_META
+}
+
+
+def check(resources: Sequence[Resource], rules: Iterable[int] | None = None, *,
+          operator_cidrs: Sequence[str] = ()) -> list[Violation]:
+    """Every violation of ``rules`` (default: all infra rules) in the resource graph.
+
+    ``operator_cidrs`` are the stack's ``rayfleet:operatorCidrs``: rule 4 lets exactly those
+    reach SSH and the dashboard.
+    """
+    out: list[Violation] = []
+    for n in (sorted(RULES) if rules is None else rules):
+        out.extend(RULES[n].check(resources, operator_cidrs=operator_cidrs))
+    return out

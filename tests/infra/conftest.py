@@ -1,0 +1,74 @@
+"""Fixtures: the Pulumi program built under mocks for three stacks, once per session.
+
+- ``dev``: the worked example, Pulumi.dev.yaml.
+- ``minimal``: every default, and S3-managed encryption, no budget, no operator CIDRs.
+- ``maximal``: every option on — 6 AZs, a NAT per AZ, IPv4 and IPv6 operator CIDRs, p4de,
+  Ray in Docker (IMDS hop limit 2), a pinned AMI, a budget.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+import yaml
+
+from .harness import ROOT, Built, run_program
+
+# pulumi_aws warns about its own deprecated classes (BucketV2...) when its modules load; the
+# program uses none of them, so load the modules it does use quietly, once.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    for _module, _cls in (("s3", "Bucket"), ("ec2", "Vpc"), ("vpc", "SecurityGroupIngressRule"),
+                          ("iam", "Role"), ("cloudwatch", "LogGroup"), ("kms", "Key"),
+                          ("budgets", "Budget")):
+        # pulumi_aws loads submodules lazily: touching a class is what imports them.
+        getattr(importlib.import_module(f"pulumi_aws.{_module}"), _cls)
+
+MINIMAL = {"rayfleet:bucketEncryption": "s3"}
+MAXIMAL = {
+    "rayfleet:clusterName": "fleet-max",
+    "rayfleet:region": "us-west-2",
+    "rayfleet:azCount": 6,
+    "rayfleet:workerAz": "us-west-2d",
+    "rayfleet:vpcCidr": "10.64.0.0/16",
+    "rayfleet:natGateways": "per-az",
+    "rayfleet:flowLogRetentionDays": 365,
+    "rayfleet:operatorCidrs": ["10.8.0.0/16", "192.168.10.0/24", "2001:db8::/48"],
+    "rayfleet:headInstanceType": "m7i.4xlarge",
+    "rayfleet:workerInstanceType": "p4de.24xlarge",
+    "rayfleet:minWorkers": 2,
+    "rayfleet:maxWorkers": 8,
+    "rayfleet:onDemandWorkers": 3,
+    "rayfleet:headRootVolumeGb": 300,
+    "rayfleet:workerRootVolumeGb": 2000,
+    "rayfleet:amiId": "ami-0fedcba9876543210",
+    "rayfleet:rayInDocker": True,
+    "rayfleet:bucketPrefix": "fleet-max-ckpt-",
+    "rayfleet:bucketKeyPrefix": "teams/ml/",
+    "rayfleet:bucketEncryption": "kms",
+    "rayfleet:noncurrentVersionDays": 90,
+    "rayfleet:abortMultipartDays": 2,
+    "rayfleet:budgetMonthlyUsd": 50000,
+    "rayfleet:budgetEmails": ["oncall@example.com", "finance@example.com"],
+}
+
+
+def dev_config() -> dict:
+    return yaml.safe_load((ROOT / "Pulumi.dev.yaml").read_text())["config"]
+
+
+STACKS = {"dev": dev_config, "minimal": lambda: dict(MINIMAL), "maximal": lambda: dict(MAXIMAL)}
+
+
+@pytest.fixture(scope="session")
+def built() -> dict[str, Built]:
+    """{stack: Built}, each built once for the whole session (a build takes ~2 s)."""
+    return {name: run_program(config(), stack=name) for name, config in STACKS.items()}
+
+
+@pytest.fixture(scope="session", params=sorted(STACKS))
+def stack(request, built) -> tuple[str, dict, Built]:
+    """Each of the three stacks in turn: (name, config, Built)."""
+    return request.param, STACKS[request.param](), built[request.param]

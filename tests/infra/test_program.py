@@ -1,0 +1,324 @@
+"""The whole Pulumi program under mocks: what it builds, what it exports, what it refuses."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+
+import pulumi
+import pytest
+
+from infra import policy
+from infra.components import SCHEMA_VERSION
+from rayfleet.config import RAY_CLUSTER_TAG, RAY_PORTS, StackConfig
+from rayfleet.errors import ConfigError
+
+from .conftest import MAXIMAL
+from .harness import AMI_ID, run_program
+
+pytestmark = pytest.mark.unit
+
+COMPONENTS = {"rayfleet:infra:Network", "rayfleet:infra:Security", "rayfleet:infra:Storage",
+              "rayfleet:infra:Iam", "rayfleet:infra:GpuNodes", "rayfleet:infra:Budget"}
+
+
+def config_of(values: dict) -> StackConfig:
+    return StackConfig.from_mapping(values)
+
+
+# ----------------------------------------------------------------------------- structure
+
+def test_every_aws_resource_is_a_named_child_of_a_component(stack):
+    _, _, b = stack
+    components = {r.urn: r.name for r in b.resources if r.type in COMPONENTS}
+    for r in b.resources:
+        if not r.type.startswith("aws:"):
+            continue
+        assert r.parent in components, f"{r.label} is not inside a component"
+        assert r.name.startswith(f"{components[r.parent]}-"), \
+            f"{r.label} is not named after its component {components[r.parent]!r}"
+
+
+def test_every_aws_resource_uses_the_stacks_explicit_provider(stack):
+    _, values, b = stack
+    (provider,) = b.of_type("pulumi:providers:aws")
+    assert provider.inputs["region"] == config_of(values).region
+    # Provider inputs reach the engine JSON-encoded.
+    tags = json.loads(provider.inputs["defaultTags"])["tags"]
+    assert tags["rayfleet:managed-by"] == "pulumi"
+    for r in b.resources:
+        if r.type.startswith("aws:"):
+            assert provider.name in r.provider, f"{r.label} falls back to the ambient provider"
+
+
+def test_lookups_go_through_the_explicit_provider(stack):
+    _, _, b = stack
+    tokens = {c.token for c in b.calls}
+    assert tokens == {"aws:index/getAvailabilityZones:getAvailabilityZones",
+                      "aws:index/getCallerIdentity:getCallerIdentity", "aws:ec2/getAmi:getAmi"}
+    assert all("-aws::" in c.provider for c in b.calls)
+
+
+def test_ami_is_the_deep_learning_ami_unless_pinned(built):
+    (dev_lookup,) = [c for c in built["dev"].calls if c.token == "aws:ec2/getAmi:getAmi"]
+    filters = {f["name"]: f["values"] for f in dev_lookup.args["filters"]}
+    assert dev_lookup.args["owners"] == ["amazon"] and dev_lookup.args["mostRecent"]
+    assert "Deep Learning" in filters["name"][0] and filters["architecture"] == ["x86_64"]
+    (max_lookup,) = [c for c in built["maximal"].calls if c.token == "aws:ec2/getAmi:getAmi"]
+    assert max_lookup.args["filters"] == [{"name": "image-id",
+                                           "values": [MAXIMAL["rayfleet:amiId"]]}]
+    for lt in built["dev"].of_type(policy.LAUNCH_TEMPLATE):
+        assert lt.inputs["imageId"] == AMI_ID
+
+
+# ----------------------------------------------------------------------------- network
+
+def test_subnets_span_the_configured_azs_workers_az_first(stack):
+    _, values, b = stack
+    c = config_of(values)
+    out = b.outputs["rayfleet"]
+    assert len(out["availability_zones"]) == len(set(out["availability_zones"])) \
+        == c.network.az_count
+    if c.network.worker_az:
+        assert out["availability_zones"][0] == c.network.worker_az
+    assert out["worker_availability_zone"] == out["availability_zones"][0]
+    subnets = b.of_type(policy.SUBNET)
+    assert len(subnets) == 2 * c.network.az_count
+    vpc = ipaddress.ip_network(c.network.vpc_cidr)
+    assert all(ipaddress.ip_network(s.inputs["cidrBlock"]).subnet_of(vpc) for s in subnets)
+
+
+def test_exported_subnets_are_private_and_route_through_nat(stack):
+    _, _, b = stack
+    out = b.outputs["rayfleet"]
+    public = policy.public_subnet_ids(b.resources)
+    assert len(public) == len(out["private_subnet_ids"])
+    assert not set(out["private_subnet_ids"]) & public
+    assert out["worker_subnet_id"] in out["private_subnet_ids"]
+    nat_routes = [r for r in b.of_type(policy.ROUTE) if r.inputs.get("natGatewayId")]
+    assert len(nat_routes) == len(out["private_subnet_ids"])
+
+
+@pytest.mark.parametrize("stack_name,expected", [("dev", 1), ("maximal", 6)])
+def test_nat_gateways_single_or_one_per_az(built, stack_name, expected):
+    # dev: natGateways single; maximal: per-az over 6 AZs, each AZ leaving through its own.
+    b = built[stack_name]
+    nats = b.of_type("aws:ec2/natGateway:NatGateway")
+    assert len(nats) == expected
+    private_nat_targets = {r.inputs["natGatewayId"] for r in b.of_type(policy.ROUTE)
+                           if r.inputs.get("natGatewayId")}
+    assert private_nat_targets == {n.outputs["id"] for n in nats}
+
+
+def test_s3_gateway_endpoint_serves_the_private_route_tables(stack):
+    _, values, b = stack
+    (endpoint,) = b.of_type("aws:ec2/vpcEndpoint:VpcEndpoint")
+    assert endpoint.inputs["serviceName"] == f"com.amazonaws.{config_of(values).region}.s3"
+    assert endpoint.inputs["vpcEndpointType"] == "Gateway"
+    assert len(endpoint.inputs["routeTableIds"]) == config_of(values).network.az_count
+
+
+# ----------------------------------------------------------------------------- security
+
+def test_every_ray_port_is_open_to_the_cluster_group_only(stack):
+    _, _, b = stack
+    sg = b.outputs["rayfleet"]["cluster_security_group_id"]
+    opened = {(p.from_port, p.to_port) for p in policy.permissions(b.resources)
+              if p.group == sg and p.direction == "ingress" and p.groups == (sg,)}
+    assert opened == {(p.from_port, p.to_port) for p in RAY_PORTS}
+
+
+def test_operator_access_is_ssm_only_unless_cidrs_are_named(stack):
+    _, values, b = stack
+    c = config_of(values)
+    out = b.outputs["rayfleet"]
+    cidr_rules = [p for p in policy.permissions(b.resources)
+                  if p.direction == "ingress" and p.cidrs]
+    assert out["operator_access"] == c.access.mode
+    assert {(p.cidrs[0], p.from_port) for p in cidr_rules} == \
+        {(cidr, port) for cidr in c.access.operator_cidrs for port in (22, 8265)}
+
+
+def test_efa_group_admits_only_itself(stack):
+    _, _, b = stack
+    efa = b.outputs["rayfleet"]["efa_security_group_id"]
+    rules = [p for p in policy.permissions(b.resources) if p.group == efa]
+    assert {p.direction for p in rules} == {"ingress", "egress"}
+    assert all(p.groups == (efa,) and not p.cidrs for p in rules)
+
+
+# ----------------------------------------------------------------------------- nodes
+
+def test_worker_templates_carry_efa_placement_and_market(stack):
+    _, values, b = stack
+    c = config_of(values)
+    out = b.outputs["rayfleet"]
+    lts = {k: b.named(f"{c.cluster_name}-nodes-{k.replace('_', '-')}")
+           for k in ("head", "worker_ondemand", "worker_spot")}
+    for kind, lt in lts.items():
+        assert out["launch_templates"][kind]["id"] == lt.outputs["id"]
+        assert lt.inputs["instanceInitiatedShutdownBehavior"] == "terminate"
+    for kind in ("worker_ondemand", "worker_spot"):
+        lt = lts[kind]
+        nics = lt.inputs["networkInterfaces"]
+        assert len(nics) == c.nodes.worker.efa_interfaces == 4
+        assert [n["networkCardIndex"] for n in nics] == [0, 1, 2, 3]
+        assert [n["deviceIndex"] for n in nics] == [0, 1, 1, 1]
+        assert all(n["interfaceType"] == "efa" and n["subnetId"] == out["worker_subnet_id"]
+                   for n in nics)
+        assert lt.inputs["placement"]["groupName"] == out["placement_group"]
+        assert lt.inputs["instanceType"] == c.nodes.worker_instance_type
+    assert lts["worker_spot"].inputs["instanceMarketOptions"]["marketType"] == "spot"
+    assert "instanceMarketOptions" not in lts["worker_ondemand"].inputs
+    assert "networkInterfaces" not in lts["head"].inputs
+    assert lts["head"].inputs["instanceType"] == c.nodes.head_instance_type
+    (pg,) = b.of_type("aws:ec2/placementGroup:PlacementGroup")
+    assert pg.inputs["strategy"] == "cluster"
+
+
+def test_nodes_are_tagged_for_the_head_role_and_sweep(stack):
+    _, values, b = stack
+    c = config_of(values)
+    for lt in b.of_type(policy.LAUNCH_TEMPLATE):
+        specs = {s["resourceType"]: s["tags"] for s in lt.inputs["tagSpecifications"]}
+        assert specs["instance"][RAY_CLUSTER_TAG] == c.cluster_name
+        assert specs["volume"][RAY_CLUSTER_TAG] == c.cluster_name
+        if "spot" in lt.name:
+            assert "spot-instances-request" in specs
+
+
+def test_root_volumes_are_gp3_and_sized_from_config(stack):
+    _, values, b = stack
+    c = config_of(values)
+    sizes = {}
+    for lt in b.of_type(policy.LAUNCH_TEMPLATE):
+        (root,) = lt.inputs["blockDeviceMappings"]
+        assert root["deviceName"] == "/dev/sda1" and root["ebs"]["volumeType"] == "gp3"
+        sizes[lt.name.rsplit("-nodes-", 1)[1]] = root["ebs"]["volumeSize"]
+    assert sizes == {"head": c.nodes.head_root_volume_gb,
+                     "worker-ondemand": c.nodes.worker_root_volume_gb,
+                     "worker-spot": c.nodes.worker_root_volume_gb}
+
+
+def test_hop_limit_is_two_only_with_ray_in_docker(built):
+    for name, expected in (("dev", 1), ("maximal", 2)):
+        for lt in built[name].of_type(policy.LAUNCH_TEMPLATE):
+            assert lt.inputs["metadataOptions"]["httpPutResponseHopLimit"] == expected
+    assert built["maximal"].outputs["rayfleet"]["imds_hop_limit"] == 2
+
+
+# ----------------------------------------------------------------------------- storage, IAM
+
+def test_encryption_is_the_stacks_kms_key_or_s3_managed(built):
+    for name, algorithm in (("dev", "aws:kms"), ("minimal", "AES256")):
+        b = built[name]
+        (sse,) = b.of_type(policy.SSE[0])
+        default = sse.inputs["rules"][0]["applyServerSideEncryptionByDefault"]
+        assert default["sseAlgorithm"] == algorithm
+        keys = b.of_type("aws:kms/key:Key")
+        if algorithm == "aws:kms":
+            (key,) = keys
+            assert default["kmsMasterKeyId"] == key.outputs["arn"]
+            assert key.inputs["enableKeyRotation"] is True
+            assert b.outputs["rayfleet"]["kms_key_arn"] == key.outputs["arn"]
+        else:
+            assert not keys and b.outputs["rayfleet"]["kms_key_arn"] is None
+
+
+def test_node_roles_reach_only_the_configured_key_prefix(stack):
+    _, values, b = stack
+    c = config_of(values)
+    bucket_arn = b.outputs["rayfleet"]["bucket_arn"]
+    for kind in ("head", "worker"):
+        doc = json.loads(b.named(f"{c.cluster_name}-iam-{kind}-storage").inputs["policy"])
+        by_sid = {s["Sid"]: s for s in doc["Statement"]}
+        assert by_sid["ReadWriteClusterPrefix"]["Resource"] == \
+            f"{bucket_arn}/{c.storage.key_prefix}*"
+        assert f"{c.storage.key_prefix}*" in \
+            by_sid["ListClusterPrefix"]["Condition"]["StringLike"]["s3:prefix"]
+        assert ("UseBucketKeyThroughS3" in by_sid) == (c.storage.encryption == "kms")
+
+
+def test_instance_profiles_wrap_the_node_roles(stack):
+    _, _, b = stack
+    out = b.outputs["rayfleet"]
+    profiles = {p.outputs["arn"]: p for p in b.of_type(policy.INSTANCE_PROFILE)}
+    roles = {r.outputs["id"]: r for r in b.of_type(policy.ROLE)}
+    for kind in ("head", "worker"):
+        profile = profiles[out["instance_profiles"][kind]["arn"]]
+        role = roles[profile.inputs["role"]]
+        assert role.inputs["tags"]["rayfleet:node-role"] == kind
+        assert role.outputs["arn"] == out["roles"][kind]["arn"]
+
+
+# ----------------------------------------------------------------------------- outputs
+
+def test_stack_output_schema(stack):
+    _, values, b = stack
+    c = config_of(values)
+    assert set(b.outputs) == {"rayfleet"}
+    out = b.outputs["rayfleet"]
+    assert out["schema_version"] == SCHEMA_VERSION
+    assert set(out) == {
+        "schema_version", "stack", "cluster_name", "region", "availability_zones",
+        "worker_availability_zone", "vpc_id", "private_subnet_ids", "worker_subnet_id",
+        "cluster_security_group_id", "efa_security_group_id", "operator_access",
+        "operator_cidrs", "instance_profiles", "roles", "launch_templates", "node_types",
+        "placement_group", "ami_id", "imds_hop_limit", "bucket", "bucket_arn",
+        "bucket_key_prefix", "storage_uri", "kms_key_arn", "ray_ports", "budget_name"}
+    assert (out["cluster_name"], out["region"]) == (c.cluster_name, c.region)
+    assert out["storage_uri"] == f"s3://{out['bucket']}/{c.storage.key_prefix}"
+    assert out["bucket"].startswith(c.storage.bucket_prefix)
+    nt = out["node_types"]
+    assert nt["head"]["gpus"] == 0 and nt["worker_spot"]["gpus"] == 8
+    assert nt["worker_ondemand"]["min_workers"] + nt["worker_spot"]["min_workers"] == \
+        c.nodes.min_workers
+    assert nt["worker_ondemand"]["max_workers"] + nt["worker_spot"]["max_workers"] == \
+        c.nodes.max_workers
+    assert (out["budget_name"] is not None) == c.budget.enabled
+    assert out["ray_ports"]["gcs"] == [6379, 6379]
+    json.dumps(out)  # plain JSON: what `pulumi stack output --json` hands render
+
+
+def test_budget_alerts_the_configured_addresses(built):
+    (budget,) = built["maximal"].of_type("aws:budgets/budget:Budget")
+    assert budget.inputs["limitAmount"] == "50000" and budget.inputs["timeUnit"] == "MONTHLY"
+    for n in budget.inputs["notifications"]:
+        assert n["subscriberEmailAddresses"] == MAXIMAL["rayfleet:budgetEmails"]
+    assert not built["minimal"].of_type("aws:budgets/budget:Budget")
+
+
+# ----------------------------------------------------------------------------- refusals
+
+@pytest.mark.parametrize("values,key", [
+    ({"rayfleet:operatorCidrs": ["0.0.0.0/0"]}, "rayfleet:operatorCidrs"),
+    ({"rayfleet:region": "us-west-1"}, "rayfleet:region"),
+    ({"rayfleet:minWorkers": 5}, "rayfleet:minWorkers"),
+    ({"rayfleet:bucketPrefix": "Bad_Bucket"}, "rayfleet:bucketPrefix"),
+    ({"rayfleet:maxWorker": 4}, "rayfleet:maxWorker"),
+    ({"aws:region": "eu-west-1"}, "aws:region"),
+])
+def test_bad_config_stops_the_program_before_any_resource(values, key):
+    registered = []
+    with pytest.raises(ConfigError) as info:
+        run_program(values, stack="bad", extra=lambda: registered.append("reached"))
+    assert info.value.key == key
+    assert not registered
+
+
+def test_worker_az_must_be_an_available_zone_of_the_region():
+    with pytest.raises(ConfigError, match="rayfleet:workerAz: us-east-1f is not an available"):
+        run_program({"rayfleet:workerAz": "us-east-1f"}, zones=3)
+
+
+def test_az_count_beyond_the_regions_zones_is_refused():
+    with pytest.raises(ConfigError, match="rayfleet:azCount: is 4 but us-east-2 has 3"):
+        run_program({"rayfleet:region": "us-east-2", "rayfleet:azCount": 4}, zones=3)
+
+
+def test_repeated_builds_in_one_session_are_independent(built):
+    again = run_program({"rayfleet:bucketEncryption": "s3"}, stack="minimal")
+    assert sorted((r.type, r.name) for r in again.resources) == \
+        sorted((r.type, r.name) for r in built["minimal"].resources)
+    assert again.outputs == built["minimal"].outputs
+    assert pulumi.get_stack() == "minimal"
