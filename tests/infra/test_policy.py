@@ -1,0 +1,390 @@
+"""DESIGN.md's infrastructure security rules, read as policies over the built stacks.
+
+For every rule: the three stacks (dev, minimal, maximal) have no violation, and at least one
+mutation — a resource of the real graph changed the way a careless edit would change it, or
+a resource added — is caught with a message naming the offending resource. A few mutations go
+through the program itself under Pulumi's mocks rather than through the captured graph.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import dataclasses
+import json
+from collections.abc import Callable
+
+import pulumi_aws as aws
+import pytest
+
+from infra import policy
+from infra.components import gpu_nodes
+from infra.policy import RULES, Resource, check
+
+from .conftest import MAXIMAL, dev_config
+from .harness import Built, run_program
+
+pytestmark = pytest.mark.unit
+
+
+# ----------------------------------------------------------------------------- no violations
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_rule_holds_on_every_stack(rule, stack):
+    _, values, b = stack
+    operator_cidrs = values.get("rayfleet:operatorCidrs", [])
+    violations = check(b.resources, [rule], operator_cidrs=operator_cidrs)
+    assert not violations, "\n".join(map(str, violations))
+
+
+def test_every_rule_of_design_md_that_concerns_infra_is_checked():
+    assert set(RULES) == {1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20}
+    for number, rule in RULES.items():
+        assert rule.external_id and rule.title, number
+
+
+# ----------------------------------------------------------------------------- mutation kit
+
+Mutation = Callable[[Built], tuple[list[Resource], str]]
+
+
+def _pick(b: Built, name: str, typ: str | None) -> Resource:
+    found = [r for r in b.resources if r.name == name and typ in (None, r.type)]
+    assert len(found) == 1, f"{len(found)} resources named {name!r} (type {typ})"
+    return found[0]
+
+
+def edit(b: Built, name: str, change: Callable[[dict], object],
+         typ: str | None = None) -> tuple[list[Resource], str]:
+    """The graph with resource ``name``'s inputs changed in place of the original."""
+    target = _pick(b, name, typ)
+    inputs = copy.deepcopy(dict(target.inputs))
+    change(inputs)
+    changed = dataclasses.replace(target, inputs=inputs)
+    return [changed if r is target else r for r in b.resources], name
+
+
+def drop(b: Built, name: str, reported: str,
+         typ: str | None = None) -> tuple[list[Resource], str]:
+    target = _pick(b, name, typ)
+    return [r for r in b.resources if r is not target], reported
+
+
+def add(b: Built, like: str, name: str, change: Callable[[dict], object],
+        typ: str | None = None) -> tuple[list[Resource], str]:
+    """The graph plus a copy of resource ``like`` renamed ``name`` and changed."""
+    template = _pick(b, like, typ)
+    inputs = copy.deepcopy(dict(template.inputs))
+    change(inputs)
+    extra = dataclasses.replace(template, name=name, inputs=inputs,
+                                outputs={**template.outputs, "id": f"x-{name}"})
+    return [*b.resources, extra], name
+
+
+def policy_doc(inputs: dict, change: Callable[[list[dict]], object],
+               key: str = "policy") -> None:
+    doc = json.loads(inputs[key])
+    change(doc["Statement"])
+    inputs[key] = json.dumps(doc)
+
+
+def sid(statements: list[dict], wanted: str) -> dict:
+    (found,) = [s for s in statements if s.get("Sid") == wanted]
+    return found
+
+
+def world(cidr: str = "0.0.0.0/0", port: int = 8265, proto: str = "tcp"):
+    def change(i: dict) -> None:
+        i.pop("referencedSecurityGroupId", None)
+        i.update(cidrIpv4=None, cidrIpv6=None, ipProtocol=proto, fromPort=port, toPort=port)
+        i["cidrIpv6" if ":" in cidr else "cidrIpv4"] = cidr
+    return change
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+# Every mutation runs on the dev stack ("rayfleet-dev-..." names) unless marked maximal.
+D = "rayfleet-dev"
+MUTATIONS: dict[int, dict[str, Mutation]] = {
+    1: {
+        "dashboard open to 0.0.0.0/0": lambda b: add(
+            b, f"{D}-security-dashboard", "oops-dashboard-world", world()),
+        "worker ports open to ::/0": lambda b: add(
+            b, f"{D}-security-worker-ports", "oops-workers-v6", world("::/0", 10050)),
+        "all protocols from the world": lambda b: add(
+            b, f"{D}-security-gcs", "oops-all-world", world(proto="-1", port=0)),
+        "legacy SecurityGroupRule on 6379": lambda b: ([*b.resources, Resource(
+            policy.SG_RULE, "oops-legacy-gcs", {
+                "type": "ingress", "protocol": "tcp", "fromPort": 6379, "toPort": 6379,
+                "cidrBlocks": ["0.0.0.0/0"], "securityGroupId": "sg-x", "description": "x"})],
+            "oops-legacy-gcs"),
+        "inline ingress on the cluster group": lambda b: edit(
+            b, f"{D}-security-cluster", lambda i: i.update(ingress=[{
+                "protocol": "tcp", "fromPort": 10001, "toPort": 10001,
+                "cidrBlocks": ["0.0.0.0/0"], "description": "client"}])),
+    },
+    2: {
+        "SSH from 0.0.0.0/0": lambda b: add(
+            b, f"{D}-security-ssh", "oops-ssh-world", world(port=22)),
+        "SSH from ::/0": lambda b: add(
+            b, f"{D}-security-ssh", "oops-ssh-world-v6", world("::/0", 22)),
+    },
+    4: {
+        "GCS from an office range": lambda b: add(
+            b, f"{D}-security-gcs", "oops-gcs-office", world("203.0.113.0/24", 6379)),
+        "dashboard from a CIDR that is not an operator CIDR": lambda b: add(
+            b, f"{D}-security-dashboard", "oops-dashboard-office",
+            world("203.0.113.0/24", 8265)),
+        "object manager from another security group": lambda b: edit(
+            b, f"{D}-security-object-manager",
+            lambda i: i.update(referencedSecurityGroupId="sg-someone-else")),
+    },
+    5: {
+        "default group keeps a rule": lambda b: edit(
+            b, f"{D}-network-default-sg", lambda i: i.update(ingress=[{
+                "protocol": "-1", "fromPort": 0, "toPort": 0, "self": True}])),
+        "default group not adopted": lambda b: drop(
+            b, f"{D}-network-default-sg", f"{D}-network-vpc"),
+    },
+    6: {
+        "rule without description": lambda b: edit(
+            b, f"{D}-security-gcs", lambda i: i.pop("description")),
+        "group with the tool's default description": lambda b: edit(
+            b, f"{D}-security-efa", lambda i: i.update(description="Managed by Pulumi")),
+        "description EC2 rejects": lambda b: edit(
+            b, f"{D}-security-egress-all", lambda i: i.update(description="node's egress")),
+    },
+    7: {
+        "subnet maps public IPs": lambda b: edit(
+            b, f"{D}-network-private-a", lambda i: i.update(mapPublicIpOnLaunch=True),
+            policy.SUBNET),
+        "worker interface gets a public IP": lambda b: edit(
+            b, f"{D}-nodes-worker-spot",
+            lambda i: i["networkInterfaces"][0].update(associatePublicIpAddress="true")),
+        "workers launched into a public subnet": lambda b: edit(
+            b, f"{D}-nodes-worker-ondemand", lambda i: [
+                n.update(subnetId="subnet-rayfleet-dev-network-public-b")
+                for n in i["networkInterfaces"]]),
+    },
+    8: {
+        "no flow log": lambda b: drop(b, f"{D}-network-flow-log", f"{D}-network-vpc"),
+        "flow logs kept forever": lambda b: edit(
+            b, f"{D}-network-flow-logs", lambda i: i.pop("retentionInDays"), policy.LOG_GROUP),
+        "only rejected traffic logged": lambda b: edit(
+            b, f"{D}-network-flow-log", lambda i: i.update(trafficType="REJECT")),
+    },
+    9: {
+        "IMDSv1 allowed": lambda b: edit(
+            b, f"{D}-nodes-head", lambda i: i["metadataOptions"].update(httpTokens="optional")),
+        "hop limit 2 without a reason": lambda b: edit(
+            b, f"{D}-nodes-worker-spot",
+            lambda i: i["metadataOptions"].update(httpPutResponseHopLimit=2)),
+        "hop limit left to the AMI": lambda b: edit(
+            b, f"{D}-nodes-worker-ondemand",
+            lambda i: i["metadataOptions"].pop("httpPutResponseHopLimit")),
+        "no metadata options at all": lambda b: edit(
+            b, f"{D}-nodes-head", lambda i: i.pop("metadataOptions")),
+    },
+    10: {
+        "unencrypted root": lambda b: edit(
+            b, f"{D}-nodes-worker-spot",
+            lambda i: i["blockDeviceMappings"][0]["ebs"].update(encrypted="false")),
+        "root volume left to the AMI": lambda b: edit(
+            b, f"{D}-nodes-head", lambda i: i.pop("blockDeviceMappings")),
+    },
+    11: {
+        "one flag off": lambda b: edit(
+            b, f"{D}-storage-public-access-block",
+            lambda i: i.update(restrictPublicBuckets=False)),
+        "no public access block": lambda b: drop(
+            b, f"{D}-storage-public-access-block", f"{D}-storage-bucket"),
+    },
+    12: {
+        "no encryption configuration": lambda b: drop(
+            b, f"{D}-storage-encryption", f"{D}-storage-bucket"),
+        "unknown algorithm": lambda b: (edit(
+            b, f"{D}-storage-encryption", lambda i: i["rules"][0][
+                "applyServerSideEncryptionByDefault"].update(sseAlgorithm="none"))[0],
+            f"{D}-storage-bucket"),
+    },
+    13: {
+        "TLS condition inverted": lambda b: (edit(
+            b, f"{D}-storage-policy", lambda i: policy_doc(i, lambda st: sid(
+                st, "DenyInsecureTransport")["Condition"]["Bool"].update(
+                {"aws:SecureTransport": "true"})))[0], f"{D}-storage-bucket"),
+        "no bucket policy": lambda b: drop(b, f"{D}-storage-policy", f"{D}-storage-bucket"),
+    },
+    14: {
+        "versioning suspended": lambda b: (edit(
+            b, f"{D}-storage-versioning",
+            lambda i: i["versioningConfiguration"].update(status="Suspended"))[0],
+            f"{D}-storage-bucket"),
+        "noncurrent versions kept forever": lambda b: (edit(
+            b, f"{D}-storage-lifecycle", lambda i: i["rules"].pop(0))[0], f"{D}-storage-bucket"),
+        "multipart rule disabled": lambda b: (edit(
+            b, f"{D}-storage-lifecycle", lambda i: i["rules"][1].update(status="Disabled"))[0],
+            f"{D}-storage-bucket"),
+    },
+    15: {
+        "object writer owns objects": lambda b: (edit(
+            b, f"{D}-storage-ownership", lambda i: i["rule"].update(
+                objectOwnership="ObjectWriter"))[0], f"{D}-storage-bucket"),
+        "public-read ACL": lambda b: edit(
+            b, f"{D}-storage-bucket", lambda i: i.update(acl="public-read")),
+    },
+    16: {
+        "AmazonEC2FullAccess attached": lambda b: add(
+            b, f"{D}-iam-head-ssm", "oops-ec2-full",
+            lambda i: i.update(policyArn="arn:aws:iam::aws:policy/AmazonEC2FullAccess")),
+        "AdministratorAccess attached": lambda b: add(
+            b, f"{D}-iam-worker-ssm", "oops-admin",
+            lambda i: i.update(policyArn="arn:aws:iam::aws:policy/AdministratorAccess")),
+        "inline Action *": lambda b: edit(
+            b, f"{D}-iam-worker-storage", lambda i: policy_doc(
+                i, lambda st: st.append({"Effect": "Allow", "Action": "*", "Resource": "*"}))),
+        "inline s3:*": lambda b: edit(
+            b, f"{D}-iam-head-storage", lambda i: policy_doc(
+                i, lambda st: sid(st, "ReadWriteClusterPrefix").update(Action="s3:*"))),
+    },
+    17: {
+        "worker reaches every bucket": lambda b: edit(
+            b, f"{D}-iam-worker-storage", lambda i: policy_doc(
+                i, lambda st: sid(st, "ReadWriteClusterPrefix").update(
+                    Resource="arn:aws:s3:::*"))),
+        "worker reaches the whole bucket": lambda b: edit(
+            b, f"{D}-iam-worker-storage", lambda i: policy_doc(
+                i, lambda st: sid(st, "ReadWriteClusterPrefix").update(
+                    Resource=sid(st, "BucketMetadata")["Resource"] + "/*"))),
+        "listing without a prefix condition": lambda b: edit(
+            b, f"{D}-iam-worker-storage", lambda i: policy_doc(
+                i, lambda st: sid(st, "ListClusterPrefix").pop("Condition"))),
+        "head terminates any instance": lambda b: edit(
+            b, f"{D}-iam-head-autoscaler", lambda i: policy_doc(
+                i, lambda st: sid(st, "ManageOnlyClusterInstances").pop("Condition"))),
+        "head launches untagged instances": lambda b: edit(
+            b, f"{D}-iam-head-autoscaler", lambda i: policy_doc(
+                i, lambda st: sid(st, "LaunchOnlyClusterTaggedInstances").pop("Condition"))),
+        "worker may launch instances": lambda b: edit(
+            b, f"{D}-iam-worker-storage", lambda i: policy_doc(
+                i, lambda st: st.append({"Effect": "Allow", "Action": "ec2:RunInstances",
+                                         "Resource": "*"}))),
+    },
+    18: {
+        "PassRole on *": lambda b: edit(
+            b, f"{D}-iam-head-autoscaler", lambda i: policy_doc(
+                i, lambda st: sid(st, "PassOnlyTheWorkerRole").update(Resource="*"))),
+        "PassRole on the head role itself": lambda b: edit(
+            b, f"{D}-iam-head-autoscaler", lambda i: policy_doc(
+                i, lambda st: sid(st, "PassOnlyTheWorkerRole").update(
+                    Resource=b.outputs["rayfleet"]["roles"]["head"]["arn"]))),
+    },
+    19: {
+        "node role trusts Lambda too": lambda b: edit(
+            b, f"{D}-iam-head", lambda i: policy_doc(
+                i, lambda st: st[0]["Principal"].update(
+                    Service=["ec2.amazonaws.com", "lambda.amazonaws.com"]),
+                key="assumeRolePolicy"), policy.ROLE),
+        "role trusts every AWS account": lambda b: edit(
+            b, f"{D}-iam-worker", lambda i: policy_doc(
+                i, lambda st: st[0].update(Principal={"AWS": "*"}), key="assumeRolePolicy"),
+            policy.ROLE),
+    },
+    20: {
+        "Ray token in user data": lambda b: edit(
+            b, f"{D}-nodes-head",
+            lambda i: i.update(userData=b64("#!/bin/bash\nexport RAY_AUTH_TOKEN=abc\n"))),
+        "AWS key in user data": lambda b: edit(
+            b, f"{D}-nodes-worker-spot", lambda i: i.update(userData=b64(
+                "aws configure set aws_access_key_id AKIAABCDEFGHIJKLMNOP\n"))),
+        "password assignment": lambda b: edit(
+            b, f"{D}-nodes-worker-ondemand", lambda i: i.update(userData=b64(
+                "DB_PASSWORD=hunter2hunter2\n"))),
+    },
+}
+
+
+def test_every_rule_has_a_mutation():
+    assert set(MUTATIONS) == set(RULES)
+
+
+@pytest.mark.parametrize("rule,mutation", [(r, m) for r in sorted(MUTATIONS)
+                                           for m in MUTATIONS[r]])
+def test_rule_catches_its_mutation_naming_the_resource(rule, mutation, built):
+    resources, offender = MUTATIONS[rule][mutation](built["dev"])
+    operator_cidrs = dev_config().get("rayfleet:operatorCidrs", [])
+    violations = check(resources, [rule], operator_cidrs=operator_cidrs)
+    assert violations, f"rule {rule} missed: {mutation}"
+    assert any(f"'{offender}'" in str(v) for v in violations), \
+        f"no violation names {offender!r}: " + "; ".join(map(str, violations))
+    assert all(str(v).startswith(f"rule {rule} ({RULES[rule].external_id}): ")
+               for v in violations)
+
+
+def test_a_mutation_breaks_only_the_rules_it_should(built):
+    # Opening the dashboard to the world breaks rule 1 and rule 4, and nothing else.
+    resources, _ = MUTATIONS[1]["dashboard open to 0.0.0.0/0"](built["dev"])
+    assert {v.rule for v in check(resources)} == {1, 4}
+
+
+# ----------------------------------------------------------------------------- operator CIDRs
+
+def test_operator_cidrs_may_reach_ssh_and_dashboard_but_nothing_else(built):
+    b = built["maximal"]
+    cidrs = MAXIMAL["rayfleet:operatorCidrs"]
+    assert not check(b.resources, [4], operator_cidrs=cidrs)
+    # The same graph judged as if no operator CIDRs were configured: every dashboard rule is
+    # caught (SSH from a named range is rule 2's business, and allowed).
+    caught = {v.resource for v in check(b.resources, [4], operator_cidrs=[])}
+    assert caught == {f"SecurityGroupIngressRule 'fleet-max-security-operator-8265-{i}'"
+                      for i in range(len(cidrs))}
+    assert not check(b.resources, [1, 2], operator_cidrs=[])
+    resources, name = add(b, "fleet-max-security-operator-8265-0", "oops-gcs-from-vpn",
+                          lambda i: i.update(fromPort=6379, toPort=6379))
+    assert [v.resource for v in check(resources, [4], operator_cidrs=cidrs)] == \
+        [f"SecurityGroupIngressRule '{name}'"]
+
+
+# ----------------------------------------------------------------------------- via the program
+
+def test_world_open_dashboard_added_to_the_program_is_caught():
+    def careless_change():
+        # What the only public Pulumi+Ray example does: 8265 to the internet.
+        aws.vpc.SecurityGroupIngressRule(
+            "oops-dashboard", security_group_id="sg-rayfleet-dev-security-cluster",
+            cidr_ipv4="0.0.0.0/0", ip_protocol="tcp", from_port=8265, to_port=8265,
+            description="dashboard")
+
+    b = run_program(dev_config(), extra=careless_change)
+    violations = check(b.resources)
+    assert {v.rule for v in violations} == {1, 4}
+    assert all("SecurityGroupIngressRule 'oops-dashboard'" in str(v) for v in violations)
+
+
+def test_secret_put_into_user_data_by_the_program_is_caught(monkeypatch):
+    real = gpu_nodes.user_data
+
+    def leaky(cluster_name: str, node_kind: str) -> str:
+        script = base64.b64decode(real(cluster_name, node_kind)).decode()
+        return b64(script + "echo RAY_AUTH_TOKEN=0123456789abcdef >> /etc/environment\n")
+
+    monkeypatch.setattr(gpu_nodes, "user_data", leaky)
+    b = run_program(dev_config())
+    caught = {v.resource for v in check(b.resources, [20])}
+    assert caught == {f"LaunchTemplate '{D}-nodes-{k}'"
+                      for k in ("head", "worker-ondemand", "worker-spot")}
+
+
+def test_hop_limit_two_in_the_program_needs_its_reason_tag(monkeypatch):
+    monkeypatch.setattr(gpu_nodes, "HOP_LIMIT_REASON_TAG", "unrelated-tag")
+    b = run_program({**dev_config(), "rayfleet:rayInDocker": True})
+    assert {v.resource for v in check(b.resources, [9])} == {
+        f"LaunchTemplate '{D}-nodes-{k}'" for k in ("head", "worker-ondemand", "worker-spot")}
+
+
+def test_user_data_is_settings_only(built):
+    for lt in built["dev"].of_type(policy.LAUNCH_TEMPLATE):
+        script = base64.b64decode(lt.inputs["userData"]).decode()
+        assert "RAY_AUTH_MODE=token" in script
+        assert "RAY_AUTH_TOKEN" not in script
