@@ -14,6 +14,14 @@ import pulumi
 
 from infra.components import build
 from rayfleet.config import load_stack_config
+from rayfleet.errors import RayfleetError
 
-for _name, _value in build(load_stack_config(pulumi.Config())).items():
-    pulumi.export(_name, _value)
+try:
+    outputs = build(load_stack_config(pulumi.Config()))
+except RayfleetError as err:
+    # One line under `pulumi up`, no traceback (DESIGN convention 6); RunError is Pulumi's
+    # clean-exit error.
+    raise pulumi.RunError(str(err)) from None
+
+for name, value in outputs.items():
+    pulumi.export(name, value)

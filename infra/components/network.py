@@ -70,7 +70,8 @@ class Network(pulumi.ComponentResource):
 
         self.public_subnets: list[aws.ec2.Subnet] = []
         self.private_subnets: list[aws.ec2.Subnet] = []
-        for az, letter, cidr in zip(self.availability_zones, letters, args.public_subnet_cidrs):
+        for az, letter, cidr in zip(self.availability_zones, letters, args.public_subnet_cidrs,
+                                    strict=True):
             subnet = aws.ec2.Subnet(
                 f"{name}-public-{letter}",
                 vpc_id=self.vpc.id,
@@ -87,7 +88,7 @@ class Network(pulumi.ComponentResource):
 
         nat_count = len(self.availability_zones) if args.nat_gateways == "per-az" else 1
         nats = []
-        for letter, subnet in list(zip(letters, self.public_subnets))[:nat_count]:
+        for letter, subnet in list(zip(letters, self.public_subnets, strict=True))[:nat_count]:
             eip = aws.ec2.Eip(f"{name}-nat-{letter}", domain="vpc",
                               tags={"Name": f"{tag}-nat-{letter}"}, opts=child)
             nats.append(aws.ec2.NatGateway(
@@ -101,7 +102,7 @@ class Network(pulumi.ComponentResource):
 
         private_rts = []
         for i, (az, letter, cidr) in enumerate(
-                zip(self.availability_zones, letters, args.private_subnet_cidrs)):
+                zip(self.availability_zones, letters, args.private_subnet_cidrs, strict=True)):
             subnet = aws.ec2.Subnet(
                 f"{name}-private-{letter}",
                 vpc_id=self.vpc.id,
@@ -166,8 +167,9 @@ class Network(pulumi.ComponentResource):
                                   allowed=zones, value=args.worker_az)
             zones = [args.worker_az] + [z for z in zones if z != args.worker_az]
         if len(zones) < wanted:
-            raise ConfigError("rayfleet:azCount", f"is {wanted} but {args.region} has "
-                                                  f"{len(zones)} available AZs ({', '.join(zones)})")
+            raise ConfigError("rayfleet:azCount",
+                              f"is {wanted} but {args.region} has {len(zones)} available AZs "
+                              f"({', '.join(zones)})")
         return zones[:wanted]
 
     def _flow_logs(self, name: str, args: NetworkArgs) -> None:

@@ -72,7 +72,8 @@ class Storage(pulumi.ComponentResource):
                 status="Enabled"),
             opts=child,
         )
-        sse_default = aws.s3.BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultArgs
+        sse_default = (aws.s3.
+                       BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultArgs)
         if self.kms_key is not None:
             default = sse_default(sse_algorithm="aws:kms", kms_master_key_id=self.kms_key.arn)
         else:

@@ -173,7 +173,12 @@ def run_program(config: dict[str, Any], *, stack: str = "dev",
             extra()
         return pulumi.Output.from_input(exported).apply(resolved.update)
 
-    program()
+    try:
+        program()
+    except Exception as err:
+        # Let a test see what had been registered when the program stopped.
+        err.registrations = list(monitor.registrations)  # type: ignore[attr-defined]
+        raise
     resources = []
     for reg in monitor.registrations:
         inputs, state, rid = mocks.inputs[(reg["type"], reg["name"])]

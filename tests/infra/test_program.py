@@ -11,7 +11,6 @@ import pytest
 from infra import policy
 from infra.components import SCHEMA_VERSION
 from rayfleet.config import RAY_CLUSTER_TAG, RAY_PORTS, StackConfig
-from rayfleet.errors import ConfigError
 
 from .conftest import MAXIMAL
 from .harness import AMI_ID, run_program
@@ -299,21 +298,31 @@ def test_budget_alerts_the_configured_addresses(built):
     ({"aws:region": "eu-west-1"}, "aws:region"),
 ])
 def test_bad_config_stops_the_program_before_any_resource(values, key):
-    registered = []
-    with pytest.raises(ConfigError) as info:
-        run_program(values, stack="bad", extra=lambda: registered.append("reached"))
-    assert info.value.key == key
-    assert not registered
+    with pytest.raises(pulumi.RunError) as info:
+        run_program(values, stack="bad")
+    # RunError is how a Pulumi program exits cleanly: the user sees this one line.
+    message = str(info.value)
+    assert message.startswith(f"{key}: ") and "\n" not in message
+    assert info.value.registrations == []
+
+
+def aws_resources(registrations: list[dict]) -> list[str]:
+    return [r["name"] for r in registrations if r["type"].startswith("aws:")]
 
 
 def test_worker_az_must_be_an_available_zone_of_the_region():
-    with pytest.raises(ConfigError, match="rayfleet:workerAz: us-east-1f is not an available"):
+    with pytest.raises(pulumi.RunError,
+                       match="rayfleet:workerAz: us-east-1f is not an available AZ of us-east-1; "
+                             "allowed: us-east-1a, us-east-1b, us-east-1c") as info:
         run_program({"rayfleet:workerAz": "us-east-1f"}, zones=3)
+    assert aws_resources(info.value.registrations) == []
 
 
 def test_az_count_beyond_the_regions_zones_is_refused():
-    with pytest.raises(ConfigError, match="rayfleet:azCount: is 4 but us-east-2 has 3"):
+    with pytest.raises(pulumi.RunError,
+                       match="rayfleet:azCount: is 4 but us-east-2 has 3") as info:
         run_program({"rayfleet:region": "us-east-2", "rayfleet:azCount": 4}, zones=3)
+    assert aws_resources(info.value.registrations) == []
 
 
 def test_repeated_builds_in_one_session_are_independent(built):
