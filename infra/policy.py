@@ -4,8 +4,10 @@ Each check is a pure function from a list of :class:`Resource` (type token, logi
 inputs the program gave it, and the outputs — ids and ARNs — it came back with) to the
 :class:`Violation` s it finds; every violation names the offending resource and the rule with
 its external ID (Checkov / AWS Security Hub / tfsec). Property names are Pulumi's camelCase,
-as the mock monitor and a Pulumi policy pack (``pulumi_policy``'s ``StackValidationArgs``) both
-see them, so a policy pack can call :func:`check` over ``args.resources`` unchanged.
+as both the mock monitor and a Pulumi policy pack see them: a stack-validation policy can
+wrap each of ``args.resources`` as ``Resource(type=r.resource_type, name=r.name,
+inputs=r.props, outputs=r.props)`` and call :func:`check`. (``pulumi_policy`` is not installed
+in this project, so no pack ships; the tests are the enforcement.)
 
 Rules 3, 21, 22, 23 and 25 concern the cluster YAML and the nodes' runtime, not the resource
 graph; ``rayfleet lint`` checks those.

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import fnmatch
+import importlib.util
 import ipaddress
 import json
+import re
+from pathlib import Path
 
 import pulumi
 import pytest
@@ -331,3 +335,32 @@ def test_repeated_builds_in_one_session_are_independent(built):
         sorted((r.type, r.name) for r in built["minimal"].resources)
     assert again.outputs == built["minimal"].outputs
     assert pulumi.get_stack() == "minimal"
+
+
+def _allowed(statements: list[dict], action: str) -> bool:
+    return any(s.get("Effect") == "Allow" and any(
+        fnmatch.fnmatchcase(action, pattern) for pattern in policy._list(s.get("Action")))
+        for s in statements)
+
+
+def test_head_role_allows_what_rays_autoscaler_calls_and_no_more(built):
+    # The EC2 calls of the installed Ray's AWS node provider, read from its source so that a
+    # Ray upgrade that starts calling something new fails here rather than on a live cluster.
+    spec = importlib.util.find_spec("ray.autoscaler._private.aws.node_provider")
+    if spec is None:
+        pytest.skip("ray is not installed")
+    source = Path(spec.origin).read_text()
+    calls = set(re.findall(r"\.(describe_\w+|\w+_instances|create_tags)\b", source))
+    # boto3 resource methods: instances.filter is DescribeInstances, create_instances is
+    # RunInstances.
+    calls |= {"describe_instances"} if ".instances.filter(" in source else set()
+    calls = {"run_instances" if c == "create_instances" else c for c in calls}
+    actions = {"ec2:" + "".join(w.title() for w in c.split("_")) for c in calls}
+    # Stop/start serve only cache_stopped_nodes: true; rayfleet renders false (rule 23).
+    deliberately_denied = {"ec2:StopInstances", "ec2:StartInstances"}
+    assert {"ec2:RunInstances", "ec2:TerminateInstances", "ec2:CreateTags"} <= actions
+    doc = json.loads(built["dev"].named("rayfleet-dev-iam-head-autoscaler").inputs["policy"])
+    for action in actions - deliberately_denied:
+        assert _allowed(doc["Statement"], action), f"head role cannot {action}"
+    for action in deliberately_denied & actions:
+        assert not _allowed(doc["Statement"], action), f"head role may {action}"
