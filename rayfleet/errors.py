@@ -8,7 +8,7 @@ the CLI and every workload entry point print ``str(err)`` on one line and exit w
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def did_you_mean(value: object, choices: Iterable[str]) -> str:

@@ -223,7 +223,8 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
             f"a rayfleet head (pid {existing.pid}) is running but its Jobs API at "
             f"{existing.dashboard_url} does not answer; run `rayfleet local down` first")
 
-    for p, what, flag in ((port, "GCS", "--port"), (dashboard_port, "dashboard", "--dashboard-port")):
+    checks = ((port, "GCS", "--port"), (dashboard_port, "dashboard", "--dashboard-port"))
+    for p, what, flag in checks:
         if port_in_use(p):
             raise ClusterError(
                 f"port {p} ({what}) is already in use by another process; stop it "
@@ -251,6 +252,10 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     if store is not None:
         cmd.append(f"--object-store-memory={store}")
     env = {**os.environ, **auth_env(token)}
+    # Job drivers inherit the head's PATH: put the kit's interpreter first so that
+    # `ray job submit -- python -m workloads...` runs with the pinned Ray and torch even
+    # when the user never activated the venv.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.pop("RAY_AUTH_TOKEN", None)  # a stray token in the environment would win over the file
     with open(log, "ab") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,

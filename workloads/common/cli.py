@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from rayfleet.errors import RayfleetError
 
@@ -12,7 +12,7 @@ from rayfleet.errors import RayfleetError
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line and exit 2 (argparse would print usage too)."""
 
-    def error(self, message: str):  # noqa: D102
+    def error(self, message: str):
         raise RayfleetError(f"{self.prog}: {message}")
 
 

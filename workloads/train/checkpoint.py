@@ -19,6 +19,8 @@ from (DESIGN fault 4): the marker is the last thing written and records the size
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import random
@@ -31,6 +33,24 @@ from rayfleet.errors import CheckpointError
 
 MARKER = "rayfleet_checkpoint.json"
 FORMAT_VERSION = 1
+
+
+def history_csv(history: list[dict]) -> str:
+    """metrics.csv: one row per logged step (it travels inside every checkpoint, so the
+    loss curve of a resumed run is whole)."""
+    if not history:
+        return ""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(history[0].keys()))
+    w.writeheader()
+    w.writerows(history)
+    return buf.getvalue()
+
+
+def read_history(text: str) -> list[dict]:
+    ints = {"step", "epoch"}
+    return [{k: int(float(v)) if k in ints else float(v) for k, v in row.items()}
+            for row in csv.DictReader(io.StringIO(text))]
 
 
 def save_rng(dirpath: Path, rank: int) -> None:

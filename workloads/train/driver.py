@@ -252,8 +252,7 @@ def _main(argv: list[str] | None) -> int:
 
     # Imported late: `--help` and bad flags answer without paying for Ray.
     import ray
-    from ray.train import (CheckpointConfig, FailureConfig, LoggingConfig, RunConfig,
-                           ScalingConfig)
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from workloads.train import runinfo

@@ -10,16 +10,15 @@ in one process.
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
 import json
 import math
 import random
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -196,8 +195,10 @@ class _Engine:
     def _save_full(self, d: Path) -> None:
         """Gather full fp32 weights onto rank 0 (a collective: every rank calls it)."""
         if self.strategy == "fsdp":
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                                 get_model_state_dict)
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
 
             sd = get_model_state_dict(self.model, options=StateDictOptions(
                 full_state_dict=True, cpu_offload=True))
@@ -230,21 +231,6 @@ class _Engine:
                 raise ckpt.CheckpointError(f"checkpoint {d} has no DeepSpeed state under ds/")
 
 
-def _history_csv(history: list[dict]) -> str:
-    if not history:
-        return ""
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(history[0].keys()))
-    w.writeheader()
-    w.writerows(history)
-    return buf.getvalue()
-
-
-def _read_history(text: str) -> list[dict]:
-    return [{k: (float(v) if k != "step" else int(float(v))) for k, v in row.items()}
-            for row in csv.DictReader(io.StringIO(text))]
-
-
 def _batches(loader, epoch: int, skip: int) -> Iterator:
     sampler = getattr(loader, "sampler", None)
     if hasattr(sampler, "set_epoch"):
@@ -271,7 +257,7 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
             engine.load(d)
             ckpt.load_rng(d, ctx.rank)
             step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
-            history = _read_history((d / "metrics.csv").read_text()) \
+            history = ckpt.read_history((d / "metrics.csv").read_text()) \
                 if (d / "metrics.csv").exists() else []
             if ctx.rank == 0:
                 print(f"[rayfleet] resumed from step {marker['step']} ({d.name})", flush=True)
@@ -355,7 +341,7 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
                                          "warmup_steps": cfg.warmup_steps,
                                          "max_steps": cfg.max_steps},
                             "loop_config": cfg.to_dict()}))
-                        (d / "metrics.csv").write_text(_history_csv(history))
+                        (d / "metrics.csv").write_text(ckpt.history_csv(history))
                         ckpt.write_marker(d, step=step, strategy=cfg.strategy,
                                           world_size=ctx.world_size, final=is_final)
                     ctx.report(metrics, d)

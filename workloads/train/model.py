@@ -11,8 +11,8 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 BYTE_VOCAB = 256
 
@@ -30,7 +30,7 @@ class GPTConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
+    def from_dict(cls, d: dict) -> GPTConfig:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     def num_params(self) -> int:

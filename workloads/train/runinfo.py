@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import time
@@ -66,7 +65,7 @@ def _history(storage: Storage, checkpoint_path: str | None) -> list[dict]:
     raw = _read(storage.fs, f"{checkpoint_path}/metrics.csv") if checkpoint_path else None
     if not raw:
         return []
-    return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(io.StringIO(raw.decode()))]
+    return ckpt.read_history(raw.decode())
 
 
 def loss_png(history: list[dict], title: str) -> bytes:
@@ -99,7 +98,10 @@ def summarize(result, storage: Storage, name: str, started: float, global_batch:
         metrics = result.return_value
     ckpt_path = result.checkpoint.path if result.checkpoint else None
     history = _history(storage, ckpt_path)
-    uri = (lambda p: p if storage.filesystem is None else f"s3://{p}")
+
+    def uri(p: str) -> str:
+        return p if storage.filesystem is None else f"s3://{p}"
+
     out = {"name": name, "strategy": cfg.strategy, "run_path": uri(storage.join(name)),
            "checkpoint": uri(ckpt_path) if ckpt_path else None,
            "steps": int(metrics.get("step", 0)), "final_loss": metrics.get("loss"),
@@ -108,11 +110,8 @@ def summarize(result, storage: Storage, name: str, started: float, global_batch:
            "global_batch": global_batch, "wall_s": round(time.time() - started, 1),
            "metrics_csv": None, "loss_png": None}
     if history:
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=list(history[0].keys()))
-        w.writeheader()
-        w.writerows(history)
-        out["metrics_csv"] = storage.write_bytes(f"{name}/metrics.csv", buf.getvalue().encode())
+        out["metrics_csv"] = storage.write_bytes(f"{name}/metrics.csv",
+                                                 ckpt.history_csv(history).encode())
         out["loss_png"] = storage.write_bytes(f"{name}/loss.png",
                                               loss_png(history, f"{name} ({cfg.strategy})"))
     return out

@@ -1,0 +1,141 @@
+"""Shared fixtures: one real local Ray cluster per test session (token auth on, its own
+ports and state folder, so it runs beside a user's cluster), and a real moto S3 server.
+
+Markers (DESIGN): unit (default), ray, moto, slow, faults, gpu, aws_live.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], env: dict | None = None, timeout: float = 300, cwd: Path = REPO,
+        check: bool = False) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-3000:]}")
+    return proc
+
+
+def summary_of(stdout: str) -> dict:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RAYFLEET_SUMMARY ")]
+    assert lines, f"no summary line in output:\n{stdout[-3000:]}"
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    for item in items:
+        marks = {m.name for m in item.iter_markers()}
+        if not marks & {"ray", "moto", "slow", "faults", "gpu", "aws_live"}:
+            item.add_marker(pytest.mark.unit)
+        if "gpu" in marks and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        if "aws_live" in marks and not os.environ.get("RAYFLEET_AWS_LIVE"):
+            item.add_marker(pytest.mark.skip(reason="set RAYFLEET_AWS_LIVE=1 for real AWS"))
+
+
+@pytest.fixture(scope="session")
+def rayfleet_home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("rayfleet-home")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(rayfleet_home):
+    """A real `rayfleet local up` cluster: 4 logical CPUs on this 2-core machine so two
+    train workers plus Ray Data / Serve replicas fit; loopback ports picked free."""
+    env = {**os.environ, "RAYFLEET_HOME": str(rayfleet_home)}
+    for k in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
+        env.pop(k, None)
+    gcs, dash = free_port(), free_port()
+    up = run([str(BIN / "rayfleet"), "local", "up", "--num-cpus", "4",
+              "--object-store-memory", "1GB", "--port", str(gcs), "--dashboard-port", str(dash)],
+             env=env, timeout=180)
+    assert up.returncode == 0, up.stderr
+    client = json.loads((rayfleet_home / "local" / "cluster.json").read_text())
+    exports = run([str(BIN / "rayfleet"), "local", "env"], env=env, check=True).stdout
+    client_env = dict(line.removeprefix("export ").split("=", 1)
+                      for line in exports.splitlines())
+    info = {"home": rayfleet_home, "env": {**env, **client_env}, "client_env": client_env,
+            "gcs_port": gcs, "dashboard_port": dash, "pid": client["pid"],
+            "dashboard_url": f"http://127.0.0.1:{dash}", "up_stdout": up.stdout}
+    yield info
+    run([str(BIN / "rayfleet"), "local", "down"], env=env, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory):
+    """A real moto server on a free loopback port: S3 over HTTP, as boto3/pyarrow see AWS."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url + "/moto-api/", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        raise RuntimeError(f"moto_server did not start: {log.read_text()[-2000:]}")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def aws_env(moto_server) -> dict:
+    """Client environment pointing boto3 and pyarrow at the moto server (fake keys)."""
+    return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": moto_server}
+
+
+@pytest.fixture(scope="session")
+def s3_client(aws_env):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=aws_env["AWS_ENDPOINT_URL_S3"],
+                        region_name="us-east-1", aws_access_key_id="testing",
+                        aws_secret_access_key="testing")
+
+
+@pytest.fixture(scope="session")
+def checkpoint_bucket(s3_client) -> str:
+    s3_client.create_bucket(Bucket="rayfleet-test-checkpoints")
+    return "rayfleet-test-checkpoints"
+
+
+@pytest.fixture
+def clean_dir(tmp_path):
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)

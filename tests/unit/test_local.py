@@ -1,0 +1,80 @@
+"""`rayfleet local` without a cluster: token file, sizes, ports, one-line errors."""
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from rayfleet import local
+from rayfleet.errors import ClusterError, ConfigError
+
+RAYFLEET = [sys.executable, "-m", "rayfleet.cli"]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYFLEET_HOME", str(tmp_path / "state"))
+    return tmp_path / "state"
+
+
+def test_token_is_created_once_with_mode_0600(home):
+    path = local.ensure_token()
+    first = path.read_text()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert len(first) == 64
+    assert local.ensure_token().read_text() == first  # generated once, then reused
+
+
+def test_token_with_loose_mode_is_tightened(home):
+    path = local.ensure_token()
+    os.chmod(path, 0o644)
+    local.ensure_token()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("text,expected", [("2GB", 2_000_000_000), ("512MiB", 512 * 2**20),
+                                           ("1000000", 1_000_000), ("1.5gib", int(1.5 * 2**30))])
+def test_parse_size(text, expected):
+    assert local.parse_size(text) == expected
+
+
+def test_bad_size_names_the_flag():
+    with pytest.raises(ConfigError, match="--object-store-memory"):
+        local.parse_size("lots")
+
+
+def test_up_refuses_a_taken_port_without_starting_anything(home):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ClusterError, match=f"port {port} \\(GCS\\) is already in use"):
+            local.up(port=port, dashboard_port=local.free_port(), quiet=True)
+    assert local.load_state() is None
+
+
+def test_up_refuses_tiny_object_store(home):
+    with pytest.raises(ConfigError, match="minimum"):
+        local.up(object_store_memory="10MB", quiet=True)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["local", "up", "--num-cpus", "0"], "--num-cpus: must be at least 1"),
+    (["local", "env"], "no rayfleet local cluster is running"),
+    (["local", "status"], "no rayfleet local cluster is running"),
+])
+def test_cli_errors_are_one_line_exit_2(home, args, needle):
+    proc = subprocess.run(RAYFLEET + args, capture_output=True, text=True,
+                          env={**os.environ, "RAYFLEET_HOME": str(home)})
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in proc.stderr
+
+
+def test_down_without_cluster_is_harmless(home, capsys):
+    assert local.down() is False
+    assert "nothing to stop" in capsys.readouterr().out

@@ -1,0 +1,179 @@
+"""The training loop and driver logic without a cluster: model, schedule, the fail-fast
+resource check, the memory estimate, checkpoint validation, and the loop itself in one
+process (the same code Ray Train and torchrun run)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rayfleet.errors import CheckpointError, ClusterError, ConfigError, RayfleetError
+from workloads.train import checkpoint as ckpt
+from workloads.train.context import TorchrunContext
+from workloads.train.driver import (
+    build_parser,
+    check_memory,
+    check_resources,
+    memory_estimate_bytes,
+    validate_args,
+)
+from workloads.train.loop import LoopConfig, lr_at, train_loop
+from workloads.train.model import GPT, PRESETS
+
+
+def args_of(*argv):
+    args = build_parser().parse_args(list(argv))
+    return args, validate_args(args)
+
+
+def test_parameter_count_formula_matches_the_module():
+    for name in ("tiny", "small", "125m"):
+        cfg = PRESETS[name]
+        assert cfg.num_params() == sum(p.numel() for p in GPT(cfg).parameters())
+    assert 80e6 < PRESETS["125m"].num_params() < 130e6
+    assert 1.0e9 < PRESETS["1b"].num_params() < 1.4e9
+
+
+def test_lr_warms_up_then_decays():
+    cfg = LoopConfig(lr=1.0, warmup_steps=10, max_steps=100)
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(99, cfg) < 0.2
+    assert lr_at(50, cfg) < lr_at(20, cfg)
+
+
+@pytest.mark.parametrize("argv,key,needle", [
+    (["--strategy", "dpp"], "--strategy", 'did you mean "ddp"'),
+    (["--num-workers", "0"], "--num-workers", "at least 1"),
+    (["--model", "125M"], "--model", 'did you mean "125m"'),
+    (["--zero-stage", "1"], "--zero-stage", "2 or 3"),
+    (["--resources-per-worker", "[1]"], "--resources-per-worker", "JSON object"),
+])
+def test_bad_flags_name_the_key(argv, key, needle):
+    with pytest.raises(ConfigError) as e:
+        args_of(*argv)
+    assert key in str(e.value) and needle in str(e.value)
+
+
+def test_smoke_defaults_yield_to_explicit_flags():
+    args, model = args_of("--smoke-test", "--max-steps", "3")
+    assert args.max_steps == 3 and args.num_workers == 2 and model == PRESETS["tiny"]
+
+
+CPU_NODE = {"Alive": True, "Resources": {"CPU": 4.0, "memory": 8e9}}
+GPU_NODE = {"Alive": True, "Resources": {"CPU": 96.0, "GPU": 8.0, "memory": 1e12,
+                                         "accelerator_type:A100": 1.0}}
+
+
+def test_gpus_on_a_cpu_cluster_fail_fast_naming_gpu():
+    args, _ = args_of("--use-gpu", "--num-workers", "2")
+    with pytest.raises(ClusterError, match="no GPU at all"):
+        check_resources(args, [CPU_NODE], {"CPU": 4.0})
+
+
+def test_more_workers_than_fit_names_the_numbers():
+    args, _ = args_of("--num-workers", "9", "--use-gpu")
+    with pytest.raises(ClusterError, match="fits only 8"):
+        check_resources(args, [GPU_NODE, {**CPU_NODE, "Alive": False}], {"CPU": 96, "GPU": 8})
+    args, _ = args_of("--num-workers", "16", "--use-gpu")
+    check_resources(args, [GPU_NODE, GPU_NODE], {"CPU": 192, "GPU": 16})  # fits: no error
+
+
+def test_custom_resource_nobody_has():
+    args, _ = args_of("--resources-per-worker", '{"accelerator_type:H100": 0.01}')
+    with pytest.raises(ClusterError, match="accelerator_type:H100"):
+        check_resources(args, [GPU_NODE], {"CPU": 96, "GPU": 8, "accelerator_type:A100": 1})
+
+
+def test_memory_estimate_shrinks_with_sharding():
+    est = {}
+    for strat in (["--strategy", "ddp"], ["--strategy", "fsdp"],
+                  ["--strategy", "deepspeed", "--zero-stage", "2"],
+                  ["--strategy", "deepspeed", "--zero-stage", "3"],
+                  ["--strategy", "deepspeed", "--zero-stage", "3", "--offload"]):
+        args, model = args_of("--model", "1b", "--num-workers", "8", "--use-gpu", *strat)
+        est[" ".join(strat)] = memory_estimate_bytes(model, args)["total"]
+    vals = list(est.values())
+    assert vals[0] > vals[2] > vals[3] > vals[4]
+    assert vals[1] == pytest.approx(vals[3])  # FSDP full-shard == ZeRO-3
+
+
+def test_oom_warning_for_1b_ddp_on_a100_40g_but_not_with_zero3():
+    args, model = args_of("--model", "1b", "--num-workers", "8", "--use-gpu")
+    warning = check_memory(model, args, [GPU_NODE])
+    assert warning and "expect OOM" in warning and "40.0 GiB" in warning
+    args, model = args_of("--model", "1b", "--num-workers", "8", "--use-gpu", "--batch-size", "1",
+                          "--strategy", "deepspeed", "--zero-stage", "3")
+    assert check_memory(model, args, [GPU_NODE]) is None
+
+
+def _run_loop(root: Path, max_steps: int, strategy: str = "ddp") -> tuple[TorchrunContext, dict]:
+    cfg = LoopConfig(model=PRESETS["tiny"].to_dict(), strategy=strategy, batch_size=8,
+                     lr=3e-3, warmup_steps=3, max_steps=max_steps, checkpoint_every=5,
+                     log_every=5, corpus_bytes=64 << 10, num_workers=0)
+    ctx = TorchrunContext(root, keep=2)
+    return ctx, train_loop(cfg, ctx)
+
+
+def test_loop_learns_and_resumes_where_it_stopped(tmp_path):
+    ctx, first = _run_loop(tmp_path, 10)
+    assert first["step"] == 10
+    assert ctx.reports[-1]["loss"] < ctx.reports[0]["loss"] < 6.0
+    latest = sorted(tmp_path.glob("checkpoint_*"))[-1]
+    marker = ckpt.validate(latest)
+    assert marker["step"] == 10 and marker["final"] is True
+    assert {"model.pt", "optim.pt", "trainer_state.json", "rng_rank0.pt",
+            "metrics.csv"} <= set(marker["files"])
+    ctx2, second = _run_loop(tmp_path, 15)
+    assert second["step"] == 15
+    assert [r["step"] for r in ctx2.reports] == [15]  # continued at 11, did not restart at 1
+    state = json.loads((sorted(tmp_path.glob("checkpoint_*"))[-1] / "trainer_state.json")
+                       .read_text())
+    assert state["step"] == 15
+
+
+def test_truncated_checkpoint_is_refused(tmp_path):
+    _run_loop(tmp_path, 5)
+    latest = sorted(tmp_path.glob("checkpoint_*"))[-1]
+    model = latest / "model.pt"
+    model.write_bytes(model.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="corrupt: model.pt is 100 bytes"):
+        ckpt.validate(latest)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        _run_loop(tmp_path, 10)
+
+
+def test_checkpoint_without_marker_is_never_used(tmp_path):
+    _run_loop(tmp_path, 5)
+    latest = sorted(tmp_path.glob("checkpoint_*"))[-1]
+    (latest / ckpt.MARKER).unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        ckpt.validate(latest)
+
+
+def test_fsdp_checkpoint_missing_a_rank_shard_is_incomplete():
+    marker = {"strategy": "fsdp", "world_size": 2, "files": {}}
+    listing = {"dcp/.metadata": 10, "dcp/__0_0.distcp": 100}
+    with pytest.raises(CheckpointError, match=r"ranks \[1\]"):
+        ckpt.check_listing("x", marker, listing)
+
+
+def test_full_weights_load_into_a_fresh_model(tmp_path):
+    _run_loop(tmp_path, 5)
+    cfg, state = ckpt.load_full_weights(sorted(tmp_path.glob("checkpoint_*"))[-1])
+    from workloads.train.model import GPTConfig
+
+    model = GPT(GPTConfig.from_dict(cfg))
+    model.load_state_dict(state)
+    out = model.generate(torch.tensor([[ord("d")]]), max_new_tokens=5, temperature=0)
+    assert out.shape == (1, 6)
+
+
+def test_workload_import_has_no_side_effects(capsys):
+    import importlib
+
+    for mod in ("workloads.train.driver", "workloads.train.loop", "workloads.common.storage"):
+        importlib.reload(importlib.import_module(mod))
+    assert capsys.readouterr().out == ""
+    assert isinstance(RayfleetError("a\nb").args[0], str) and "\n" not in str(RayfleetError("a\nb"))

@@ -1,0 +1,147 @@
+"""workloads.train on the real local Ray cluster: each strategy, resume, S3 checkpoints on
+a real moto server, fail-fast resource checks and bad input."""
+
+import json
+import time
+
+import pytest
+
+from tests.conftest import BIN, REPO, run, summary_of
+
+pytestmark = pytest.mark.ray
+TRAIN = [str(BIN / "python"), "-m", "workloads.train"]
+
+
+def submit(ray_cluster, args: list[str], extra_env: dict | None = None, timeout=400):
+    """The user's path: `ray job submit --working-dir . -- python -m workloads.train ...`."""
+    env = {**ray_cluster["env"], **(extra_env or {})}
+    return run([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--", "python", "-m",
+                "workloads.train", *args], env=env, timeout=timeout, cwd=REPO)
+
+
+def train(ray_cluster, args, extra_env=None, timeout=400):
+    """The driver run directly against the cluster (RAY_ADDRESS), as a notebook would."""
+    return run(TRAIN + args, env={**ray_cluster["env"], **(extra_env or {})}, timeout=timeout)
+
+
+def test_ddp_smoke_through_ray_job_submit(ray_cluster, tmp_path):
+    proc = submit(ray_cluster, ["--smoke-test", "--storage-path", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    s = summary_of(proc.stdout)
+    assert s["steps"] == 30 and s["strategy"] == "ddp"
+    assert s["final_loss"] < s["first_loss"] - 0.5  # it learned something
+    assert (tmp_path / "smoke-ddp" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    rows = (tmp_path / "smoke-ddp" / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("step,") and len(rows) == 1 + 6
+    assert "global batch 16 seqs = 8 x 1 accum x 2 workers" in proc.stdout
+    assert "lr 0.003 x 2 = 0.006" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
+def test_sharded_strategies_train_and_write_per_rank_shards(ray_cluster, tmp_path, strategy):
+    proc = train(ray_cluster, ["--smoke-test", "--strategy", strategy, "--max-steps", "20",
+                               "--storage-path", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    s = summary_of(proc.stdout)
+    assert s["steps"] == 20 and s["final_loss"] < s["first_loss"]
+    marker = json.loads((tmp_path / f"smoke-{strategy}" / s["checkpoint"].rsplit("/", 1)[1]
+                         / "rayfleet_checkpoint.json").read_text())
+    files = marker["files"]
+    if strategy == "fsdp":
+        assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata"} <= set(files) or \
+            marker["world_size"] == 2  # rank 1's shard is merged in by Ray, not in rank 0's list
+        ckdir = tmp_path / "smoke-fsdp" / s["checkpoint"].rsplit("/", 1)[1] / "dcp"
+        assert (ckdir / "__1_0.distcp").exists() and (ckdir / "__0_0.distcp").exists()
+    else:
+        ckdir = tmp_path / "smoke-deepspeed" / s["checkpoint"].rsplit("/", 1)[1] / "ds" / "ckpt"
+        assert len(list(ckdir.glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    assert "model.pt" in files  # full weights on the final checkpoint, for serving
+
+
+def test_rerun_with_same_name_resumes_step_counter(ray_cluster, tmp_path):
+    base = ["--smoke-test", "--name", "resume-me", "--storage-path", str(tmp_path),
+            "--checkpoint-every", "5"]
+    first = train(ray_cluster, base + ["--max-steps", "10"])
+    assert first.returncode == 0, first.stdout[-3000:]
+    assert summary_of(first.stdout)["steps"] == 10
+    second = train(ray_cluster, base + ["--max-steps", "15"])
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert "resuming from step 10" in second.stdout
+    s = summary_of(second.stdout)
+    assert s["steps"] == 15
+    steps = [int(r.split(",")[0]) for r in
+             (tmp_path / "resume-me" / "metrics.csv").read_text().splitlines()[1:]]
+    assert steps == [5, 10, 15]  # one history across both runs, no restart at step 1
+
+
+@pytest.mark.moto
+def test_s3_checkpoints_on_moto_then_resume_from_them(ray_cluster, aws_env, s3_client,
+                                                      checkpoint_bucket):
+    base = ["--smoke-test", "--name", "s3-run", "--checkpoint-every", "5",
+            "--storage-path", f"s3://{checkpoint_bucket}/runs"]
+    first = train(ray_cluster, base + ["--max-steps", "10"], aws_env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-2000:]
+    keys = [o["Key"] for o in s3_client.list_objects_v2(
+        Bucket=checkpoint_bucket, Prefix="runs/s3-run/")["Contents"]]
+    assert any(k.endswith("/rayfleet_checkpoint.json") for k in keys)
+    assert any(k.endswith("/model.pt") for k in keys)
+    assert "runs/s3-run/loss.png" in keys
+    second = train(ray_cluster, base + ["--max-steps", "15"], aws_env)
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert "resuming from step 10" in second.stdout
+    assert summary_of(second.stdout)["checkpoint"].startswith(f"s3://{checkpoint_bucket}/runs/")
+
+
+def test_gpus_on_cpu_cluster_fail_in_seconds(ray_cluster, tmp_path):
+    t0 = time.time()
+    proc = train(ray_cluster, ["--smoke-test", "--use-gpu", "--storage-path", str(tmp_path)],
+                 timeout=120)
+    assert proc.returncode == 2
+    assert "no GPU at all" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert time.time() - t0 < 60  # not a hang waiting for resources
+
+
+def test_too_many_workers_fail_naming_what_is_missing(ray_cluster, tmp_path):
+    proc = train(ray_cluster, ["--smoke-test", "--num-workers", "2", "--cpus-per-worker", "3",
+                               "--storage-path", str(tmp_path)], timeout=120)
+    assert proc.returncode == 2
+    assert "fits only 1" in proc.stderr and "CPU 4" in proc.stderr
+
+
+@pytest.mark.moto
+def test_missing_bucket_is_one_line_before_any_training(ray_cluster, aws_env):
+    proc = train(ray_cluster, ["--smoke-test", "--storage-path", "s3://no-such-bucket-rf/x"],
+                 aws_env, timeout=120)
+    assert proc.returncode == 2
+    assert "bucket 'no-such-bucket-rf' does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr and "[rayfleet] run" not in proc.stdout
+
+
+def test_corrupt_checkpoint_stops_the_rerun_and_overwrites_nothing(ray_cluster, tmp_path):
+    base = ["--smoke-test", "--name", "corrupt", "--storage-path", str(tmp_path)]
+    first = train(ray_cluster, base + ["--max-steps", "10"])
+    assert first.returncode == 0, first.stdout[-3000:]
+    run_dir = tmp_path / "corrupt"
+    latest = run_dir / summary_of(first.stdout)["checkpoint"].rsplit("/", 1)[1]
+    (latest / "model.pt").write_bytes(b"garbage")
+    before = sorted(p.name for p in run_dir.iterdir())
+    proc = train(ray_cluster, base + ["--max-steps", "20"], timeout=120)
+    assert proc.returncode == 2
+    assert "is corrupt: model.pt is 7 bytes" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    assert (latest / "model.pt").read_bytes() == b"garbage"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--strategy", "zero"], "--strategy: unknown strategy"),
+    (["--num-workers", "0"], "--num-workers: must be at least 1"),
+    (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+])
+def test_bad_input_one_line_exit_2(argv, needle, tmp_path):
+    proc = run(TRAIN + argv + ["--storage-path", str(tmp_path)], timeout=60)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

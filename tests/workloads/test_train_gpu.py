@@ -1,0 +1,28 @@
+"""GPU checks of the same loop under `torchrun` (convention 5): no Ray needed on the GPU host.
+Skipped without CUDA (conftest)."""
+
+import os
+import shutil
+
+import pytest
+
+from tests.conftest import BIN, run, summary_of
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_torchrun_on_cuda_learns_in_bf16(tmp_path, strategy):
+    import torch
+
+    nproc = min(2, torch.cuda.device_count())
+    torchrun = shutil.which("torchrun") or str(BIN / "torchrun")
+    proc = run([torchrun, f"--nproc-per-node={nproc}", "-m", "workloads.train.torchrun",
+                "--model", "small", "--strategy", strategy, "--max-steps", "60",
+                "--checkpoint-every", "30", "--log-every", "10", "--batch-size", "32",
+                "--output", str(tmp_path)], env=dict(os.environ), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = summary_of(proc.stdout)
+    assert s["device"].startswith("cuda")
+    assert s["history"][-1]["loss"] < s["history"][0]["loss"]
+    assert s["mfu"] > 0  # measured against the GPU's peak bf16 FLOP/s
