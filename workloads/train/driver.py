@@ -29,9 +29,9 @@ GPU_MEMORY_GIB = {"A100": 40, "A100-40G": 40, "A100-80G": 80, "H100": 80, "H200"
                   "A10G": 24, "L4": 24, "T4": 16}
 
 
-DEFAULTS = {"batch_size": 16, "max_steps": 200, "checkpoint_every": 50, "log_every": 10,
-            "corpus_bytes": 4 << 20, "lr": 1e-3}
-SMOKE = {"batch_size": 8, "max_steps": 30, "checkpoint_every": 10, "log_every": 5,
+DEFAULTS = {"model": "small", "batch_size": 16, "max_steps": 200, "checkpoint_every": 50,
+            "log_every": 10, "corpus_bytes": 4 << 20, "lr": 1e-3}
+SMOKE = {"model": "tiny", "batch_size": 8, "max_steps": 30, "checkpoint_every": 10, "log_every": 5,
          "corpus_bytes": 256 << 10, "lr": 3e-3}
 
 
@@ -39,7 +39,8 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description="Distributed GPT training with Ray Train.")
     p.add_argument("--smoke-test", action="store_true",
                    help="tiny model and data, 2 CPU workers, well under a minute")
-    p.add_argument("--model", default="small", help=f"size preset: {', '.join(PRESETS)}")
+    p.add_argument("--model", default=None,
+                   help=f"size preset: {', '.join(PRESETS)} (default small; tiny for --smoke-test)")
     p.add_argument("--seq-len", type=int, default=None, help="override the preset's context")
     p.add_argument("--strategy", default="ddp", help="ddp (default), fsdp or deepspeed")
     p.add_argument("--zero-stage", type=int, default=2, help="DeepSpeed ZeRO stage: 2 or 3")
@@ -86,7 +87,6 @@ def validate_args(args) -> GPTConfig:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.smoke_test:
-        args.model = "tiny"
         args.num_workers = min(args.num_workers, 2) if args.num_workers >= 1 else args.num_workers
     if args.strategy not in STRATEGIES:
         raise ConfigError("--strategy", f"unknown strategy {args.strategy!r}", STRATEGIES,
