@@ -53,10 +53,88 @@ def build_parser() -> argparse.ArgumentParser:
                     "pipelines and serving.")
     sub = parser.add_subparsers(dest="command", required=True)
     _local(sub)
+    _ops(sub)
     return parser
 
 
-HANDLERS = {"local": _run_local}
+def _ops(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("render", help="stack outputs -> cluster-configs/generated/<stack>.yaml")
+    p.add_argument("outputs", help="`pulumi stack output --json` saved to a file, or - for stdin")
+    p.add_argument("-o", "--out", default=None,
+                   help="where to write (default cluster-configs/generated/<stack>.yaml)")
+    p.add_argument("--token-file", default=None,
+                   help="local Ray auth token shipped to every node (default "
+                        "$RAYFLEET_HOME or ~/.rayfleet, /clusters/<cluster>/auth_token; "
+                        "created 0600 if missing)")
+    p.add_argument("--key-name", default=None,
+                   help="existing EC2 key pair for SSH over SSM (default <cluster>-operator)")
+    p.add_argument("--idle-timeout", type=int, default=10, metavar="MINUTES",
+                   help="minutes before an idle worker is terminated (default 10)")
+    p.add_argument("--no-create-token", action="store_true",
+                   help="do not create the token file if it is missing")
+
+    p = sub.add_parser("lint", help="check any Ray cluster YAML against the security rules")
+    p.add_argument("config", help="Ray cluster-launcher YAML")
+
+    p = sub.add_parser("cost", help="$/hour and $/month of a cluster YAML (offline price table)")
+    p.add_argument("config", help="Ray cluster-launcher YAML")
+    p.add_argument("--stack-file", default=None,
+                   help="Pulumi.<stack>.yaml whose rayfleet:budgetMonthlyUsd to compare with")
+    p.add_argument("--budget-usd", type=float, default=None, help="monthly budget in USD")
+    p.add_argument("--hours-per-month", type=float, default=730.0,
+                   help="hours a month the cluster runs (default 730, always on)")
+
+    p = sub.add_parser("sweep", help="find (and with --delete remove) what a cluster left "
+                                     "behind after `ray down`")
+    p.add_argument("--cluster-name", required=True, help="the YAML's cluster_name")
+    p.add_argument("--region", default=None, help="AWS region (default: the AWS config's)")
+    p.add_argument("--delete", action="store_true", help="remove what is found")
+
+    p = sub.add_parser("preflight", help="check the AWS account can launch a cluster YAML")
+    p.add_argument("config", help="Ray cluster-launcher YAML")
+    p.add_argument("--num-gpus", type=int, default=None,
+                   help="GPUs one job's worker asks for: some node type must offer them")
+    p.add_argument("--bucket", default=None, help="s3://bucket/prefix to check reachable and "
+                                                  "writable (default: from the YAML header)")
+
+
+def _run_render(args: argparse.Namespace) -> int:
+    from rayfleet import render
+
+    path = render.render(args.outputs, out=args.out, token_file=args.token_file,
+                         key_name=args.key_name, idle_timeout_minutes=args.idle_timeout,
+                         create_token=not args.no_create_token)
+    print(f"wrote {path}")
+    return 0
+
+
+def _run_lint(args: argparse.Namespace) -> int:
+    from rayfleet import lint
+
+    return lint.main(args.config)
+
+
+def _run_cost(args: argparse.Namespace) -> int:
+    from rayfleet import cost
+
+    return cost.main(args.config, stack_file=args.stack_file, budget_usd=args.budget_usd,
+                     hours_per_month=args.hours_per_month)
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    from rayfleet import sweep
+
+    return sweep.main(args.cluster_name, region=args.region, delete=args.delete)
+
+
+def _run_preflight(args: argparse.Namespace) -> int:
+    from rayfleet import preflight
+
+    return preflight.main(args.config, num_gpus=args.num_gpus, bucket=args.bucket)
+
+
+HANDLERS = {"local": _run_local, "render": _run_render, "lint": _run_lint,
+            "cost": _run_cost, "sweep": _run_sweep, "preflight": _run_preflight}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,221 @@
+"""`rayfleet lint CONFIG`: check any Ray cluster-launcher YAML against the rules of DESIGN.md
+that a cluster YAML can break. Reads the file only: no AWS call, no Ray call.
+
+Each finding has a severity (error / warning), the DESIGN rule number and the fix; the command
+exits 1 when any error is found. Keys missing from the YAML are judged by what Ray does when
+they are missing (ray/autoscaler/aws/defaults.yaml): no ``cache_stopped_nodes`` means stop
+instead of terminate; no SecurityGroupIds means Ray creates ``ray-autoscaler-<cluster>`` with
+SSH open to 0.0.0.0/0; no IamInstanceProfile means Ray attaches ``ray-autoscaler-v1`` with
+EC2 and S3 full access.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rayfleet.config import RAY_PORTS
+from rayfleet.errors import RayfleetError
+
+ERROR, WARNING = "error", "warning"
+
+# GPU families of EC2 (NVIDIA: p2-p6, g3-g6, g5g; AMD: g4ad). Trainium/Inferentia are not GPUs.
+GPU_TYPE = re.compile(r"^(p\d+[a-z]*|g\d+[a-z]*|gr\d+[a-z]*)\.")
+
+SECRET_PATTERNS = (
+    (re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"), "an AWS access key id"),
+    (re.compile(r"aws_secret_access_key|AWS_SECRET_ACCESS_KEY\s*[=:]"), "an AWS secret key"),
+    (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"), "a private key"),
+    (re.compile(r"RAY_AUTH_TOKEN=(?!\$)\S{8,}"), "a Ray auth token value"),
+    (re.compile(r"(?i)\b(password|passwd|api[_-]?key|hf_token|wandb_api_key)\s*[=:]\s*\S{6,}"),
+     "a password or API key"),
+)
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str
+    rule: int
+    where: str
+    problem: str
+    fix: str
+
+
+def _commands(cfg: dict, *keys: str) -> str:
+    out = []
+    for k in keys:
+        v = cfg.get(k) or []
+        out.extend(str(c) for c in (v if isinstance(v, list) else [v]))
+    return "\n".join(out)
+
+
+def lint_config(cfg: dict[str, Any], text: str = "") -> list[Finding]:
+    f: list[Finding] = []
+    provider = cfg.get("provider") or {}
+    ptype = provider.get("type")
+    aws = ptype == "aws"
+    node_types = cfg.get("available_node_types") or {}
+
+    if aws:
+        if provider.get("cache_stopped_nodes", True) is not False:
+            f.append(Finding(ERROR, 23, "provider.cache_stopped_nodes",
+                             "not false (Ray's default is true): `ray down` stops workers, and "
+                             "stopped instances keep billing for their EBS volumes",
+                             "set provider.cache_stopped_nodes: false"))
+        if provider.get("use_internal_ips") is not True:
+            f.append(Finding(ERROR, 7, "provider.use_internal_ips",
+                             "not true: the launcher needs public IPs on the nodes",
+                             "put nodes in private subnets, set provider.use_internal_ips: true "
+                             "and reach them through SSM (auth.ssh_proxy_command)"))
+        if provider.get("aws_credentials"):
+            f.append(Finding(ERROR, 20, "provider.aws_credentials",
+                             "credentials written into the cluster YAML",
+                             "remove them; use an AWS profile or SSO on the operator machine"))
+        if not node_types:
+            f.append(Finding(ERROR, 3, "available_node_types",
+                             "missing: Ray falls back to its defaults (m5.large, default VPC, "
+                             "its own security group and role)",
+                             "declare every node type with SubnetIds, SecurityGroupIds and "
+                             "IamInstanceProfile (rayfleet render does)"))
+        for name, nt in node_types.items():
+            f.extend(_aws_node_type(name, nt or {}))
+        if "ssh_private_key" not in (cfg.get("auth") or {}):
+            f.append(Finding(WARNING, 3, "auth.ssh_private_key",
+                             "missing: Ray creates its own ray-autoscaler_* key pair in the "
+                             "account and writes the private key to ~/.ssh",
+                             "name an existing key pair (auth.ssh_private_key + KeyName)"))
+
+    for name, nt in node_types.items():
+        itype = str(((nt or {}).get("node_config") or {}).get("InstanceType", ""))
+        res = (nt or {}).get("resources")
+        if GPU_TYPE.match(itype) and not (isinstance(res, dict) and res.get("GPU")):
+            f.append(Finding(WARNING, 3, f"available_node_types.{name}.resources",
+                             f"{itype} is a GPU type but the node type declares no GPU resource",
+                             "declare resources: {CPU: n, GPU: n, accelerator_type:<X>: 1} so "
+                             "GPU jobs are matched before the node exists"))
+
+    head_start = _commands(cfg, "head_start_ray_commands")
+    worker_start = _commands(cfg, "worker_start_ray_commands")
+    starts = [("head_start_ray_commands", head_start)]
+    if worker_start.strip() or ptype != "local":
+        starts.append(("worker_start_ray_commands", worker_start))
+    for key, cmds in starts:
+        if "RAY_AUTH_MODE=token" not in cmds:
+            f.append(Finding(ERROR, 21, key,
+                             "no RAY_AUTH_MODE=token: anyone who reaches a Ray port can run "
+                             "code on the cluster",
+                             "export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=<token file> before "
+                             "`ray start`, and ship the token with file_mounts"))
+    if head_start and "RAY_AUTH_MODE=token" in head_start and not any(
+            "token" in str(k) for k in (cfg.get("file_mounts") or {})):
+        f.append(Finding(WARNING, 21, "file_mounts",
+                         "token auth is on but no token file is shipped to the nodes",
+                         "file_mounts: {~/.rayfleet/auth_token: <local token file>}"))
+    if re.search(r"--dashboard-host[= ]+(0\.0\.0\.0|::|\[::\])", head_start):
+        f.append(Finding(ERROR, 22, "head_start_ray_commands",
+                         "--dashboard-host=0.0.0.0: the dashboard and Jobs API (remote code "
+                         "execution, CVE-2023-48022) listen on every interface",
+                         "use --dashboard-host=127.0.0.1 and an SSM/SSH tunnel"))
+    if head_start:
+        missing = [p.flag for p in RAY_PORTS if p.flag.startswith("--")
+                   and not all(fl in head_start for fl in p.flag.split("/"))]
+        if missing:
+            f.append(Finding(WARNING, 4, "head_start_ray_commands",
+                             f"ports left to Ray's defaults or random picks: {', '.join(missing)}"
+                             "; a security group can only open ports it can name",
+                             "pin every port as rayfleet.config.RAY_PORTS lists"))
+
+    setup = _commands(cfg, "initialization_commands", "setup_commands", "head_setup_commands",
+                      "worker_setup_commands")
+    if not re.search(r"\bray(\[[^\]]*\])?==\d+\.\d+\.\d+\b", setup):
+        f.append(Finding(ERROR, 25, "setup_commands",
+                         "Ray is not installed at a pinned version (==X.Y.Z): nodes can run a "
+                         "different Ray than the client, which Ray refuses",
+                         "pip install 'ray[default]==<the version in pyproject.toml>' in "
+                         "setup_commands"))
+    elif re.search(r"ray-wheels|ray-\d+\.\d+\.\d+\.dev", setup):
+        f.append(Finding(ERROR, 25, "setup_commands", "installs a nightly Ray wheel",
+                         "pin the released version from pyproject.toml"))
+
+    for pattern, what in SECRET_PATTERNS:
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if pattern.search(line):
+                f.append(Finding(ERROR, 20, f"line {lineno}", f"looks like {what}",
+                                 "move it to a file shipped by file_mounts (0600) or the "
+                                 "instance role; never inline it in the YAML"))
+    return f
+
+
+def _aws_node_type(name: str, nt: dict) -> list[Finding]:
+    f: list[Finding] = []
+    nc = nt.get("node_config") or {}
+    where = f"available_node_types.{name}.node_config"
+    # A launch template or explicit NetworkInterfaces carry subnet and security groups; Ray's
+    # bootstrap copies them up (and refuses them twice). `rayfleet preflight` checks the
+    # template really has them.
+    # A template that is the source brings both; one given here and the other not means the
+    # template is not the source, and Ray would fill the missing one with its default.
+    has_sg = "SecurityGroupIds" in nc
+    has_subnet = "SubnetIds" in nc or "SubnetId" in nc
+    from_interfaces = "NetworkInterfaces" in nc or (
+        "LaunchTemplate" in nc and not has_sg and not has_subnet)
+    if not has_sg and not from_interfaces:
+        f.append(Finding(ERROR, 3, where + ".SecurityGroupIds",
+                         "missing: Ray creates ray-autoscaler-<cluster> with SSH open to "
+                         "0.0.0.0/0",
+                         "set SecurityGroupIds to the stack's cluster security group"))
+    if not has_subnet and not from_interfaces:
+        f.append(Finding(ERROR, 3, where + ".SubnetIds",
+                         "missing: Ray picks subnets of the default VPC, which give public IPs",
+                         "set SubnetIds to the stack's private subnets"))
+    if "IamInstanceProfile" not in nc:
+        f.append(Finding(ERROR, 3, where + ".IamInstanceProfile",
+                         "missing: Ray creates and attaches ray-autoscaler-v1 (EC2 and S3 full "
+                         "access)",
+                         "set IamInstanceProfile: {Arn: <the stack's head/worker profile>}"))
+    for i, ni in enumerate(nc.get("NetworkInterfaces") or []):
+        if (ni or {}).get("AssociatePublicIpAddress"):
+            f.append(Finding(ERROR, 7, f"{where}.NetworkInterfaces[{i}]",
+                             "AssociatePublicIpAddress: true puts the node on the internet",
+                             "remove it; nodes live in private subnets"))
+    return f
+
+
+def load_yaml(path: str) -> tuple[dict, str]:
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise RayfleetError(f"{path}: no such file") from None
+    except OSError as e:
+        raise RayfleetError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        cfg = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise RayfleetError(f"{path}: not valid YAML{at}") from None
+    if not isinstance(cfg, dict) or "provider" not in cfg:
+        raise RayfleetError(f"{path}: not a Ray cluster YAML (no provider: section)")
+    return cfg, text
+
+
+def lint_file(path: str) -> list[Finding]:
+    cfg, text = load_yaml(path)
+    return lint_config(cfg, text)
+
+
+def main(path: str, out=None) -> int:
+    out = out or sys.stdout
+    findings = lint_file(path)
+    errors = sum(1 for x in findings if x.severity == ERROR)
+    for x in findings:
+        print(f"{x.severity.upper():7} rule {x.rule:<2} {x.where}: {x.problem}. Fix: {x.fix}",
+              file=out)
+    warnings = len(findings) - errors
+    print(f"{path}: {errors} error(s), {warnings} warning(s)", file=out)
+    return 1 if errors else 0

@@ -1,0 +1,437 @@
+"""`rayfleet render`: the stack outputs of `pulumi up` -> a Ray cluster-launcher YAML.
+
+The outputs (schema in ``infra/components/__init__.py``, schema_version 1) come from a file,
+stdin (``-``) or ``pulumi stack output --json`` (the ``rayfleet`` key). Every ID in the YAML is
+copied from them — none is hand-typed (convention 3) — so Ray's bootstrap finds a security
+group, subnets and an instance profile on every node type and creates none of its permissive
+defaults (rule 3). The result is written to ``cluster-configs/generated/<stack>.yaml``.
+
+Workers: the A100 launch templates carry the EFA network interfaces, each with its subnet and
+security groups. Ray's bootstrap copies those up into the node config and raises ValueError if
+the node config also sets SubnetIds or SecurityGroupIds, so worker node types name the launch
+template and leave both out; the head (no EFA) names them explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shlex
+import stat
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rayfleet.config import (
+    HEAD_INSTANCE_TYPES,
+    RAY_CLUSTER_TAG,
+    RAY_PORTS,
+    WORKER_INSTANCE_TYPES,
+)
+from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = REPO / "pyproject.toml"
+GENERATED = REPO / "cluster-configs" / "generated"
+SCHEMA_VERSION = 1
+
+# Where the token lands on every node, and the venv the setup commands build there.
+REMOTE_TOKEN = "~/.rayfleet/auth_token"
+REMOTE_TOKEN_ENV = "$HOME/.rayfleet/auth_token"
+VENV = "~/rayfleet-venv"
+RAY_BIN = f"{VENV}/bin/ray"
+
+# Every key render reads, dotted; a missing one is refused with its name.
+REQUIRED_KEYS = (
+    "schema_version", "stack", "cluster_name", "region", "availability_zones",
+    "private_subnet_ids", "worker_subnet_id", "cluster_security_group_id",
+    "instance_profiles.head.arn", "instance_profiles.worker.arn",
+    "launch_templates.head.id", "launch_templates.worker_ondemand.id",
+    "launch_templates.worker_spot.id",
+    "node_types.head.instance_type", "node_types.head.vcpus",
+    "node_types.worker_ondemand.instance_type", "node_types.worker_ondemand.min_workers",
+    "node_types.worker_ondemand.max_workers", "node_types.worker_spot.instance_type",
+    "node_types.worker_spot.min_workers", "node_types.worker_spot.max_workers",
+    "storage_uri",
+)
+
+
+# ----------------------------------------------------------------------------- outputs
+
+def _get(d: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            raise KeyError(dotted)
+        d = d[part]
+    return d
+
+
+def parse_outputs(text: str, source: str = "outputs") -> dict[str, Any]:
+    """The ``rayfleet`` output from JSON text: either ``pulumi stack output --json`` (a dict
+    with a ``rayfleet`` key) or the ``rayfleet`` object itself. Validated; one-line errors."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RayfleetError(f"{source}: not JSON ({e.msg} at line {e.lineno}); pass the output "
+                            "of `pulumi stack output --json`") from None
+    if isinstance(data, dict) and isinstance(data.get("rayfleet"), dict):
+        data = data["rayfleet"]
+    if not isinstance(data, dict) or "schema_version" not in data:
+        raise RayfleetError(f"{source}: no `rayfleet` stack output found; pass the output of "
+                            "`pulumi stack output --json` for a rayfleet stack")
+    if data["schema_version"] != SCHEMA_VERSION:
+        raise RayfleetError(f"{source}: schema_version {data['schema_version']!r} is not "
+                            f"{SCHEMA_VERSION}; upgrade rayfleet or re-run `pulumi up`")
+    missing = []
+    for key in REQUIRED_KEYS:
+        try:
+            value = _get(data, key)
+        except KeyError:
+            missing.append(key)
+            continue
+        if value is None or value == "" or value == []:
+            missing.append(key)
+    if missing:
+        raise RayfleetError(f"{source}: stack output `rayfleet` lacks {', '.join(missing)}; "
+                            "re-run `pulumi up` and pass the fresh `pulumi stack output --json`")
+    _check_types(data, source)
+    return data
+
+
+def _check_types(o: dict[str, Any], source: str) -> None:
+    head = o["node_types"]["head"]["instance_type"]
+    if head not in HEAD_INSTANCE_TYPES:
+        raise ConfigError(f"{source}: node_types.head.instance_type",
+                          f"{head!r} is not a known head type"
+                          f"{did_you_mean(head, HEAD_INSTANCE_TYPES)}")
+    for kind in ("worker_ondemand", "worker_spot"):
+        nt = o["node_types"][kind]
+        t = nt["instance_type"]
+        if t not in WORKER_INSTANCE_TYPES:
+            raise ConfigError(f"{source}: node_types.{kind}.instance_type",
+                              f"{t!r} is not a known A100 worker type"
+                              f"{did_you_mean(t, WORKER_INSTANCE_TYPES)}")
+        lo, hi = nt["min_workers"], nt["max_workers"]
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi):
+            raise ConfigError(f"{source}: node_types.{kind}",
+                              f"min_workers {lo!r} must be an integer between 0 and max_workers "
+                              f"{hi!r}")
+    if not re.fullmatch(r"[a-z][a-z0-9-]{1,30}[a-z0-9]", str(o["cluster_name"])):
+        raise ConfigError(f"{source}: cluster_name", f"{o['cluster_name']!r} is not a rayfleet "
+                                                     "cluster name")
+
+
+def load_outputs(source: str, stdin=None) -> dict[str, Any]:
+    """Outputs from a file path, or ``-`` for stdin."""
+    if source == "-":
+        return parse_outputs((stdin or sys.stdin).read(), "stdin")
+    path = Path(source)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise RayfleetError(f"{source}: no such file; run `pulumi stack output --json > "
+                            f"{source}` or pass - to read stdin") from None
+    except OSError as e:
+        raise RayfleetError(f"{source}: cannot read ({e.strerror})") from None
+    return parse_outputs(text, source)
+
+
+# ----------------------------------------------------------------------------- versions
+
+def pinned_versions(pyproject: Path = PYPROJECT) -> dict[str, str]:
+    """``{"ray": 'ray[default,...]==2.60.0', "torch": ..., "boto3": ...}`` from pyproject.toml,
+    the one place versions are pinned (rule 25)."""
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    out = {}
+    for dep in deps:
+        m = re.fullmatch(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?==([^;\s]+)", dep.strip())
+        if m and m.group(1) in ("ray", "torch", "boto3"):
+            out[m.group(1)] = dep.strip()
+    for name in ("ray", "torch"):
+        if name not in out:
+            raise RayfleetError(f"{pyproject}: {name} is not pinned with == in "
+                                "[project].dependencies")
+    return out
+
+
+def ray_version(pyproject: Path = PYPROJECT) -> str:
+    return pinned_versions(pyproject)["ray"].split("==", 1)[1]
+
+
+# ----------------------------------------------------------------------------- YAML with comments
+
+@dataclass(frozen=True)
+class Why:
+    """A value with the sentence that goes above its key (convention 3)."""
+
+    value: Any
+    why: str
+
+
+def _emit(mapping: dict[str, Any], indent: int = 0) -> list[str]:
+    pad = " " * indent
+    lines: list[str] = []
+    for key, value in mapping.items():
+        if isinstance(value, Why):
+            lines.append("")
+            for part in _wrap(value.why, 96 - indent):
+                lines.append(f"{pad}# {part}")
+            value = value.value
+        k = yaml.safe_dump(key, default_style=None).strip().removesuffix("\n...").strip()
+        if isinstance(value, dict) and value and any(isinstance(v, (Why, dict))
+                                                     for v in value.values()):
+            lines.append(f"{pad}{k}:")
+            lines.extend(_emit(value, indent + 2))
+        elif isinstance(value, (dict, list)) and value:
+            dumped = yaml.safe_dump(value, default_flow_style=False, sort_keys=False,
+                                    width=4096).rstrip("\n")
+            lines.append(f"{pad}{k}:")
+            lines.extend(f"{pad}  {ln}" for ln in dumped.splitlines())
+        else:
+            dumped = yaml.safe_dump(value, default_flow_style=True, width=4096).strip()
+            dumped = dumped.removesuffix("...").strip()
+            lines.append(f"{pad}{k}: {dumped}")
+    return lines
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    out, line = [], ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            out.append(line)
+            line = word
+        else:
+            line = f"{line} {word}".strip()
+    return out + ([line] if line else [])
+
+
+# ----------------------------------------------------------------------------- the cluster
+
+def port_flags(head: bool) -> str:
+    """Every Ray port pinned to what infra's security group opens (RAY_PORTS, rule 4)."""
+    flags = []
+    for p in RAY_PORTS:
+        if not p.flag.startswith("--"):
+            continue  # ssh, and Serve's ports (set in the Serve config, not by ray start)
+        if p.name in ("gcs", "dashboard", "client") and not head:
+            continue  # head-only listeners
+        if "/" in p.flag:
+            lo_flag, hi_flag = p.flag.split("/")
+            flags += [f"{lo_flag}={p.from_port}", f"{hi_flag}={p.to_port}"]
+        else:
+            flags.append(f"{p.flag}={p.from_port}")
+    return " ".join(flags)
+
+
+def default_token_file(cluster_name: str) -> str:
+    home = os.environ.get("RAYFLEET_HOME")
+    base = Path(home).expanduser() if home else Path("~/.rayfleet")
+    return str(base / "clusters" / cluster_name / "auth_token")
+
+
+def ensure_token(path: str) -> Path:
+    """Create the cluster's token (0600) if it does not exist yet; never print it."""
+    p = Path(path).expanduser()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if not p.exists():
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    elif stat.S_IMODE(p.stat().st_mode) != 0o600:
+        os.chmod(p, 0o600)
+    return p
+
+
+def build_config(o: dict[str, Any], token_file: str, key_name: str | None = None,
+                 idle_timeout_minutes: int = 10,
+                 pyproject: Path = PYPROJECT) -> dict[str, Any]:
+    """The cluster YAML as a mapping (values possibly wrapped in :class:`Why`)."""
+    c = o["cluster_name"]
+    region = o["region"]
+    key_name = key_name or f"{c}-operator"
+    pins = pinned_versions(pyproject)
+    nt = o["node_types"]
+    head_t, spot_t, od_t = nt["head"], nt["worker_spot"], nt["worker_ondemand"]
+    profiles = o["instance_profiles"]
+    lts = o["launch_templates"]
+    max_workers = spot_t["max_workers"] + od_t["max_workers"]
+
+    def worker(t: dict, lt: dict, spot: bool) -> dict:
+        spec = WORKER_INSTANCE_TYPES[t["instance_type"]]
+        node_config: dict[str, Any] = {
+            "InstanceType": spec.name,
+            "LaunchTemplate": Why(
+                {"LaunchTemplateId": lt["id"], "Version": "$Default"},
+                "The launch template brings the AMI, IMDSv2, encrypted roots, the placement "
+                "group and the EFA interfaces with their subnet and security groups; Ray's "
+                "bootstrap copies those up, and raises ValueError if SubnetIds or "
+                "SecurityGroupIds are also set here, so they are left out on purpose."),
+            "IamInstanceProfile": Why(
+                {"Arn": profiles["worker"]["arn"]},
+                "Set explicitly so Ray never attaches its default ray-autoscaler-v1 role "
+                "(EC2 and S3 full access); the worker role reaches only the bucket prefix."),
+            "KeyName": key_name,
+        }
+        if spot:
+            node_config["InstanceMarketOptions"] = Why(
+                {"MarketType": "spot", "SpotOptions": {"SpotInstanceType": "one-time",
+                                                       "InstanceInterruptionBehavior":
+                                                           "terminate"}},
+                "Spot, one-time, terminate on interruption: a reclaimed worker is gone and "
+                "the autoscaler replaces it; nothing stopped lingers to bill EBS.")
+        return {
+            "min_workers": t["min_workers"],
+            "max_workers": t["max_workers"],
+            "resources": Why(
+                {"CPU": spec.vcpus, "GPU": spec.gpus, "accelerator_type:A100": 1},
+                "Declared, not detected: a job asking for GPUs or accelerator_type:A100 is "
+                "matched to this type before any instance exists."),
+            "node_config": node_config,
+        }
+
+    head_spec = HEAD_INSTANCE_TYPES[head_t["instance_type"]]
+    auth_env = f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={REMOTE_TOKEN_ENV}"
+    ssm = (f"aws ssm start-session --region {region} --target %h "
+           "--document-name AWS-StartSSHSession --parameters portNumber=%p")
+    return {
+        "cluster_name": Why(c, f"From the stack output; Ray tags every instance "
+                               f"{RAY_CLUSTER_TAG}={c}, the tag the head role's EC2 permissions "
+                               "and `rayfleet sweep` key on."),
+        "max_workers": max_workers,
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": Why(idle_timeout_minutes,
+                                    "An idle A100 worker costs tens of dollars an hour; "
+                                    "give it back soon."),
+        "provider": {
+            "type": "aws",
+            "region": region,
+            "cache_stopped_nodes": Why(False,
+                                       "Terminate, never stop: `ray down` must leave nothing "
+                                       "billing (stopped nodes keep their EBS volumes, "
+                                       "rule 23)."),
+            "use_internal_ips": Why(True,
+                                    "Nodes live in private subnets with no public IP (rule 7); "
+                                    "the launcher reaches them through SSM instead."),
+        },
+        "auth": {
+            "ssh_user": "ubuntu",
+            "ssh_private_key": Why(f"~/.ssh/{key_name}.pem",
+                                   "An existing key pair (preflight checks it): without one, "
+                                   "Ray creates its own ray-autoscaler_* key pair in the "
+                                   "account."),
+            "ssh_proxy_command": Why(ssm,
+                                     "SSH rides an SSM Session Manager tunnel: no inbound port "
+                                     "22 from anywhere (rule 2); needs the AWS CLI and its "
+                                     "session-manager-plugin."),
+        },
+        "available_node_types": {
+            "ray.head.default": {
+                "resources": Why({"CPU": head_spec.vcpus, "GPU": 0},
+                                 "The CPU head runs drivers and light CPU tasks; it has no "
+                                 "GPU, so no GPU task is ever placed here."),
+                "node_config": {
+                    "InstanceType": head_spec.name,
+                    "LaunchTemplate": Why({"LaunchTemplateId": lts["head"]["id"],
+                                           "Version": "$Default"},
+                                          "AMI, IMDSv2, encrypted root and tags come from "
+                                          "the stack's head launch template."),
+                    "SubnetIds": Why(list(o["private_subnet_ids"]),
+                                     "Private subnets of every AZ: on a capacity error Ray "
+                                     "moves on to the next subnet."),
+                    "SecurityGroupIds": Why([o["cluster_security_group_id"]],
+                                            "The stack's cluster group; without it Ray "
+                                            "creates ray-autoscaler-* with SSH open to the "
+                                            "world (rule 3)."),
+                    "IamInstanceProfile": Why({"Arn": profiles["head"]["arn"]},
+                                              "The head role: EC2 actions limited to this "
+                                              "cluster's tag, PassRole on the worker role "
+                                              "only."),
+                    "KeyName": key_name,
+                },
+            },
+            # Spot first in the file; on-demand keeps onDemandWorkers always launchable.
+            "ray.worker.a100.spot": worker(spot_t, lts["worker_spot"], spot=True),
+            "ray.worker.a100.ondemand": worker(od_t, lts["worker_ondemand"], spot=False),
+        },
+        "head_node_type": "ray.head.default",
+        "file_mounts": Why({REMOTE_TOKEN: token_file},
+                           "The Ray auth token travels over SSH as a file, never in user data "
+                           "or this YAML (rules 20, 21); setup makes it 0600."),
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "rsync_exclude": [],
+        "rsync_filter": [],
+        "initialization_commands": [],
+        "setup_commands": Why([
+            f"test -x {VENV}/bin/python || python3 -m venv {VENV}",
+            f"{VENV}/bin/pip install --quiet "
+            + " ".join(shlex.quote(pins[k]) for k in ("ray", "torch", "boto3") if k in pins),
+            "chmod 700 ~/.rayfleet && chmod 600 " + REMOTE_TOKEN,
+        ], "Exactly the versions pyproject.toml pins, on every node (rule 25): Ray refuses a "
+           "client or node whose version differs from the head's."),
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": Why([
+            f"{RAY_BIN} stop",
+            f"ulimit -n 65536; {auth_env}; {RAY_BIN} start --head "
+            f"--autoscaling-config=~/ray_bootstrap_config.yaml --dashboard-host=127.0.0.1 "
+            + port_flags(head=True),
+        ], "Token auth on (rule 21); the dashboard and Jobs API listen on loopback only and are "
+           "reached by an SSM tunnel (rule 22); every port pinned to what the security group "
+           "opens."),
+        "worker_start_ray_commands": Why([
+            f"{RAY_BIN} stop",
+            f"ulimit -n 65536; {auth_env}; {RAY_BIN} start --address=$RAY_HEAD_IP:6379 "
+            + port_flags(head=False),
+        ], "Same token and pinned ports on every worker."),
+    }
+
+
+def header(o: dict[str, Any]) -> str:
+    return (f"# Generated by `rayfleet render` from the outputs of stack {o['stack']!r} "
+            f"(schema_version {o['schema_version']}). Do not edit: re-render after `pulumi up`.\n"
+            f"# Storage for jobs: {o['storage_uri']}\n"
+            f"# Next: rayfleet preflight <this file>; ray up <this file>\n")
+
+
+def plain(value: Any) -> Any:
+    """The mapping without comments, as Ray would load it."""
+    if isinstance(value, Why):
+        return plain(value.value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
+
+
+def render_text(o: dict[str, Any], token_file: str, key_name: str | None = None,
+                idle_timeout_minutes: int = 10) -> str:
+    cfg = build_config(o, token_file, key_name, idle_timeout_minutes)
+    text = header(o) + "\n".join(_emit(cfg)).lstrip("\n") + "\n"
+    # The comments are ours; the data must round-trip exactly.
+    assert yaml.safe_load(text) == plain(cfg)
+    return text
+
+
+def render(source: str, out: str | None = None, token_file: str | None = None,
+           key_name: str | None = None, idle_timeout_minutes: int = 10,
+           create_token: bool = True, stdin=None) -> Path:
+    if idle_timeout_minutes < 1:
+        raise ConfigError("--idle-timeout", f"must be at least 1 minute, got "
+                                            f"{idle_timeout_minutes}")
+    o = load_outputs(source, stdin)
+    token_file = token_file or default_token_file(o["cluster_name"])
+    text = render_text(o, token_file, key_name, idle_timeout_minutes)
+    if create_token:
+        ensure_token(token_file)
+    path = Path(out) if out else GENERATED / f"{o['stack']}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path

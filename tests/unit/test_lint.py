@@ -1,0 +1,157 @@
+"""`rayfleet lint`: any Ray cluster YAML against the rules a YAML can break. Ray's own AWS
+defaults are flagged; ours are clean; each rule is caught when its field is mutated."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import ray.autoscaler
+import yaml
+
+from rayfleet import cli, lint
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "cluster-configs"
+RAY_AWS = Path(ray.autoscaler.__file__).parent / "aws"
+
+# Ray's example-minimal.yaml (ray/autoscaler/aws/example-minimal.yaml in the Ray repo; the
+# wheel ships only defaults.yaml, which `ray up` merges under it).
+RAY_EXAMPLE_MINIMAL = """\
+cluster_name: aws-example-minimal
+provider:
+    type: aws
+    region: us-west-2
+"""
+
+
+def rules(findings, severity=lint.ERROR) -> set[int]:
+    return {f.rule for f in findings if f.severity == severity}
+
+
+def ray_aws_configs() -> list[Path]:
+    found = sorted(RAY_AWS.glob("example-*.yaml")) + [RAY_AWS / "defaults.yaml"]
+    return [p for p in found if p.exists()]
+
+
+@pytest.mark.parametrize("path", ray_aws_configs(), ids=lambda p: p.name)
+def test_rays_own_aws_configs_are_flagged(path, capsys):
+    findings = lint.lint_file(str(path))
+    assert {3, 7, 21, 22, 23, 25} <= rules(findings)
+    assert cli.main(["lint", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "rule 23" in out and "Fix:" in out
+
+
+def test_rays_minimal_example_as_ray_up_sees_it_is_flagged(tmp_path):
+    """example-minimal merged with Ray's defaults, exactly as `ray up` prepares it."""
+    from ray.autoscaler._private.util import prepare_config
+
+    prepared = prepare_config(yaml.safe_load(RAY_EXAMPLE_MINIMAL))
+    f = lint.lint_config(prepared)
+    assert {3, 7, 21, 22, 23, 25} <= rules(f)
+    # Missing keys are judged by Ray's default for them, even unmerged.
+    raw = lint.lint_config(yaml.safe_load(RAY_EXAMPLE_MINIMAL))
+    assert {3, 7, 21, 23, 25} <= rules(raw)
+
+
+@pytest.mark.parametrize("name", ["aws-a100.example.yaml", "onprem.yaml"])
+def test_our_configs_are_clean(name, capsys):
+    assert lint.lint_file(str(CONFIGS / name)) == []
+    assert cli.main(["lint", str(CONFIGS / name)]) == 0
+
+
+def test_freshly_rendered_config_is_clean(tmp_path):
+    from rayfleet import render
+
+    out = render.render(str(CONFIGS / "examples" / "dev-outputs.json"),
+                        out=str(tmp_path / "c.yaml"), token_file=str(tmp_path / "t"))
+    assert lint.lint_file(str(out)) == []
+
+
+def _example() -> dict:
+    return yaml.safe_load((CONFIGS / "aws-a100.example.yaml").read_text())
+
+
+def _head(c):
+    return c["available_node_types"]["ray.head.default"]["node_config"]
+
+
+def _spot(c):
+    return c["available_node_types"]["ray.worker.a100.spot"]
+
+
+MUTATIONS = {
+    "head-no-sg": (lambda c: _head(c).pop("SecurityGroupIds"), 3),
+    "head-no-subnets": (lambda c: _head(c).pop("SubnetIds"), 3),
+    "worker-no-profile": (lambda c: _spot(c)["node_config"].pop("IamInstanceProfile"), 3),
+    "worker-no-template": (lambda c: _spot(c)["node_config"].pop("LaunchTemplate"), 3),
+    "public-ip": (lambda c: c["provider"].update(use_internal_ips=False), 7),
+    "public-eni": (lambda c: _head(c).update(NetworkInterfaces=[
+        {"SubnetId": "s", "Groups": ["g"], "AssociatePublicIpAddress": True}]), 7),
+    "cache-stopped": (lambda c: c["provider"].pop("cache_stopped_nodes"), 23),
+    "cache-stopped-true": (lambda c: c["provider"].update(cache_stopped_nodes=True), 23),
+    "no-token": (lambda c: c.update(head_start_ray_commands=[
+        x.replace("RAY_AUTH_MODE=token", "") for x in c["head_start_ray_commands"]]), 21),
+    "unpinned-ray": (lambda c: c.update(setup_commands=["pip install -U 'ray[default]'"]), 25),
+    "dashboard-public": (lambda c: c.update(head_start_ray_commands=[
+        x.replace("--dashboard-host=127.0.0.1", "--dashboard-host=0.0.0.0")
+        for x in c["head_start_ray_commands"]]), 22),
+    "aws-keys": (lambda c: c["provider"].update(aws_credentials={
+        "aws_access_key_id": "AKIAIOSFODNN7EXAMPLE"}), 20),
+    "token-inline": (lambda c: c.update(worker_start_ray_commands=[
+        "RAY_AUTH_MODE=token RAY_AUTH_TOKEN=0123456789abcdef0123 ray start"]), 20),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MUTATIONS))
+def test_each_rule_catches_its_mutation(case, tmp_path):
+    cfg = _example()
+    mutate, rule = MUTATIONS[case]
+    mutate(cfg)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    findings = lint.lint_file(str(path))
+    assert rule in rules(findings), findings
+    assert cli.main(["lint", str(path)]) == 1
+
+
+def test_gpu_type_without_gpu_resources_is_a_warning(tmp_path):
+    cfg = _example()
+    _spot(cfg)["resources"] = {"CPU": 96}
+    f = lint.lint_config(cfg, json.dumps(cfg))
+    assert [x for x in f if x.severity == lint.WARNING and "GPU type" in x.problem]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert cli.main(["lint", str(path)]) == 0  # a warning alone does not fail
+
+
+def test_unpinned_port_is_a_warning():
+    cfg = _example()
+    cfg["head_start_ray_commands"] = [x.replace(" --min-worker-port=10002", "")
+                                      for x in cfg["head_start_ray_commands"]]
+    f = lint.lint_config(cfg)
+    assert any(x.rule == 4 and "--min-worker-port" in x.problem for x in f)
+
+
+@pytest.mark.parametrize("text,expected", [
+    (None, "no such file"),
+    ("a: [unclosed", "not valid YAML"),
+    ("just: a mapping\n", "not a Ray cluster YAML"),
+])
+def test_bad_input_one_line(text, expected, tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    if text is not None:
+        path.write_text(text)
+    assert cli.main(["lint", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1
+
+
+def test_lint_does_not_touch_the_input():
+    cfg = _example()
+    before = copy.deepcopy(cfg)
+    lint.lint_config(cfg)
+    assert cfg == before

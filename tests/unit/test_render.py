@@ -1,0 +1,276 @@
+"""`rayfleet render`: stack outputs -> a cluster YAML that Ray's own validator accepts, with
+every ID from the outputs and nothing Ray would fill with a permissive default."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import stat
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayfleet import cli, render
+from rayfleet.config import RAY_PORTS
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "cluster-configs"
+EXAMPLE_OUTPUTS = CONFIGS / "examples" / "dev-outputs.json"
+EXAMPLE_TOKEN = "~/.rayfleet/clusters/rayfleet-dev/auth_token"
+
+
+def ray_validate(cfg: dict) -> dict:
+    """Ray's own cluster-launcher checks: defaults merge, JSON schema, node-type sanity."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(copy.deepcopy(cfg))
+    validate_config(prepared)
+    return prepared
+
+
+@pytest.fixture
+def outputs() -> dict:
+    return json.loads(EXAMPLE_OUTPUTS.read_text())
+
+
+@pytest.fixture
+def aws_calls(monkeypatch):
+    """Counts every AWS API call botocore would make in this process."""
+    import botocore.client
+
+    calls: list[str] = []
+    real = botocore.client.BaseClient._make_api_call
+
+    def counting(self, operation, params):
+        calls.append(operation)
+        return real(self, operation, params)
+
+    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", counting)
+    return calls
+
+
+def rendered(tmp_path, outputs: dict) -> tuple[Path, dict]:
+    src = tmp_path / "outputs.json"
+    src.write_text(json.dumps(outputs))
+    out = render.render(str(src), out=str(tmp_path / "c.yaml"),
+                        token_file=str(tmp_path / "token"))
+    return out, yaml.safe_load(out.read_text())
+
+
+CLUSTER_YAMLS = sorted(p for p in CONFIGS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+def test_every_cluster_yaml_passes_rays_validator(path):
+    ray_validate(yaml.safe_load(path.read_text()))
+
+
+def test_cluster_configs_folder_has_the_templates():
+    names = {p.name for p in CLUSTER_YAMLS}
+    assert {"aws-a100.example.yaml", "onprem.yaml"} <= names
+
+
+def test_rendered_yaml_passes_rays_validator(tmp_path, outputs):
+    _, cfg = rendered(tmp_path, outputs)
+    prepared = ray_validate(cfg)
+    # Ray's defaults.yaml must not have leaked its unpinned nightly wheel or boto3 install in.
+    cmds = json.dumps([prepared[k] for k in ("setup_commands", "head_setup_commands",
+                                             "worker_setup_commands")])
+    assert "ray-wheels" not in cmds and "boto3>=1.4.8" not in cmds
+
+
+def test_example_is_the_rendering_of_the_example_outputs(outputs):
+    o = render.parse_outputs(json.dumps(outputs))
+    assert (CONFIGS / "aws-a100.example.yaml").read_text() == render.render_text(o, EXAMPLE_TOKEN)
+
+
+def test_every_node_type_names_its_network_and_profile_from_the_outputs(tmp_path, outputs):
+    _, cfg = rendered(tmp_path, outputs)
+    o = outputs["rayfleet"]
+    types = cfg["available_node_types"]
+    head = types[cfg["head_node_type"]]["node_config"]
+    assert head["SubnetIds"] == o["private_subnet_ids"]  # every AZ
+    assert head["SecurityGroupIds"] == [o["cluster_security_group_id"]]
+    assert head["IamInstanceProfile"] == {"Arn": o["instance_profiles"]["head"]["arn"]}
+    assert head["LaunchTemplate"]["LaunchTemplateId"] == o["launch_templates"]["head"]["id"]
+    for name, kind in (("ray.worker.a100.spot", "worker_spot"),
+                       ("ray.worker.a100.ondemand", "worker_ondemand")):
+        nc = types[name]["node_config"]
+        assert nc["LaunchTemplate"]["LaunchTemplateId"] == o["launch_templates"][kind]["id"]
+        assert nc["IamInstanceProfile"] == {"Arn": o["instance_profiles"]["worker"]["arn"]}
+        # The EFA interfaces of the template carry subnet + SGs; Ray raises ValueError if the
+        # node config repeats them.
+        assert "SubnetIds" not in nc and "SecurityGroupIds" not in nc
+        assert types[name]["resources"] == {"CPU": 96, "GPU": 8, "accelerator_type:A100": 1}
+        assert types[name]["max_workers"] == o["node_types"][kind]["max_workers"]
+    assert types["ray.worker.a100.spot"]["node_config"]["InstanceMarketOptions"][
+        "MarketType"] == "spot"
+    assert "InstanceMarketOptions" not in types["ray.worker.a100.ondemand"]["node_config"]
+    # Spot first.
+    assert list(types)[1] == "ray.worker.a100.spot"
+    assert cfg["max_workers"] == 2
+
+
+def test_ray_bootstrap_accepts_worker_node_config_with_launch_template_interfaces(tmp_path,
+                                                                                 outputs):
+    """What Ray does with the worker node config once it has fetched the template: copying the
+    EFA interfaces' subnet and groups up must not raise (it would if we set them too)."""
+    from ray.autoscaler._private.aws.config import _configure_node_type_from_network_interface
+
+    _, cfg = rendered(tmp_path, outputs)
+    nt = copy.deepcopy(cfg["available_node_types"]["ray.worker.a100.spot"])
+    nt["node_config"]["NetworkInterfaces"] = [
+        {"SubnetId": "subnet-1", "Groups": ["sg-a", "sg-b"], "NetworkCardIndex": 0}]
+    merged = _configure_node_type_from_network_interface(nt)["node_config"]
+    assert merged["SubnetIds"] == ["subnet-1"] and merged["SecurityGroupIds"] == ["sg-a", "sg-b"]
+
+
+def test_hardening_fields(tmp_path, outputs):
+    _, cfg = rendered(tmp_path, outputs)
+    assert cfg["provider"]["cache_stopped_nodes"] is False
+    assert cfg["provider"]["use_internal_ips"] is True
+    assert "aws ssm start-session" in cfg["auth"]["ssh_proxy_command"]
+    assert cfg["idle_timeout_minutes"] == 10
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        start = cfg[key][-1]
+        assert "RAY_AUTH_MODE=token" in start and "RAY_AUTH_TOKEN_PATH=" in start
+    assert "--dashboard-host=127.0.0.1" in cfg["head_start_ray_commands"][-1]
+    assert list(cfg["file_mounts"]) == ["~/.rayfleet/auth_token"]
+    assert cfg["file_mounts"]["~/.rayfleet/auth_token"] == str(tmp_path / "token")
+
+
+def test_token_created_0600_and_never_in_the_yaml(tmp_path, outputs):
+    out, _ = rendered(tmp_path, outputs)
+    token = (tmp_path / "token")
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert token.read_text().strip() not in out.read_text()
+
+
+def test_every_ray_port_is_pinned_as_infra_opens_it(tmp_path, outputs):
+    _, cfg = rendered(tmp_path, outputs)
+    head, worker = cfg["head_start_ray_commands"][-1], cfg["worker_start_ray_commands"][-1]
+    for p in RAY_PORTS:
+        if not p.flag.startswith("--"):
+            continue
+        if "/" in p.flag:
+            lo, hi = p.flag.split("/")
+            expected = [f"{lo}={p.from_port}", f"{hi}={p.to_port}"]
+        else:
+            expected = [f"{p.flag}={p.from_port}"]
+        for e in expected:
+            assert e in head, e
+            if p.name not in ("gcs", "dashboard", "client"):
+                assert e in worker, e
+
+
+def test_setup_pins_exactly_pyprojects_ray_and_torch(tmp_path, outputs):
+    _, cfg = rendered(tmp_path, outputs)
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    ray_pin = next(d for d in deps if d.startswith("ray["))
+    torch_pin = next(d for d in deps if d.startswith("torch=="))
+    setup = " ".join(cfg["setup_commands"])
+    assert f"'{ray_pin}'" in setup and torch_pin in setup
+    # on-prem installs the same.
+    onprem = yaml.safe_load((CONFIGS / "onprem.yaml").read_text())
+    assert onprem["setup_commands"] == cfg["setup_commands"]
+    assert onprem["head_start_ray_commands"] == cfg["head_start_ray_commands"]
+    assert onprem["worker_start_ray_commands"] == cfg["worker_start_ray_commands"]
+
+
+def test_pins_follow_pyproject(tmp_path, outputs):
+    fake = tmp_path / "pyproject.toml"
+    fake.write_text('[project]\ndependencies = ["ray[default]==9.9.9", "torch==1.2.3"]\n')
+    o = render.parse_outputs(json.dumps(outputs))
+    cfg = render.plain(render.build_config(o, "t", pyproject=fake))
+    assert "'ray[default]==9.9.9' torch==1.2.3" in cfg["setup_commands"][1]
+
+
+def test_every_non_obvious_field_has_a_comment_above():
+    text = (CONFIGS / "aws-a100.example.yaml").read_text().splitlines()
+    for field in ("cache_stopped_nodes:", "use_internal_ips:", "ssh_proxy_command:",
+                  "SubnetIds:", "SecurityGroupIds:", "IamInstanceProfile:", "LaunchTemplate:",
+                  "resources:", "file_mounts:", "setup_commands:", "head_start_ray_commands:",
+                  "idle_timeout_minutes:", "InstanceMarketOptions:"):
+        idx = [i for i, ln in enumerate(text) if ln.strip().startswith(field)]
+        assert idx, field
+        for i in idx:
+            assert text[i - 1].strip().startswith("#"), f"no comment above {field} (line {i+1})"
+
+
+def test_stdin_and_pulumi_shape_and_bare_object(tmp_path, outputs):
+    out = render.render("-", out=str(tmp_path / "a.yaml"), token_file=str(tmp_path / "t"),
+                        stdin=io.StringIO(json.dumps(outputs)))
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(outputs["rayfleet"]))
+    out2 = render.render(str(bare), out=str(tmp_path / "b.yaml"), token_file=str(tmp_path / "t"))
+    assert out.read_text() == out2.read_text()
+
+
+def test_default_output_path_is_generated_stack_yaml(tmp_path, outputs, monkeypatch):
+    monkeypatch.setattr(render, "GENERATED", tmp_path / "generated")
+    src = tmp_path / "o.json"
+    src.write_text(json.dumps(outputs))
+    path = render.render(str(src), token_file=str(tmp_path / "t"))
+    assert path == tmp_path / "generated" / "dev.yaml"
+
+
+def _broken(outputs, mutate):
+    o = copy.deepcopy(outputs)
+    mutate(o["rayfleet"])
+    return json.dumps(o)
+
+
+BAD = {
+    "missing-subnets": (lambda o: o.pop("private_subnet_ids"), "private_subnet_ids"),
+    "missing-profile": (lambda o: o["instance_profiles"].pop("worker"),
+                        "instance_profiles.worker.arn"),
+    "unknown-worker-type": (lambda o: o["node_types"]["worker_spot"].update(
+        instance_type="p4d.24xlage"), 'did you mean "p4d.24xlarge"'),
+    "unknown-head-type": (lambda o: o["node_types"]["head"].update(instance_type="m9.huge"),
+                          "not a known head type"),
+    "min-over-max": (lambda o: o["node_types"]["worker_spot"].update(min_workers=3),
+                     "min_workers 3"),
+    "schema-version": (lambda o: o.update(schema_version=2), "schema_version 2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_outputs_one_line_exit_2_no_aws_call(case, tmp_path, outputs, capsys, aws_calls):
+    mutate, expected = BAD[case]
+    src = tmp_path / "o.json"
+    src.write_text(_broken(outputs, mutate))
+    rc = cli.main(["render", str(src), "-o", str(tmp_path / "x.yaml"),
+                   "--token-file", str(tmp_path / "t")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1 and expected in err, err
+    assert not (tmp_path / "x.yaml").exists() and not (tmp_path / "t").exists()
+    assert aws_calls == []
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("{not json", "not JSON"),
+    ('{"other": {}}', "no `rayfleet` stack output"),
+    ("[]", "no `rayfleet` stack output"),
+])
+def test_malformed_outputs(text, expected, tmp_path, capsys):
+    src = tmp_path / "o.json"
+    src.write_text(text)
+    assert cli.main(["render", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_file_and_cli_subprocess_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rayfleet.cli", "render",
+                           str(tmp_path / "nope.json")], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "RAYFLEET_HOME": str(tmp_path)})
+    assert proc.returncode == 2
+    assert "no such file" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
