@@ -1,0 +1,66 @@
+"""`rayfleet cost`: $/hour and $/month from the dated price table, against the budget."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayfleet import cli, cost
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "cluster-configs" / "aws-a100.example.yaml"
+
+
+def test_example_floor_and_ceiling():
+    p = cost.load_prices()
+    e = cost.estimate(yaml.safe_load(EXAMPLE.read_text()))
+    head = cost.hourly("m6i.2xlarge", "on_demand", p)
+    spot = p["gpu"]["p4d.24xlarge"]["spot"]
+    od = p["gpu"]["p4d.24xlarge"]["on_demand"]
+    assert head == pytest.approx(0.384)
+    assert e["hourly"]["min"] == pytest.approx(head, abs=0.01)  # min_workers 0: head only
+    assert e["hourly"]["max"] == pytest.approx(head + spot + od, abs=0.01)
+    assert e["hourly"]["max_all_on_demand"] == pytest.approx(head + 2 * od, abs=0.01)
+    assert e["monthly"]["max"] == pytest.approx(e["hourly"]["max"] * 730, abs=1)
+    assert e["as_of"] == p["as_of"]
+
+
+def test_cli_reports_date_offline_note_and_budget(capsys):
+    assert cli.main(["cost", str(EXAMPLE), "--stack-file", str(REPO / "Pulumi.dev.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert cost.load_prices()["as_of"] in out and "cannot be fetched offline" in out
+    assert "budget $5,000/month" in out and "OVER" in out and "within" in out
+
+
+def test_price_table_is_dated_and_covers_every_worker_type():
+    from rayfleet.config import WORKER_INSTANCE_TYPES
+
+    p = json.loads(cost.PRICES.read_text())
+    assert p["as_of"] and "offline" in p["source"]
+    assert set(WORKER_INSTANCE_TYPES) <= set(p["gpu"])
+    for t in p["gpu"].values():
+        assert t["spot"] < t["on_demand"]
+
+
+def _write(tmp_path, cfg) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("mutate,expected", [
+    (lambda c: c["available_node_types"]["ray.worker.a100.spot"]["node_config"].update(
+        InstanceType="p4d.24xlage"), 'did you mean "p4d.24xlarge"'),
+    (lambda c: c["provider"].update(region="ap-south-1"), "not in the price table"),
+    (lambda c: c["available_node_types"]["ray.worker.a100.spot"].update(min_workers=5),
+     "min_workers 5 > max_workers 1"),
+])
+def test_bad_input_one_line(mutate, expected, tmp_path, capsys):
+    cfg = yaml.safe_load(EXAMPLE.read_text())
+    mutate(cfg)
+    assert cli.main(["cost", _write(tmp_path, cfg)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1
