@@ -1,0 +1,145 @@
+"""`rayfleet sweep --cluster-name N [--delete]`: what a Ray cluster left behind.
+
+After `ray down` (or an interrupted `ray up`) these can outlive the cluster and keep billing
+or keep a door open: instances (stopped ones too: their EBS still bills), volumes, network
+interfaces, the ``ray-autoscaler-<cluster>`` security group Ray creates, and key pairs. Found
+by the ``ray-cluster-name`` tag Ray puts on everything it launches (and, for Ray's security
+group, by its name). Anything tagged ``rayfleet:managed-by=pulumi`` belongs to the stack and is
+never touched: `pulumi destroy` removes it. Listed by default; removed only with ``--delete``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from rayfleet.config import AWS_REGIONS, RAY_CLUSTER_TAG
+from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
+
+MANAGED_BY = ("rayfleet:managed-by", "pulumi")
+LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
+
+
+@dataclass(frozen=True)
+class Leftover:
+    kind: str  # instance | volume | network-interface | security-group | key-pair
+    id: str
+    detail: str
+
+
+def _tags(resource: dict) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in resource.get("Tags") or []}
+
+
+def _ours(resource: dict) -> bool:
+    return _tags(resource).get(MANAGED_BY[0]) == MANAGED_BY[1]
+
+
+def check_cluster_name(name: str) -> str:
+    # Ray accepts more, but every cluster rayfleet renders has a config-valid name; anything
+    # else (a typo with capitals, a glob) would only ever match nothing.
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", name or ""):
+        raise ConfigError("--cluster-name", f"{name!r} is not a Ray cluster name (letters, "
+                                            "digits, - _ .)")
+    return name
+
+
+def find(ec2, cluster: str) -> list[Leftover]:
+    tag = [{"Name": f"tag:{RAY_CLUSTER_TAG}", "Values": [cluster]}]
+    out: list[Leftover] = []
+    for page in ec2.get_paginator("describe_instances").paginate(
+            Filters=tag + [{"Name": "instance-state-name", "Values": LIVE_STATES}]):
+        for r in page["Reservations"]:
+            for i in r["Instances"]:
+                if not _ours(i):
+                    out.append(Leftover("instance", i["InstanceId"],
+                                        f"{i['InstanceType']} {i['State']['Name']}"))
+    for page in ec2.get_paginator("describe_volumes").paginate(Filters=tag):
+        for v in page["Volumes"]:
+            if not _ours(v):
+                out.append(Leftover("volume", v["VolumeId"], f"{v['Size']} GiB {v['State']}"))
+    for page in ec2.get_paginator("describe_network_interfaces").paginate(Filters=tag):
+        for n in page["NetworkInterfaces"]:
+            if not _ours(n):
+                out.append(Leftover("network-interface", n["NetworkInterfaceId"], n["Status"]))
+    groups: dict[str, dict] = {}
+    for filters in (tag, [{"Name": "group-name", "Values": [f"ray-autoscaler-{cluster}"]}]):
+        for page in ec2.get_paginator("describe_security_groups").paginate(Filters=filters):
+            for g in page["SecurityGroups"]:
+                groups[g["GroupId"]] = g
+    for g in groups.values():
+        if not _ours(g):
+            out.append(Leftover("security-group", g["GroupId"], g["GroupName"]))
+    for k in ec2.describe_key_pairs(Filters=tag).get("KeyPairs", []):
+        if not _ours(k):
+            out.append(Leftover("key-pair", k["KeyName"], k.get("KeyPairId", "")))
+    return out
+
+
+def delete(ec2, leftovers: list[Leftover]) -> list[str]:
+    """Remove in dependency order; returns one line per failure (the rest still go)."""
+    failures: list[str] = []
+    by_kind: dict[str, list[str]] = {}
+    for x in leftovers:
+        by_kind.setdefault(x.kind, []).append(x.id)
+    if by_kind.get("instance"):
+        ids = by_kind["instance"]
+        ec2.terminate_instances(InstanceIds=ids)
+        ec2.get_waiter("instance_terminated").wait(
+            InstanceIds=ids, WaiterConfig={"Delay": 5, "MaxAttempts": 120})
+    calls = (("network-interface", lambda i: ec2.delete_network_interface(NetworkInterfaceId=i)),
+             ("volume", lambda i: ec2.delete_volume(VolumeId=i)),
+             ("security-group", lambda i: ec2.delete_security_group(GroupId=i)),
+             ("key-pair", lambda i: ec2.delete_key_pair(KeyName=i)))
+    from botocore.exceptions import ClientError
+
+    for kind, call in calls:
+        for rid in by_kind.get(kind, []):
+            try:
+                call(rid)
+            except ClientError as e:
+                code = e.response.get("Error", {}).get("Code", "")
+                if code.endswith("NotFound"):
+                    continue  # went with its instance
+                failures.append(f"{kind} {rid}: {code}")
+    return failures
+
+
+def client(region: str | None):
+    import boto3
+
+    return boto3.client("ec2", region_name=region) if region else boto3.client("ec2")
+
+
+def main(cluster_name: str, region: str | None = None, delete_: bool = False, out=None,
+         ec2: Any = None) -> int:
+    out = out or sys.stdout
+    check_cluster_name(cluster_name)
+    if region is not None and region not in AWS_REGIONS:
+        raise ConfigError("--region", f"{region!r} is not an AWS region"
+                                      f"{did_you_mean(region, AWS_REGIONS)}")
+    ec2 = ec2 or client(region)
+    try:
+        found = find(ec2, cluster_name)
+    except Exception as e:  # credentials / endpoint: say so in one line
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if isinstance(e, (BotoCoreError, ClientError)):
+            raise RayfleetError(f"cannot list EC2 resources: {e}") from None
+        raise
+    if not found:
+        print(f"nothing tagged {RAY_CLUSTER_TAG}={cluster_name} is left", file=out)
+        return 0
+    for x in found:
+        print(f"{x.kind:18} {x.id:24} {x.detail}", file=out)
+    if not delete_:
+        print(f"{len(found)} leftover(s) of {cluster_name}; run again with --delete to remove "
+              "them", file=out)
+        return 1
+    failures = delete(ec2, found)
+    for f in failures:
+        print(f"could not delete {f}", file=sys.stderr)
+    print(f"deleted {len(found) - len(failures)} of {len(found)}", file=out)
+    return 1 if failures else 0

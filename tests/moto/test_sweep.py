@@ -1,0 +1,108 @@
+"""`rayfleet sweep` on moto: every leftover tagged with the cluster is listed, removed only
+with --delete, and the stack's own (Pulumi-managed) resources are never touched."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayfleet import cli, sweep
+
+pytestmark = pytest.mark.moto
+
+CLUSTER = "rayfleet-dev"
+
+
+def _tags(extra: dict | None = None) -> list[dict]:
+    tags = {"ray-cluster-name": CLUSTER, **(extra or {})}
+    return [{"Key": k, "Value": v} for k, v in tags.items()]
+
+
+@pytest.fixture
+def vpc(ec2):
+    vpc_id = ec2.create_vpc(CidrBlock="10.42.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc_id, CidrBlock="10.42.0.0/19")["Subnet"]["SubnetId"]
+    return vpc_id, subnet
+
+
+@pytest.fixture
+def stack_sg(ec2, vpc):
+    """The stack's cluster group: tagged with the cluster AND managed by Pulumi."""
+    return ec2.create_security_group(
+        GroupName="rayfleet-dev-cluster", Description="stack", VpcId=vpc[0],
+        TagSpecifications=[{"ResourceType": "security-group",
+                            "Tags": _tags({"rayfleet:managed-by": "pulumi"})}])["GroupId"]
+
+
+@pytest.fixture
+def leftovers(ec2, vpc, stack_sg, ami):
+    """What an interrupted `ray up` + `ray down` with Ray's defaults leaves behind."""
+    vpc_id, subnet = vpc
+    running = ec2.run_instances(ImageId=ami, MinCount=1, MaxCount=1, InstanceType="m5.large",
+                                SubnetId=subnet, TagSpecifications=[
+                                    {"ResourceType": "instance", "Tags": _tags()}])
+    stopped = ec2.run_instances(ImageId=ami, MinCount=1, MaxCount=1, InstanceType="m5.large",
+                                SubnetId=subnet, TagSpecifications=[
+                                    {"ResourceType": "instance", "Tags": _tags()}])
+    stopped_id = stopped["Instances"][0]["InstanceId"]
+    ec2.stop_instances(InstanceIds=[stopped_id])
+    vol = ec2.create_volume(AvailabilityZone="us-east-1a", Size=100, TagSpecifications=[
+        {"ResourceType": "volume", "Tags": _tags()}])["VolumeId"]
+    eni = ec2.create_network_interface(SubnetId=subnet, TagSpecifications=[
+        {"ResourceType": "network-interface", "Tags": _tags()}])["NetworkInterface"][
+        "NetworkInterfaceId"]
+    # Ray's own group: named ray-autoscaler-<cluster>, tagged ray-cluster-name.
+    ray_sg = ec2.create_security_group(GroupName=f"ray-autoscaler-{CLUSTER}",
+                                       Description="Auto-created security group",
+                                       VpcId=vpc_id)["GroupId"]
+    ec2.create_key_pair(KeyName="leftover-key", TagSpecifications=[
+        {"ResourceType": "key-pair", "Tags": _tags()}])
+    # Someone else's cluster: never found.
+    ec2.create_volume(AvailabilityZone="us-east-1a", Size=1, TagSpecifications=[
+        {"ResourceType": "volume", "Tags": [{"Key": "ray-cluster-name", "Value": "other"}]}])
+    return {"instance": {running["Instances"][0]["InstanceId"], stopped_id},
+            "volume": {vol}, "network-interface": {eni}, "security-group": {ray_sg},
+            "key-pair": {"leftover-key"}}
+
+
+def _found(ec2) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for x in sweep.find(ec2, CLUSTER):
+        out.setdefault(x.kind, set()).add(x.id)
+    return out
+
+
+def test_lists_every_leftover_but_not_the_stack_or_other_clusters(ec2, leftovers, stack_sg):
+    found = _found(ec2)
+    # Instances launched with a volume show their root volumes too; ours must all be there.
+    for kind, ids in leftovers.items():
+        assert ids <= found.get(kind, set()), kind
+    assert stack_sg not in found["security-group"]
+
+
+def test_without_delete_nothing_is_removed(ec2, leftovers, capsys):
+    assert cli.main(["sweep", "--cluster-name", CLUSTER, "--region", "us-east-1"]) == 1
+    out = capsys.readouterr().out
+    assert "--delete" in out and "stopped" in out
+    assert _found(ec2) != {}
+
+
+def test_delete_removes_everything_and_leaves_the_stack(ec2, leftovers, stack_sg, capsys):
+    assert cli.main(["sweep", "--cluster-name", CLUSTER, "--region", "us-east-1",
+                     "--delete"]) == 0
+    assert _found(ec2) == {}
+    groups = {g["GroupId"] for g in ec2.describe_security_groups()["SecurityGroups"]}
+    assert stack_sg in groups
+    assert cli.main(["sweep", "--cluster-name", CLUSTER, "--region", "us-east-1"]) == 0
+    assert "nothing tagged" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--cluster-name", "rayfleet dev"], "not a Ray cluster name"),
+    (["--cluster-name", "*"], "not a Ray cluster name"),
+    (["--cluster-name", CLUSTER, "--region", "us-east1"], 'did you mean "us-east-1"'),
+])
+def test_bad_input_one_line_no_aws_call(argv, expected, aws, aws_calls, capsys):
+    assert cli.main(["sweep", *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1
+    assert aws_calls == []
