@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import tempfile
 import time
@@ -100,6 +101,18 @@ class _Engine:
         self.raw = model
         if self.strategy == "deepspeed":
             import deepspeed
+
+            if not cuda and os.environ.get("RAYFLEET_DS_SHM_COMM") != "1":
+                # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce kernel
+                # on first use (~90 s of g++ per fresh machine, in every CI run); gloo does
+                # the same job. RAYFLEET_DS_SHM_COMM=1 builds and uses it.
+                import importlib
+
+                # (`import deepspeed.comm.torch as m` would bind the torch package that
+                # deepspeed.comm imports under the same name.)
+                ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+                if hasattr(ds_torch_comm, "build_shm_op"):
+                    ds_torch_comm.build_shm_op = lambda: None
 
             ds_config = {
                 "train_micro_batch_size_per_gpu": cfg.batch_size,
