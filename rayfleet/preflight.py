@@ -1,0 +1,307 @@
+"""`rayfleet preflight CONFIG`: before any money is spent, check that the AWS account can
+launch the cluster YAML, and that a job's scaling request fits some node type.
+
+Offline checks first (token file, GPUs asked for vs node types), then read-only AWS calls plus
+one test object in the bucket: subnets and their AZs offer each instance type
+(describe_instance_type_offerings), security groups, launch templates (and, for templates that
+are the network source, their interfaces carry subnet and groups), AMIs, instance profiles and
+key pairs exist, EC2 service quotas for P instances (on-demand and spot) cover max workers x
+vCPUs, and the bucket is reachable and writable. Prints a table of PASS / FAIL / UNKNOWN with
+the fix; exits 1 if anything FAILs. UNKNOWN (e.g. a service the credentials cannot query) is
+reported, never a crash.
+"""
+
+from __future__ import annotations
+
+import re
+import stat
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from rayfleet.errors import ClusterError, ConfigError, RayfleetError
+from rayfleet.lint import load_yaml
+
+PASS, FAIL, UNKNOWN = "PASS", "FAIL", "UNKNOWN"
+
+# EC2 service quotas, in vCPUs (https://docs.aws.amazon.com/ec2/latest/instancetypes/ec2-instance-quotas.html).
+P_QUOTAS = {"on-demand": ("L-417A185B", "Running On-Demand P instances"),
+            "spot": ("L-7212CCBC", "All P Spot Instance Requests")}
+
+
+@dataclass
+class Check:
+    status: str
+    name: str
+    detail: str
+    fix: str = ""
+
+
+def _client_error():
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return (BotoCoreError, ClientError)
+
+
+def _code(e: Exception) -> str:
+    return getattr(e, "response", {}).get("Error", {}).get("Code", type(e).__name__)
+
+
+def gpus_fit(cfg: dict, num_gpus: int) -> str:
+    """The node type that offers ``num_gpus``; raises ClusterError (one line) if none does."""
+    if num_gpus < 0:
+        raise ConfigError("--num-gpus", f"must be 0 or more, got {num_gpus}")
+    best = 0
+    for name, nt in (cfg.get("available_node_types") or {}).items():
+        gpus = int(((nt or {}).get("resources") or {}).get("GPU", 0) or 0)
+        if gpus >= num_gpus and ((nt or {}).get("max_workers", 1) or name ==
+                                 cfg.get("head_node_type")):
+            return name
+        best = max(best, gpus)
+    raise ClusterError(f"no node type offers {num_gpus} GPUs (the most is {best}); the job "
+                       "would wait forever: ask for at most that many per worker, or spread "
+                       "the job over more workers")
+
+
+def token_check(cfg: dict) -> Check:
+    mounts = cfg.get("file_mounts") or {}
+    local = next((v for k, v in mounts.items() if "token" in str(k)), None)
+    if local is None:
+        return Check(FAIL, "token", "no token file in file_mounts",
+                     "render the YAML with `rayfleet render` (it ships the token)")
+    p = Path(str(local)).expanduser()
+    if not p.is_file() or not p.read_text().strip():
+        return Check(FAIL, "token", f"{local} is missing or empty",
+                     "re-run `rayfleet render` (it creates the token, mode 0600)")
+    mode = stat.S_IMODE(p.stat().st_mode)
+    if mode & 0o077:
+        return Check(FAIL, "token", f"{local} has mode {mode:o}", f"chmod 600 {local}")
+    return Check(PASS, "token", f"{local} present, mode 600")
+
+
+def bucket_from_header(text: str) -> str | None:
+    m = re.search(r"^# Storage for jobs: (s3://\S+)", text, re.M)
+    return m.group(1) if m else None
+
+
+class Preflight:
+    def __init__(self, cfg: dict, session=None):
+        import boto3
+
+        self.cfg = cfg
+        self.region = (cfg.get("provider") or {}).get("region")
+        self.session = session or boto3.session.Session(region_name=self.region)
+        self.ec2 = self.session.client("ec2", region_name=self.region)
+        self.checks: list[Check] = []
+        self._templates: dict[str, dict] = {}
+
+    def add(self, *a, **kw) -> None:
+        self.checks.append(Check(*a, **kw))
+
+    def template(self, nc: dict) -> dict | None:
+        lt = nc.get("LaunchTemplate")
+        if not lt:
+            return None
+        key = lt.get("LaunchTemplateId") or lt.get("LaunchTemplateName")
+        if key not in self._templates:
+            kw = {"LaunchTemplateId": lt["LaunchTemplateId"]} if "LaunchTemplateId" in lt \
+                else {"LaunchTemplateName": lt["LaunchTemplateName"]}
+            try:
+                v = self.ec2.describe_launch_template_versions(
+                    Versions=[str(lt.get("Version", "$Default"))], **kw)["LaunchTemplateVersions"]
+                data = v[0]["LaunchTemplateData"] if v else None
+                self.add(PASS if data else FAIL, f"launch template {key}",
+                         "exists" if data else "version not found",
+                         "" if data else "re-run `pulumi up`, then `rayfleet render`")
+            except _client_error() as e:
+                data = None
+                self.add(FAIL, f"launch template {key}", _code(e),
+                         "re-run `pulumi up`, then `rayfleet render`")
+            self._templates[key] = data
+        return self._templates[key]
+
+    def run(self, bucket: str | None) -> list[Check]:
+        types = self.cfg.get("available_node_types") or {}
+        subnets: dict[str, set[str]] = {}  # instance type -> subnets
+        sgs: set[str] = set()
+        amis: set[str] = set()
+        profiles: set[str] = set()
+        keys: set[str] = set()
+        vcpus = {"on-demand": 0, "spot": 0}
+        for name, nt in types.items():
+            nc = (nt or {}).get("node_config") or {}
+            lt = self.template(nc) or {}
+            itype = nc.get("InstanceType") or lt.get("InstanceType")
+            nets = lt.get("NetworkInterfaces") or []
+            sn = list(nc.get("SubnetIds") or [])
+            if not sn:
+                sn = [n["SubnetId"] for n in nets if n.get("SubnetId")]
+            node_sgs = list(nc.get("SecurityGroupIds") or lt.get("SecurityGroupIds") or [])
+            for n in nets:
+                node_sgs += n.get("Groups") or []
+            if not sn or not node_sgs:
+                self.add(FAIL, f"{name} network", "neither the node config nor its launch "
+                         "template names subnets and security groups; Ray would create "
+                         "permissive defaults", "render the YAML from the stack outputs")
+            subnets.setdefault(itype, set()).update(sn)
+            sgs.update(node_sgs)
+            ami = nc.get("ImageId") or lt.get("ImageId")
+            if ami:
+                amis.add(ami)
+            else:
+                self.add(FAIL, f"{name} AMI", "no ImageId in node config or launch template",
+                         "set amiId or let the stack pick the Deep Learning AMI")
+            prof = (nc.get("IamInstanceProfile") or lt.get("IamInstanceProfile") or {})
+            if prof.get("Arn") or prof.get("Name"):
+                profiles.add(prof.get("Arn") or prof.get("Name"))
+            else:
+                self.add(FAIL, f"{name} profile", "no IamInstanceProfile",
+                         "set it: Ray would attach ray-autoscaler-v1 (full access)")
+            if nc.get("KeyName") or lt.get("KeyName"):
+                keys.add(nc.get("KeyName") or lt.get("KeyName"))
+            if itype and re.match(r"p\d", itype) and name != self.cfg.get("head_node_type"):
+                market = (nc.get("InstanceMarketOptions") or lt.get("InstanceMarketOptions")
+                          or {}).get("MarketType", "on-demand")
+                cpus = int(((nt or {}).get("resources") or {}).get("CPU", 0) or 0)
+                vcpus["spot" if market == "spot" else "on-demand"] += \
+                    cpus * int(nt.get("max_workers", 0))
+        self.check_subnets_and_offerings(subnets)
+        self.check_ids("security groups", sgs, lambda ids: self.ec2.describe_security_groups(
+            GroupIds=ids)["SecurityGroups"], "re-run `pulumi up`, then `rayfleet render`")
+        self.check_ids("AMIs", amis, lambda ids: self.ec2.describe_images(ImageIds=ids)[
+            "Images"], "pin an AMI that exists in this region (rayfleet:amiId)")
+        self.check_ids("key pairs", keys, lambda ids: self.ec2.describe_key_pairs(
+            KeyNames=ids)["KeyPairs"],
+            "aws ec2 create-key-pair --key-name <name> --query KeyMaterial --output text "
+            "> ~/.ssh/<name>.pem")
+        self.check_profiles(profiles)
+        self.check_quotas(vcpus)
+        if bucket:
+            self.check_bucket(bucket)
+        else:
+            self.add(UNKNOWN, "bucket", "no s3:// path in the YAML header or --bucket",
+                     "pass --bucket s3://<bucket>/<prefix>")
+        return self.checks
+
+    def check_ids(self, what: str, ids: set[str], describe, fix: str) -> None:
+        if not ids:
+            return
+        try:
+            found = describe(sorted(ids))
+            self.add(PASS if len(found) >= len(ids) else FAIL, what,
+                     ", ".join(sorted(ids)), "" if len(found) >= len(ids) else fix)
+        except _client_error() as e:
+            self.add(FAIL, what, f"{', '.join(sorted(ids))}: {_code(e)}", fix)
+
+    def check_subnets_and_offerings(self, subnets: dict[str, set[str]]) -> None:
+        all_ids = sorted(set().union(*subnets.values())) if subnets else []
+        if not all_ids:
+            return
+        try:
+            found = self.ec2.describe_subnets(SubnetIds=all_ids)["Subnets"]
+        except _client_error() as e:
+            self.add(FAIL, "subnets", f"{', '.join(all_ids)}: {_code(e)}",
+                     "re-run `pulumi up`, then `rayfleet render`")
+            return
+        az = {s["SubnetId"]: s["AvailabilityZone"] for s in found}
+        public = [s["SubnetId"] for s in found if s.get("MapPublicIpOnLaunch")]
+        self.add(FAIL if public else PASS, "subnets",
+                 f"{len(found)} found" + (f"; public IPs on launch in {public}" if public else ""),
+                 "use the stack's private subnets" if public else "")
+        for itype, ids in subnets.items():
+            zones = sorted({az[i] for i in ids if i in az})
+            if not itype or not zones:
+                continue
+            try:
+                offered = {o["Location"] for o in self.ec2.describe_instance_type_offerings(
+                    LocationType="availability-zone",
+                    Filters=[{"Name": "instance-type", "Values": [itype]},
+                             {"Name": "location", "Values": zones}])["InstanceTypeOfferings"]}
+            except _client_error() as e:
+                self.add(UNKNOWN, f"{itype} offered", _code(e))
+                continue
+            missing = [z for z in zones if z not in offered]
+            self.add(FAIL if missing else PASS, f"{itype} offered",
+                     f"in {', '.join(zones)}" + (f"; not in {', '.join(missing)}"
+                                                 if missing else ""),
+                     f"pick another workerAz / region for {itype}" if missing else "")
+
+    def check_profiles(self, profiles: set[str]) -> None:
+        if not profiles:
+            return
+        iam = self.session.client("iam")
+        for p in sorted(profiles):
+            name = p.rsplit("/", 1)[-1]
+            try:
+                iam.get_instance_profile(InstanceProfileName=name)
+                self.add(PASS, "instance profile", name)
+            except _client_error() as e:
+                self.add(FAIL, "instance profile", f"{name}: {_code(e)}",
+                         "re-run `pulumi up`, then `rayfleet render`")
+
+    def check_quotas(self, vcpus: dict[str, int]) -> None:
+        sq = self.session.client("service-quotas", region_name=self.region)
+        for market, need in vcpus.items():
+            if not need:
+                continue
+            code, label = P_QUOTAS[market]
+            try:
+                value = sq.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"]
+            except Exception as e:  # moto, or credentials without servicequotas:Get*
+                self.add(UNKNOWN, f"quota {label}", f"cannot read ({_code(e)}); need {need} "
+                         "vCPUs", "check Service Quotas in the console")
+                continue
+            ok = value >= need
+            self.add(PASS if ok else FAIL, f"quota {label}",
+                     f"{value:g} vCPUs, max workers need {need}",
+                     "" if ok else f"request {code} >= {need} in Service Quotas (takes days)")
+
+    def check_bucket(self, uri: str) -> None:
+        m = re.fullmatch(r"s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/?(.*)", uri)
+        if not m:
+            self.add(FAIL, "bucket", f"{uri!r} is not s3://bucket/prefix")
+            return
+        bucket, prefix = m.group(1), m.group(2)
+        s3 = self.session.client("s3", region_name=self.region)
+        key = f"{prefix.rstrip('/') + '/' if prefix else ''}.rayfleet-preflight"
+        try:
+            s3.head_bucket(Bucket=bucket)
+            s3.put_object(Bucket=bucket, Key=key, Body=b"ok")
+            s3.delete_object(Bucket=bucket, Key=key)
+            self.add(PASS, "bucket", f"s3://{bucket}/{key} written and deleted")
+        except _client_error() as e:
+            self.add(FAIL, "bucket", f"s3://{bucket}: {_code(e)}",
+                     "check the stack's bucket and your credentials' access to its prefix")
+
+
+def main(path: str, num_gpus: int | None = None, bucket: str | None = None, out=None,
+         session=None) -> int:
+    out = out or sys.stdout
+    cfg, text = load_yaml(path)
+    if (cfg.get("provider") or {}).get("type") != "aws":
+        raise RayfleetError(f"{path}: preflight checks AWS clusters (provider.type: aws)")
+    from rayfleet.config import AWS_REGIONS
+    from rayfleet.errors import did_you_mean
+
+    region = cfg["provider"].get("region")
+    if region not in AWS_REGIONS:
+        raise ConfigError("provider.region", f"{region!r} is not an AWS region"
+                                             f"{did_you_mean(region, AWS_REGIONS)}")
+    offline = [token_check(cfg)]
+    if num_gpus is not None:
+        fit = gpus_fit(cfg, num_gpus)  # raises before any AWS call
+        offline.append(Check(PASS, f"{num_gpus} GPUs", f"node type {fit} offers them"))
+    checks = offline + Preflight(cfg, session).run(bucket or bucket_from_header(text))
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        line = f"{c.status:8} {c.name:{width}}  {c.detail}"
+        if c.fix and c.status != PASS:
+            line += f"  -> {c.fix}"
+        print(line, file=out)
+    failed = sum(c.status == FAIL for c in checks)
+    unknown = sum(c.status == UNKNOWN for c in checks)
+    print(f"{len(checks)} checks: {failed} failed, {unknown} unknown", file=out)
+    return 1 if failed else 0
+
+
+__all__ = ["Check", "Preflight", "gpus_fit", "main", "token_check"]

@@ -1,0 +1,96 @@
+"""`rayfleet preflight` on moto: the rendered example stack passes; each missing piece fails
+with its fix; bad input stops before any AWS call."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from rayfleet import cli, preflight
+
+pytestmark = pytest.mark.moto
+
+
+def _run(path, capsys, *extra) -> tuple[int, str]:
+    rc = cli.main(["preflight", str(path), *extra])
+    return rc, capsys.readouterr().out
+
+
+def test_rendered_stack_passes(rendered, capsys):
+    rc, out = _run(rendered, capsys, "--num-gpus", "8")
+    assert rc == 0, out
+    assert "0 failed" in out
+    for name in ("token", "8 GPUs", "subnets", "p4d.24xlarge offered", "security groups",
+                 "AMIs", "key pairs", "instance profile", "bucket"):
+        assert name in out, name
+    # moto has no Service Quotas: reported as unknown, not a crash.
+    assert "UNKNOWN  quota" in out
+
+
+def test_deleted_security_group_fails_with_fix(rendered, stack, ec2, capsys):
+    cfg = yaml.safe_load(rendered.read_text())
+    cfg["available_node_types"]["ray.head.default"]["node_config"]["SecurityGroupIds"] = [
+        "sg-0123456789abcdef0"]
+    rendered.write_text(yaml.safe_dump(cfg))
+    rc, out = _run(rendered, capsys, "--bucket", "s3://" + stack["outputs"]["bucket"] + "/x/")
+    assert rc == 1
+    assert any(ln.startswith("FAIL") and "security groups" in ln and "pulumi up" in ln
+               for ln in out.splitlines()), out
+
+
+def test_missing_key_pair_bucket_and_token(rendered, tmp_path, ec2, capsys):
+    ec2.delete_key_pair(KeyName="rayfleet-dev-operator")
+    (tmp_path / "token").unlink()
+    rc, out = _run(rendered, capsys, "--bucket", "s3://no-such-bucket-rayfleet/x/")
+    assert rc == 1
+    fails = [ln for ln in out.splitlines() if ln.startswith("FAIL")]
+    assert any("key pairs" in ln and "create-key-pair" in ln for ln in fails)
+    assert any("bucket" in ln for ln in fails)
+    assert any("token" in ln and "rayfleet render" in ln for ln in fails)
+
+
+def test_instance_type_not_offered_in_the_az(rendered, capsys):
+    cfg = yaml.safe_load(rendered.read_text())
+    cfg["available_node_types"]["ray.head.default"]["node_config"]["InstanceType"] = "p4d.48xlarge"
+    rendered.write_text(yaml.safe_dump(cfg))
+    rc, out = _run(rendered, capsys)
+    assert rc == 1 and "p4d.48xlarge offered" in out, out
+
+
+def test_quota_below_max_workers_vcpus_fails(rendered, capsys):
+    """A new account's P quota (often 0, or 48 vCPUs) cannot hold one p4d (96 vCPUs)."""
+    import io
+
+    import boto3
+
+    class Quotas:
+        def get_service_quota(self, ServiceCode, QuotaCode):  # noqa: N803 (boto3's names)
+            return {"Quota": {"Value": 48.0 if QuotaCode == "L-7212CCBC" else 192.0}}
+
+    session = boto3.session.Session(region_name="us-east-1")
+    real = session.client
+    session.client = lambda name, **kw: Quotas() if name == "service-quotas" else real(name, **kw)
+    out = io.StringIO()
+    assert preflight.main(str(rendered), session=session, out=out) == 1
+    lines = out.getvalue().splitlines()
+    assert any(ln.startswith("FAIL") and "Spot" in ln and "need 96" in ln and "L-7212CCBC" in ln
+               for ln in lines), lines
+    assert any(ln.startswith("PASS") and "On-Demand P" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("mutate,argv,expected", [
+    (None, ["--num-gpus", "16"], "no node type offers 16 GPUs (the most is 8)"),
+    (lambda c: c["provider"].update(region="us-east1"), [], 'did you mean "us-east-1"'),
+    (lambda c: c.update(provider={"type": "local", "head_ip": "1.2.3.4"}), [],
+     "preflight checks AWS clusters"),
+])
+def test_bad_input_one_line_no_aws_call(mutate, argv, expected, rendered, aws_calls, capsys):
+    cfg = yaml.safe_load(rendered.read_text())
+    if mutate:
+        mutate(cfg)
+    rendered.write_text(yaml.safe_dump(cfg))
+    aws_calls.clear()
+    assert cli.main(["preflight", str(rendered), *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1
+    assert aws_calls == []
