@@ -1,0 +1,148 @@
+"""workloads.serve `lm` on the session's real Ray cluster, through the real `openai` client:
+completions, chat, SSE streaming, dynamic batching under concurrency, OpenAI error bodies,
+and the builder's one-line refusal of a missing or corrupt checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+from tests.workloads.conftest import deploy_lm, serve_shutdown
+
+pytestmark = pytest.mark.ray
+MODEL = "rayfleet-lm"
+
+
+@pytest.fixture(scope="module")
+def lm_url(ray_cluster, lm_checkpoint, tmp_path_factory):
+    # A longer batch window than the default makes batching deterministic on a busy 2-core box.
+    url = deploy_lm(ray_cluster, lm_checkpoint, tmp_path_factory.mktemp("serve"),
+                    batch_wait_timeout_s=0.3)
+    yield url
+    serve_shutdown(ray_cluster)
+
+
+@pytest.fixture(scope="module")
+def client(lm_url):
+    import openai
+
+    return openai.OpenAI(base_url=lm_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def http(url: str, body: bytes | None = None, headers: dict | None = None):
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json",
+                                                          **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_models_and_health(client, lm_url):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    status, body = http(lm_url + "/health")
+    assert status == 200 and body["status"] == "ok"
+
+
+def test_completion_is_seeded_and_bytes_long(client):
+    a = client.completions.create(model=MODEL, prompt="def main(", max_tokens=12, seed=7)
+    b = client.completions.create(model=MODEL, prompt="def main(", max_tokens=12, seed=7)
+    assert a.choices[0].text == b.choices[0].text  # same seed, same answer
+    assert a.choices[0].finish_reason == "length"
+    assert a.usage.prompt_tokens == 9 and a.usage.completion_tokens >= 1
+    assert a.object == "text_completion" and a.model == MODEL
+
+
+def test_chat_completion(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "what is ray?"}], max_tokens=10)
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and isinstance(msg.content, str) and msg.content
+    assert r.usage.completion_tokens >= 1
+
+
+def test_streaming_completion_and_chat(client):
+    plain = client.completions.create(model=MODEL, prompt="import ", max_tokens=20, seed=3,
+                                      temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="import ", max_tokens=20,
+                                            seed=3, temperature=0, stream=True))
+    assert len(chunks) > 2  # token by token, not one blob
+    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    chat = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chat)
+
+
+def test_concurrent_requests_form_batches(client, lm_url):
+    def one(i: int):
+        return client.completions.create(model=MODEL, prompt="class Foo", max_tokens=16,
+                                         seed=i)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(16)))
+    seen = [r.model_extra["rayfleet"]["batch_size"] for r in results]
+    assert max(seen) > 1, seen
+    status, stats = http(lm_url + "/v1/stats")
+    assert status == 200 and stats["max_batch_size_seen"] > 1, stats
+
+
+def test_openai_error_bodies(client, lm_url):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert e.value.status_code == 404 and e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x" * 500, max_tokens=2)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    assert e.value.param == "max_tokens"
+    # Malformed JSON, a missing field and an oversized body: same shape, 400.
+    for body in (b"{not json", json.dumps({"prompt": "x"}).encode(),
+                 json.dumps({"model": MODEL, "prompt": "x" * (2 << 20)}).encode()):
+        status, err = http(lm_url + "/v1/completions", body)
+        assert status == 400, err
+        assert set(err["error"]) == {"message", "type", "param", "code"}
+        assert err["error"]["type"] == "invalid_request_error"
+
+
+def test_serve_config_file_is_valid_and_points_at_the_builder():
+    from ray.serve.schema import ServeDeploySchema
+
+    cfg = yaml.safe_load((REPO / "cluster-configs" / "serve" / "lm.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(cfg)
+    app = schema.applications[0]
+    assert app.import_path == "workloads.serve.lm:app_builder"
+    auto = app.deployments[0].autoscaling_config
+    assert auto["min_replicas"] <= auto["max_replicas"]
+    assert schema.http_options.host == "127.0.0.1"
+
+
+def test_builder_refuses_missing_and_corrupt_checkpoints(tmp_path, lm_checkpoint):
+    from rayfleet.errors import CheckpointError, ConfigError
+    from workloads.serve.lm import app_builder
+
+    with pytest.raises(CheckpointError, match="does not exist"):
+        app_builder({"checkpoint": str(tmp_path / "nope")})
+    with pytest.raises(ConfigError, match="no checkpoint given"):
+        app_builder({})
+    broken = tmp_path / "broken"
+    shutil.copytree(lm_checkpoint, broken)
+    with open(broken / "model.pt", "ab") as f:
+        f.write(b"junk")
+    with pytest.raises(CheckpointError, match="corrupt") as e:
+        app_builder({"checkpoint": str(broken)})
+    assert "\n" not in str(e.value)

@@ -1,0 +1,454 @@
+"""`lm`: an OpenAI-compatible API over a checkpoint written by workloads.train.
+
+    serve run cluster-configs/serve/lm.yaml                       # foreground, local
+    serve deploy cluster-configs/serve/lm.yaml                    # onto a running cluster
+    serve run workloads.serve.lm:app_builder checkpoint=/path/to/checkpoint_000003
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with
+`stream: true` as server-sent events), GET /health, GET /v1/stats (batch sizes seen).
+
+Every request goes through one `@serve.batch` generator: concurrent requests are decoded
+together one token per step, and each request's tokens stream back as soon as they exist.
+Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, so the
+`openai` client raises its usual BadRequestError / NotFoundError.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see the request models as classes
+# to read them from the body (as strings, through serve.ingress, they become query params).
+import asyncio
+import codecs
+import collections
+import json
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+from ray import serve
+
+from rayfleet.errors import CheckpointError, ConfigError
+
+DEFAULT_MODEL_NAME = "rayfleet-lm"
+MAX_BODY_BYTES = 1 << 20      # a request body over 1 MiB is refused before it is parsed
+MAX_NEW_TOKENS = 1024
+BATCH_SIZES_KEPT = 1000
+
+
+# --------------------------------------------------------------------------- errors
+
+class APIError(Exception):
+    """An expected request error, rendered as OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code)
+
+
+def error_body(message: str, type: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# --------------------------------------------------------------------------- checkpoint
+
+def _split_s3(uri: str):
+    from workloads.common.storage import resolve
+
+    storage = resolve(uri, check_writable=False)
+    return storage.fs, storage.path
+
+
+def check_checkpoint(path: str) -> dict:
+    """Validate a checkpoint (local folder or s3://) without loading weights: the builder
+    calls this so `serve run`/`serve deploy` fail with one line, not a crashing replica."""
+    from workloads.train import checkpoint as ckpt
+    from workloads.train.runinfo import _listing, _read
+
+    if not path:
+        raise ConfigError("checkpoint", "no checkpoint given; pass args.checkpoint "
+                          "(a folder or s3:// path written by workloads.train)")
+    if path.startswith("s3://"):
+        fs, inner = _split_s3(path)
+        listing = _listing(fs, inner)
+        if not listing:
+            raise CheckpointError(f"checkpoint {path} does not exist")
+        raw = _read(fs, f"{inner}/{ckpt.MARKER}")
+        marker = ckpt.check_listing(path, ckpt.parse_marker(path, raw), listing)
+    else:
+        marker = ckpt.validate(Path(path).expanduser())
+        listing = {p.name for p in Path(path).expanduser().iterdir()}
+    if "model.pt" not in listing or "model_config.json" not in listing:
+        raise CheckpointError(f"checkpoint {path} holds no full weights (model.pt); serve the "
+                              "run's final checkpoint")
+    return marker
+
+
+def load_checkpoint(path: str) -> tuple[dict, dict]:
+    """(model_config, state_dict); an s3:// checkpoint is copied to a temp folder first."""
+    from workloads.train.checkpoint import load_full_weights
+
+    if not path.startswith("s3://"):
+        return load_full_weights(Path(path).expanduser())
+    import pyarrow.fs as pafs
+
+    fs, inner = _split_s3(path)
+    local = Path(tempfile.mkdtemp(prefix="rayfleet-serve-"))
+    pafs.copy_files(inner, str(local), source_filesystem=fs,
+                    destination_filesystem=pafs.LocalFileSystem())
+    return load_full_weights(local)
+
+
+# --------------------------------------------------------------------------- engine
+
+@dataclass
+class GenRequest:
+    prompt: bytes
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+class Engine:
+    """A GPT from workloads.train decoding several requests at once. Sequences of the same
+    length share one forward pass (the model has no padding mask, and learned positions make
+    left padding change the answer); the common case, equal prompts, is one matmul."""
+
+    def __init__(self, model_config: dict, state_dict: dict):
+        import torch
+
+        from workloads.train.model import GPT, GPTConfig
+
+        self.torch = torch
+        self.cfg = GPTConfig.from_dict(model_config)
+        self.model = GPT(self.cfg)
+        self.model.load_state_dict(state_dict)
+        self.model.eval()
+
+    @property
+    def context(self) -> int:
+        return self.cfg.seq_len
+
+    def step(self, seqs: list[list[int]], reqs: list[GenRequest], gens: list) -> list[int]:
+        """One new token for every sequence."""
+        torch = self.torch
+        out: list[int] = [0] * len(seqs)
+        groups: dict[int, list[int]] = collections.defaultdict(list)
+        for i, s in enumerate(seqs):
+            groups[min(len(s), self.context)].append(i)
+        with torch.no_grad():
+            for length, idxs in groups.items():
+                x = torch.tensor([seqs[i][-length:] for i in idxs], dtype=torch.long)
+                logits = self.model(x)[:, -1, :]
+                for row, i in enumerate(idxs):
+                    out[i] = self._sample(logits[row], reqs[i], gens[i])
+        return out
+
+    def _sample(self, logits, req: GenRequest, gen) -> int:
+        torch = self.torch
+        if req.temperature <= 0:
+            return int(logits.argmax())
+        logits = logits / req.temperature
+        if req.top_k:
+            kth = torch.topk(logits, min(req.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen))
+
+    def generator_for(self, req: GenRequest):
+        g = self.torch.Generator()
+        g.manual_seed(req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little"))
+        return g
+
+
+# --------------------------------------------------------------------------- API schema
+
+class CompletionRequest(BaseModel):
+    model: str
+    prompt: str | list[str]
+    max_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_k: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatRequest(BaseModel):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_k: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+
+def chat_prompt(messages: list[ChatMessage]) -> str:
+    # The model learned Python source, so the conversation is laid out as comments.
+    return "".join(f"# {m.role}: {m.content}\n" for m in messages) + "# assistant:"
+
+
+api = FastAPI(title="rayfleet lm", docs_url=None, redoc_url=None)
+
+
+@api.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError):
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, e: RequestValidationError):
+    first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        msg, param = "the request body is not valid JSON", None
+    return JSONResponse(error_body(f"{param}: {msg}" if param else msg, "invalid_request_error",
+                                   param, "invalid_request"), status_code=400)
+
+
+@api.middleware("http")
+async def _limit_body(request: Request, call_next):
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        return JSONResponse(error_body(
+            f"request body of {size} bytes is over the {MAX_BODY_BYTES}-byte limit",
+            "invalid_request_error", None, "request_too_large"), status_code=400)
+    return await call_next(request)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+@serve.deployment(
+    # Light replicas: the local cluster has 4 logical CPUs on 2 cores, shared with training.
+    ray_actor_options={"num_cpus": 0.5},
+    # Several requests in flight per replica, so @serve.batch has something to batch.
+    max_ongoing_requests=32,
+    autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8},
+    health_check_period_s=10,
+)
+@serve.ingress(api)
+class LMServer:
+    def __init__(self, checkpoint: str, model_name: str = DEFAULT_MODEL_NAME,
+                 max_batch_size: int = 8, batch_wait_timeout_s: float = 0.05,
+                 num_threads: int = 1):
+        import torch
+
+        torch.set_num_threads(num_threads)
+        cfg, state = load_checkpoint(checkpoint)
+        self.engine = Engine(cfg, state)
+        self.model_name = model_name
+        self.checkpoint = checkpoint
+        self.created = int(time.time())
+        self.batch_sizes: collections.deque[int] = collections.deque(maxlen=BATCH_SIZES_KEPT)
+        self._generate.set_max_batch_size(max_batch_size)
+        self._generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
+
+    def check_health(self) -> None:
+        # Serve's health check: a replica whose model cannot run one step is replaced.
+        self.engine.step([[10]], [GenRequest(b"\n", 1, temperature=0)], [None])
+
+    # ------------------------------------------------------------------ batching
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.05)
+    async def _generate(self, reqs: list[GenRequest]):
+        """Decode a batch together; yield, per step, one item per request: (bytes, n) while
+        it runs, StopIteration once it is done (Serve's streaming-batch protocol)."""
+        n = len(reqs)
+        self.batch_sizes.append(n)
+        seqs = [list(r.prompt) for r in reqs]
+        gens = [self.engine.generator_for(r) for r in reqs]
+        left = [r.max_tokens for r in reqs]
+        done = [False] * n
+        while not all(done):
+            active = [i for i in range(n) if not done[i]]
+            toks = await asyncio.to_thread(
+                self.engine.step, [seqs[i] for i in active], [reqs[i] for i in active],
+                [gens[i] for i in active])
+            out: list[Any] = [StopIteration] * n
+            for i, tok in zip(active, toks, strict=True):
+                seqs[i].append(tok)
+                left[i] -= 1
+                out[i] = (bytes([tok]), n)
+            yield out
+            for i in active:
+                if left[i] <= 0:
+                    done[i] = True
+        # Every request gets its StopIteration (those finishing on the last step too).
+        yield [StopIteration] * n
+
+    async def _run(self, req: GenRequest):
+        """Async iterator of (text delta, finish_reason or None, batch size)."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text, emitted, batch = "", 0, 1
+        async for piece, batch in self._generate(req):
+            text += decoder.decode(piece)
+            hit = next((s for s in req.stop if s and s in text), None)
+            if hit is not None:
+                text = text[: text.index(hit)]
+                if len(text) > emitted:
+                    yield text[emitted:], None, batch
+                yield "", "stop", batch
+                return
+            # Hold back text that could be the start of a stop sequence.
+            hold = max((len(s) - 1 for s in req.stop if s), default=0)
+            upto = max(emitted, len(text) - hold)
+            if upto > emitted:
+                yield text[emitted:upto], None, batch
+                emitted = upto
+        text += decoder.decode(b"", final=True)
+        if len(text) > emitted:
+            yield text[emitted:], None, batch
+        yield "", "length", batch
+
+    def _gen_request(self, prompt: str, param: str, max_tokens: int, body) -> GenRequest:
+        if body.model != self.model_name:
+            raise APIError(404, f"The model '{body.model}' does not exist; this server has "
+                           f"'{self.model_name}' (GET /v1/models)", param="model",
+                           code="model_not_found")
+        data = prompt.encode("utf-8")
+        if not data:
+            raise APIError(400, f"{param}: the prompt is empty", param=param,
+                           code="invalid_request")
+        if len(data) > self.engine.context:
+            raise APIError(400, f"This model's maximum context length is "
+                           f"{self.engine.context} tokens, but the prompt is {len(data)} "
+                           "tokens (bytes); shorten it", param=param,
+                           code="context_length_exceeded")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        return GenRequest(data, max_tokens, body.temperature, body.top_k, body.seed, stop)
+
+    # ------------------------------------------------------------------ routes
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok", "model": self.model_name}
+
+    @api.get("/v1/stats")
+    async def stats(self) -> dict:
+        sizes = list(self.batch_sizes)
+        return {"model": self.model_name, "batches": len(sizes), "batch_sizes": sizes,
+                "max_batch_size_seen": max(sizes, default=0),
+                "replica": serve.get_replica_context().replica_id.unique_id}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created,
+            "owned_by": "rayfleet", "context_length": self.engine.context,
+            "checkpoint": self.checkpoint}]}
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if not prompts:
+            raise APIError(400, "prompt: give at least one prompt", param="prompt")
+        reqs = [self._gen_request(p, "prompt", body.max_tokens, body) for p in prompts]
+        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def chunk(index: int, text: str, finish: str | None, batch: int) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created,
+                    "model": self.model_name, "rayfleet": {"batch_size": batch},
+                    "choices": [{"index": index, "text": text, "logprobs": None,
+                                 "finish_reason": finish}]}
+
+        if body.stream:
+            async def events():
+                for index, req in enumerate(reqs):
+                    async for delta, finish, batch in self._run(req):
+                        yield _sse(chunk(index, delta, finish, batch))
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        results = await asyncio.gather(*(self._collect(r) for r in reqs))
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
+                   for i, (t, f, _) in enumerate(results)]
+        return {"id": rid, "object": "text_completion", "created": created,
+                "model": self.model_name, "choices": choices,
+                "usage": self._usage(reqs, [t for t, _, _ in results]),
+                "rayfleet": {"batch_size": max(b for _, _, b in results)}}
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, body: ChatRequest):
+        max_tokens = body.max_completion_tokens or body.max_tokens or 64
+        req = self._gen_request(chat_prompt(body.messages), "messages", max_tokens, body)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        if body.stream:
+            async def events():
+                first = True
+                async for delta, finish, batch in self._run(req):
+                    d = {"role": "assistant", "content": delta} if first else (
+                        {"content": delta} if delta else {})
+                    first = False
+                    yield _sse({"id": rid, "object": "chat.completion.chunk",
+                                "created": created, "model": self.model_name,
+                                "rayfleet": {"batch_size": batch},
+                                "choices": [{"index": 0, "delta": d, "logprobs": None,
+                                             "finish_reason": finish}]})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        text, finish, batch = await self._collect(req)
+        return {"id": rid, "object": "chat.completion", "created": created,
+                "model": self.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": finish}],
+                "usage": self._usage([req], [text]), "rayfleet": {"batch_size": batch}}
+
+    async def _collect(self, req: GenRequest) -> tuple[str, str, int]:
+        parts, finish, batch = [], "length", 1
+        async for delta, fin, b in self._run(req):
+            parts.append(delta)
+            batch = b
+            finish = fin or finish
+        return "".join(parts), finish, batch
+
+    @staticmethod
+    def _usage(reqs: list[GenRequest], texts: list[str]) -> dict:
+        p = sum(len(r.prompt) for r in reqs)
+        c = sum(len(t.encode("utf-8")) for t in texts)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def app_builder(args: dict) -> serve.Application:
+    """Serve config entry point (`import_path: workloads.serve.lm:app_builder`).
+
+    args: checkpoint (required: folder or s3:// path of a finished workloads.train
+    checkpoint), model_name, max_batch_size, batch_wait_timeout_s, num_threads.
+    """
+    args = dict(args or {})
+    known = {"checkpoint", "model_name", "max_batch_size", "batch_wait_timeout_s", "num_threads"}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ConfigError(f"args.{unknown[0]}", "unknown argument for the lm app", sorted(known),
+                          unknown[0])
+    checkpoint = str(args.pop("checkpoint", "") or "")
+    check_checkpoint(checkpoint)
+    kwargs = {"model_name": str(args.get("model_name", DEFAULT_MODEL_NAME)),
+              "max_batch_size": int(args.get("max_batch_size", 8)),
+              "batch_wait_timeout_s": float(args.get("batch_wait_timeout_s", 0.05)),
+              "num_threads": int(args.get("num_threads", 1))}
+    if kwargs["max_batch_size"] < 1:
+        raise ConfigError("args.max_batch_size", "must be at least 1")
+    return LMServer.bind(checkpoint, **kwargs)
