@@ -124,7 +124,7 @@ def _run_cost(args: argparse.Namespace) -> int:
 def _run_sweep(args: argparse.Namespace) -> int:
     from rayfleet import sweep
 
-    return sweep.main(args.cluster_name, region=args.region, delete=args.delete)
+    return sweep.main(args.cluster_name, region=args.region, delete_=args.delete)
 
 
 def _run_preflight(args: argparse.Namespace) -> int:
