@@ -12,6 +12,7 @@ import sys
 
 from workloads.common.cli import run_main
 from workloads.train.driver import build_parser, validate_args
+from workloads.train.checkpoint import read_history
 from workloads.train.loop import LoopConfig, train_loop
 
 PROG = "workloads.train.torchrun"
@@ -38,8 +39,11 @@ def _main(argv: list[str] | None) -> int:
                      num_workers=0)
     final = train_loop(cfg, ctx)
     if ctx.rank == 0:
+        # Every logged step, from the metrics history the final checkpoint carries.
+        with ctx.latest_checkpoint() as d:
+            history = read_history((d / "metrics.csv").read_text()) if d else ctx.reports
         print("RAYFLEET_SUMMARY " + json.dumps({"world_size": world, "device": str(ctx.device),
-                                                "history": ctx.reports, **final}), flush=True)
+                                                "history": history, **final}), flush=True)
     return 0
 
 
