@@ -1,0 +1,1 @@
+"""`python -m workloads.data`: raw text / JSONL / Parquet -> packed token sequences (Parquet)."""

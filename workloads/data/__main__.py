@@ -1,0 +1,5 @@
+import sys
+
+from workloads.data.pipeline import main
+
+sys.exit(main())

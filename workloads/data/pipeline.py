@@ -1,0 +1,333 @@
+"""`python -m workloads.data`: a Ray Data streaming pipeline from raw text to the packed
+training sequences `workloads.train --dataset` reads.
+
+    ray job submit --working-dir . -- python -m workloads.data --smoke-test --output runs/data
+    ray job submit --working-dir . -- python -m workloads.data \
+        --input s3://my-bucket/raw/ --column text --output s3://my-bucket/data/seq1024 \
+        --seq-len 1024 --concurrency 8
+
+Stages (streamed block by block, never the whole corpus in memory):
+  read     text files (one row per file), JSONL or Parquet (`--column`), local or s3://
+  clean    `map`: normalise newlines, drop undecodable bytes; `filter`: too short / binary-ish
+  tokenize `map_batches` over an actor pool of stateful `ByteTokenizer`s
+  pack     `map_batches`: concatenate and cut into windows of seq_len + 1 (column `tokens`)
+  write    Parquet, one shard per group of input files: `shard-00003-000.parquet`, ...
+
+Input files are sorted and grouped into shards by size, so shard i always covers the same
+files. A shard is written to a temporary folder, moved into place, and only then marked done
+(`_done/shard-00003.json`); a re-run skips done shards and redoes any half-written one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from rayfleet.errors import ConfigError, RayfleetError
+from workloads.common.cli import ArgumentParser, run_main
+
+PROG = "workloads.data"
+TEXT_EXT = (".txt", ".md", ".py", ".rst")
+JSON_EXT = (".jsonl", ".json")
+PARQUET_EXT = (".parquet",)
+FORMATS = {"text": TEXT_EXT, "jsonl": JSON_EXT, "parquet": PARQUET_EXT}
+DONE_DIR = "_done"
+
+DEFAULTS = {"seq_len": 128, "max_bytes": 0, "shard_bytes": 8 << 20}
+SMOKE = {"seq_len": 64, "max_bytes": 768 << 10, "shard_bytes": 256 << 10}
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="Ray Data: raw text -> packed token sequences.")
+    p.add_argument("--smoke-test", action="store_true",
+                   help="768 KiB of the stdlib corpus, seq_len 64 (the train smoke model)")
+    p.add_argument("--input", default="stdlib",
+                   help="'stdlib' (this Python's standard library source, offline) or a "
+                        "folder / file / s3:// prefix of .txt/.py/.md, .jsonl or .parquet")
+    p.add_argument("--format", default="auto", help="auto (by extension), text, jsonl, parquet")
+    p.add_argument("--column", default="text", help="text column of JSONL / Parquet input")
+    p.add_argument("--output", default=os.path.join(
+        os.environ.get("RAYFLEET_STORAGE", os.path.expanduser("~/rayfleet-runs")), "data"),
+        help="folder or s3:// prefix for the Parquet shards")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="model context; each row holds seq_len + 1 tokens (match the model)")
+    p.add_argument("--max-bytes", type=int, default=None, help="stop listing input after this")
+    p.add_argument("--shard-bytes", type=int, default=None, help="input bytes per output shard")
+    p.add_argument("--min-chars", type=int, default=32, help="drop documents shorter than this")
+    p.add_argument("--batch-size", type=int, default=64, help="rows per tokenizer batch")
+    p.add_argument("--concurrency", type=int, default=2, help="tokenizer actors (max)")
+    p.add_argument("--tokenizer-cpus", type=float, default=0.25, help="CPUs per tokenizer actor")
+    p.add_argument("--pack-rows", type=int, default=256,
+                   help="documents packed together (the tail of each group is dropped)")
+    p.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL")
+    return p
+
+
+# --------------------------------------------------------------------------- stages
+
+def clean(row: dict) -> dict:
+    text = row["text"]
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    text = str(text).replace("\r\n", "\n").replace("\r", "\n").replace("\ufffd", "")
+    return {"text": text.strip("\n") + "\n"}
+
+
+def keep(row: dict, min_chars: int) -> bool:
+    text = row["text"]
+    if len(text.strip()) < min_chars:
+        return False
+    # Minified or generated files (very long lines) teach a byte model nothing useful.
+    return max((len(line) for line in text.split("\n")), default=0) <= 1000
+
+
+class ByteTokenizer:
+    """Stateful tokenizer for the actor pool: bytes are the vocabulary (256 ids, what
+    workloads.train's GPT uses). Built once per actor; counts what it has seen."""
+
+    def __init__(self, separator: bytes = b"\n"):
+        self.separator = separator
+        self.docs = 0
+        self.tokens = 0
+
+    def __call__(self, batch: dict) -> dict:
+        ids = [np.frombuffer(t.encode("utf-8") + self.separator, dtype=np.uint8)
+               for t in batch["text"]]
+        self.docs += len(ids)
+        self.tokens += sum(len(i) for i in ids)
+        return {"ids": ids}
+
+
+def make_packer(seq_len: int):
+    def pack(batch: dict) -> dict:
+        flat = (np.concatenate([np.asarray(i, dtype=np.uint8) for i in batch["ids"]])
+                if len(batch["ids"]) else np.zeros(0, np.uint8))
+        n = (len(flat) - 1) // seq_len if len(flat) > seq_len else 0
+        # Windows of seq_len + 1 starting every seq_len tokens: inputs [:-1], targets [1:],
+        # the same layout as workloads.train's ByteBlocks.
+        tokens = np.stack([flat[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)]
+                          ).astype(np.int32) if n else np.zeros((0, seq_len + 1), np.int32)
+        return {"tokens": tokens}
+    return pack
+
+
+# --------------------------------------------------------------------------- inputs
+
+@dataclass(frozen=True)
+class Inputs:
+    fmt: str
+    files: list[tuple[str, int]]   # (path inside the filesystem, size)
+    filesystem: object | None      # pyarrow filesystem, None for local
+
+
+def list_inputs(args) -> Inputs:
+    import pyarrow.fs as pafs
+
+    if args.input == "stdlib":
+        from workloads.train.data import stdlib_files
+
+        files = [(str(p), p.stat().st_size) for p in stdlib_files()]
+        return Inputs("text", _cap(files, args.max_bytes), None)
+    if args.input.startswith("s3://"):
+        from workloads.common.storage import resolve
+
+        storage = resolve(args.input, endpoint=args.s3_endpoint, check_writable=False)
+        fs, root, fs_out = storage.fs, storage.path, storage.filesystem
+    else:
+        root = os.path.abspath(os.path.expanduser(args.input))
+        if not os.path.exists(root):
+            raise ConfigError("--input", f"{args.input} does not exist")
+        fs, fs_out = pafs.LocalFileSystem(), None
+    info = fs.get_file_info(root)
+    if info.type == pafs.FileType.File:
+        infos = [info]
+    elif info.type == pafs.FileType.Directory:
+        infos = [i for i in fs.get_file_info(pafs.FileSelector(root, recursive=True))
+                 if i.type == pafs.FileType.File]
+    else:
+        raise ConfigError("--input", f"{args.input} does not exist")
+    infos = [i for i in infos if not any(part.startswith((".", "_")) for part in
+                                         i.path[len(root):].split("/") if part)
+             or i.path == root]
+    fmt = args.format
+    if fmt == "auto":
+        kinds = {k for i in infos for k, exts in FORMATS.items() if i.path.endswith(exts)}
+        if len(kinds) > 1:
+            raise ConfigError("--format", f"{args.input} mixes {', '.join(sorted(kinds))} "
+                              "files; pick one", FORMATS)
+        fmt = kinds.pop() if kinds else "text"
+    elif fmt not in FORMATS:
+        raise ConfigError("--format", f"unknown format {fmt!r}", ["auto", *FORMATS], fmt)
+    files = sorted((i.path, i.size) for i in infos if i.path.endswith(FORMATS[fmt]))
+    if not files:
+        raise ConfigError("--input", f"{args.input} holds no {fmt} files "
+                          f"({', '.join(FORMATS[fmt])}); the corpus is empty")
+    if sum(s for _, s in files) == 0:
+        raise ConfigError("--input", f"{args.input}: every input file is empty")
+    return Inputs(fmt, _cap(files, args.max_bytes), fs_out)
+
+
+def _cap(files: list[tuple[str, int]], max_bytes: int) -> list[tuple[str, int]]:
+    if not max_bytes:
+        return files
+    out, total = [], 0
+    for path, size in files:
+        if total >= max_bytes:
+            break
+        out.append((path, size))
+        total += size
+    return out
+
+
+def shards_of(files: list[tuple[str, int]], shard_bytes: int) -> list[list[str]]:
+    shards, cur, size = [], [], 0
+    for path, s in files:
+        cur.append(path)
+        size += s
+        if size >= shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def read(inputs: Inputs, paths: list[str], column: str):
+    import ray.data
+
+    fs = inputs.filesystem
+    if inputs.fmt == "text":
+        ds = ray.data.read_binary_files(paths, filesystem=fs)
+        return ds.map(lambda r: {"text": r["bytes"]})
+    if inputs.fmt == "jsonl":
+        ds = ray.data.read_json(paths, filesystem=fs, lines=True)
+    else:
+        ds = ray.data.read_parquet(paths, filesystem=fs)
+    names = ds.schema().names
+    if column not in names:
+        raise ConfigError("--column", f"no column {column!r} in the input "
+                          f"(columns: {', '.join(names)})", names, column)
+    return ds.select_columns([column]).rename_columns({column: "text"})
+
+
+def build_pipeline(inputs: Inputs, paths: list[str], args):
+    ds = read(inputs, paths, args.column)
+    ds = ds.map(clean).filter(lambda r: keep(r, args.min_chars))
+    ds = ds.map_batches(ByteTokenizer, batch_size=args.batch_size, batch_format="numpy",
+                        concurrency=(1, args.concurrency), num_cpus=args.tokenizer_cpus)
+    return ds.map_batches(make_packer(args.seq_len), batch_size=args.pack_rows,
+                          batch_format="numpy")
+
+
+# --------------------------------------------------------------------------- output
+
+def write_shard(ds, storage, index: int, n: int) -> dict:
+    """Write one shard atomically enough: temp folder, then move, then the done marker."""
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    fs, name = storage.fs, f"shard-{index:05d}"
+    tmp = storage.join(f"_tmp-{name}")
+    fs.delete_dir_contents(tmp, missing_dir_ok=True)
+    ds.write_parquet(tmp if storage.filesystem is None else tmp, filesystem=storage.filesystem)
+    parts = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(tmp, recursive=True))
+                   if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
+    rows, files = 0, []
+    for k, part in enumerate(parts):
+        n_rows = pq.ParquetFile(fs.open_input_file(part)).metadata.num_rows
+        if not n_rows:
+            continue
+        final = f"{name}-{k:03d}.parquet"
+        fs.move(part, storage.join(final))
+        rows += n_rows
+        files.append(final)
+    fs.delete_dir(tmp)
+    marker = {"shard": index, "of": n, "rows": rows, "files": files}
+    storage.write_bytes(f"{DONE_DIR}/{name}.json", json.dumps(marker).encode())
+    return marker
+
+
+def clear_partial(storage, index: int) -> None:
+    import pyarrow.fs as pafs
+
+    prefix = f"shard-{index:05d}-"
+    for i in storage.fs.get_file_info(pafs.FileSelector(storage.path, allow_not_found=True)):
+        if i.base_name.startswith(prefix):
+            storage.fs.delete_file(i.path)
+
+
+def read_marker(storage, index: int) -> dict | None:
+    try:
+        return json.loads(storage.read_bytes(storage.join(f"{DONE_DIR}/shard-{index:05d}.json")))
+    except (FileNotFoundError, OSError, ValueError):
+        return None
+
+
+def run(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    defaults = SMOKE if args.smoke_test else DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for flag in ("seq_len", "batch_size", "concurrency", "pack_rows", "shard_bytes"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')}", "must be at least 1")
+    if args.tokenizer_cpus <= 0:
+        raise ConfigError("--tokenizer-cpus", "must be more than 0")
+
+    inputs = list_inputs(args)                   # bad input fails here, before any write
+    if sum(s for _, s in inputs.files) <= args.seq_len:
+        raise ConfigError("--input", f"the corpus ({sum(s for _, s in inputs.files)} bytes) "
+                          f"is shorter than one sequence of {args.seq_len + 1} tokens")
+    shards = shards_of(inputs.files, args.shard_bytes)
+
+    import ray
+    from ray.data import DataContext
+
+    from workloads.common.storage import resolve
+
+    if inputs.fmt != "text":  # schema errors (unknown column) before anything is written
+        read(inputs, shards[0], args.column)
+    storage = resolve(args.output, endpoint=args.s3_endpoint)
+    ray.init(ignore_reinit_error=True, log_to_driver=True)
+    # Same input, same rows in the same order: shards are reproducible byte for byte.
+    DataContext.get_current().execution_options.preserve_order = True
+
+    t0 = time.time()
+    written, skipped, rows = 0, 0, 0
+    for i, paths in enumerate(shards):
+        done = read_marker(storage, i)
+        if done is not None and done.get("of") == len(shards):
+            print(f"[rayfleet] shard {i + 1}/{len(shards)}: already written "
+                  f"({done['rows']} sequences), skipped", flush=True)
+            skipped += 1
+            rows += done["rows"]
+            continue
+        clear_partial(storage, i)
+        marker = write_shard(build_pipeline(inputs, paths, args), storage, i, len(shards))
+        print(f"[rayfleet] shard {i + 1}/{len(shards)}: {len(paths)} files -> "
+              f"{marker['rows']} sequences of {args.seq_len + 1} tokens", flush=True)
+        written += 1
+        rows += marker["rows"]
+    if rows == 0:
+        raise RayfleetError(f"{args.input}: nothing left after cleaning (every document is "
+                            f"shorter than --min-chars {args.min_chars}?)")
+    manifest = {"output": storage.uri, "input": args.input, "format": inputs.fmt,
+                "seq_len": args.seq_len, "shards": len(shards), "written": written,
+                "skipped": skipped, "rows": rows,
+                "input_bytes": sum(s for _, s in inputs.files),
+                "seconds": round(time.time() - t0, 1)}
+    storage.write_bytes("_manifest.json", json.dumps(manifest, indent=1).encode())
+    print(f"[rayfleet] {rows} sequences of seq_len {args.seq_len} + 1 in {storage.uri} "
+          f"({written} shards written, {skipped} skipped); train with: python -m "
+          f"workloads.train --dataset {storage.uri}", flush=True)
+    print("RAYFLEET_SUMMARY " + json.dumps(manifest), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(run, argv, PROG)
