@@ -1,0 +1,34 @@
+"""A throwaway `rayfleet local` cluster for benchmarks: its own state folder and free ports,
+so it never touches the user's cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+@contextlib.contextmanager
+def local_cluster(num_cpus: int = 4):
+    from rayfleet.local import free_port
+
+    with tempfile.TemporaryDirectory(prefix="rayfleet-bench-") as home:
+        env = {**os.environ, "RAYFLEET_HOME": home}
+        subprocess.run([str(BIN / "rayfleet"), "local", "up", "--num-cpus", str(num_cpus),
+                        "--object-store-memory", "1GB", "--port", str(free_port()),
+                        "--dashboard-port", str(free_port())], env=env, check=True,
+                       capture_output=True)
+        try:
+            exports = subprocess.run([str(BIN / "rayfleet"), "local", "env"], env=env,
+                                     check=True, capture_output=True, text=True).stdout
+            env.update(dict(ln.removeprefix("export ").split("=", 1)
+                            for ln in exports.splitlines()))
+            yield env
+        finally:
+            subprocess.run([str(BIN / "rayfleet"), "local", "down"], env=env,
+                           capture_output=True)
