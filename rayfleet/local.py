@@ -272,13 +272,24 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
             _forget()
             raise ClusterError(f"ray start exited with code {proc.returncode}: "
                                f"{_last_line(log)} (full log: {log})")
-        if jobs_api_ready(cluster.dashboard_url, secret):
+        # The Jobs API answers before the head's dashboard agent has registered, and until it
+        # has, `ray job submit` fails with "No available agent to submit job" (seen on a
+        # loaded 2-core machine): ready means both.
+        if jobs_api_ready(cluster.dashboard_url, secret) and _listening(agent_port):
             if not quiet:
                 _print_info(cluster, "rayfleet local cluster is up.")
             return cluster
         time.sleep(0.5)
     _stop(cluster)
     raise ClusterError(f"Ray head did not answer within {START_TIMEOUT_S}s; see {log}")
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def _ray_bin() -> str:
