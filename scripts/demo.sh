@@ -84,10 +84,15 @@ import sys
 import openai
 client = openai.OpenAI(base_url=sys.argv[1], api_key="not-needed-locally")
 question = "How do I open a file?"
-r = client.chat.completions.create(model="rayfleet-lm", max_tokens=120, temperature=0.6,
+r = client.chat.completions.create(model="rayfleet-lm", max_tokens=120, temperature=1.0,
                                    messages=[{"role": "user", "content": question}], seed=0)
 print(f"  Q: {question}")
 print("  A: " + r.choices[0].message.content.replace("\n", "\n     "))
+code = "def read_lines(path):\n"
+c = client.completions.create(model="rayfleet-lm", prompt=code, max_tokens=120,
+                              temperature=0.7, seed=0)
+print("  completion of 'def read_lines(path):' ->")
+print("     " + (code + c.choices[0].text).replace("\n", "\n     "))
 print(f"  ({r.usage.completion_tokens} tokens from a {r.model} trained minutes ago; it has "
       "read a little Python, so expect Python-flavoured bytes)")
 PY
