@@ -46,9 +46,10 @@ def token_path() -> Path:
     return state_dir() / "auth_token"
 
 
-def ensure_token() -> Path:
-    """Create the cluster token once (0600); tighten the mode of an existing one."""
-    path = token_path()
+def ensure_token(path: Path | str | None = None) -> Path:
+    """Create a cluster token once (0600); tighten the mode of an existing one. Default: the
+    local cluster's token; `rayfleet render` passes a per-cluster path."""
+    path = Path(path).expanduser() if path is not None else token_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)
     if not path.exists():
@@ -59,7 +60,7 @@ def ensure_token() -> Path:
     elif stat.S_IMODE(path.stat().st_mode) != 0o600:
         os.chmod(path, 0o600)
     if not path.read_text().strip():
-        raise RayfleetError(f"token file {path} is empty; delete it and run `rayfleet local up`")
+        raise RayfleetError(f"token file {path} is empty; delete it and create it again")
     return path
 
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shlex
-import stat
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -237,15 +235,9 @@ def default_token_file(cluster_name: str) -> str:
 
 def ensure_token(path: str) -> Path:
     """Create the cluster's token (0600) if it does not exist yet; never print it."""
-    p = Path(path).expanduser()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    if not p.exists():
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-    elif stat.S_IMODE(p.stat().st_mode) != 0o600:
-        os.chmod(p, 0o600)
-    return p
+    from rayfleet.local import ensure_token as _ensure
+
+    return _ensure(path)
 
 
 def build_config(o: dict[str, Any], token_file: str, key_name: str | None = None,
