@@ -9,6 +9,14 @@ import sys
 from rayfleet.errors import RayfleetError
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line and exit 2: argparse's own error() prints the
+    whole usage block first, which buries the one line that says what is wrong."""
+
+    def error(self, message: str):
+        raise RayfleetError(f"{message} (see {self.prog} --help)")
+
+
 def _local(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("local", help="a real single-machine Ray cluster with token auth")
     lsub = p.add_subparsers(dest="action", required=True, metavar="{up,down,status,env}")
@@ -47,7 +55,7 @@ def _run_local(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         prog="rayfleet",
         description="Hardened Ray clusters on AWS A100s, and locally, for training, data "
                     "pipelines and serving.")
@@ -138,8 +146,9 @@ HANDLERS = {"local": _run_local, "render": _run_render, "lint": _run_lint,
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        # Subparsers inherit the parser class, so every subcommand's flags answer in one line.
+        args = build_parser().parse_args(argv)
         return HANDLERS[args.command](args)
     except RayfleetError as err:
         print(f"rayfleet: error: {err}", file=sys.stderr)

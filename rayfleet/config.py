@@ -402,9 +402,12 @@ def load_stack_file(path: str | Path) -> StackConfig:
 
     p = Path(path)
     try:
-        doc = yaml.safe_load(p.read_text()) or {}
+        doc = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
     except OSError as e:
         raise ConfigError(str(p), f"cannot read the stack file ({e.strerror})") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(p), f"is not UTF-8 text (byte {e.start}); Pulumi stack files "
+                                  "are UTF-8 YAML") from None
     except yaml.YAMLError as e:
         raise ConfigError(str(p), "is not valid YAML") from e
     if not isinstance(doc, dict) or not isinstance(doc.get("config", {}), dict):

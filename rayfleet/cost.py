@@ -10,6 +10,7 @@ the ceiling; the monthly ceiling is compared with the stack's budget.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -102,9 +103,12 @@ def estimate(cfg: dict[str, Any], prices: dict[str, Any] | None = None,
 def main(path: str, stack_file: str | None = None, budget_usd: float | None = None,
          hours_per_month: float = 730.0, out=None) -> int:
     out = out or sys.stdout
-    if hours_per_month <= 0 or hours_per_month > 744:
+    # `not 0 < x <= 744` rather than `x <= 0 or x > 744`: NaN fails every comparison.
+    if not 0 < hours_per_month <= 744:
         raise ConfigError("--hours-per-month", f"must be between 0 and 744, got "
                                                f"{hours_per_month}")
+    if budget_usd is not None and not 0 < budget_usd < math.inf:
+        raise ConfigError("--budget-usd", f"must be a positive amount of USD, got {budget_usd}")
     if budget_usd is None and stack_file:
         from rayfleet.config import load_stack_file
 

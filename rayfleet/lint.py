@@ -188,11 +188,14 @@ def _aws_node_type(name: str, nt: dict) -> list[Finding]:
 
 def load_yaml(path: str) -> tuple[dict, str]:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise RayfleetError(f"{path}: no such file") from None
     except OSError as e:
         raise RayfleetError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise RayfleetError(f"{path}: not UTF-8 text (byte {e.start}); is this a cluster "
+                            "YAML?") from None
     try:
         cfg = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -201,6 +204,25 @@ def load_yaml(path: str) -> tuple[dict, str]:
         raise RayfleetError(f"{path}: not valid YAML{at}") from None
     if not isinstance(cfg, dict) or "provider" not in cfg:
         raise RayfleetError(f"{path}: not a Ray cluster YAML (no provider: section)")
+    # The shapes every reader (lint, cost, preflight) walks; anything else is a typo that
+    # would otherwise surface as an AttributeError deep inside a check.
+    if not isinstance(cfg["provider"], dict):
+        raise RayfleetError(f"{path}: provider: must be a mapping (type:, region:, ...), got "
+                            f"{type(cfg['provider']).__name__}")
+    types = cfg.get("available_node_types")
+    if types is not None and not isinstance(types, dict):
+        raise RayfleetError(f"{path}: available_node_types: must be a mapping of node type "
+                            "names to their settings")
+    for name, nt in (types or {}).items():
+        if not isinstance(nt, dict) or not isinstance(nt.get("node_config", {}), dict) \
+                or not isinstance(nt.get("resources", {}), dict):
+            raise RayfleetError(f"{path}: available_node_types.{name}: must be a mapping with "
+                                "node_config: and resources: mappings")
+        for key in ("min_workers", "max_workers"):
+            if key in nt and (isinstance(nt[key], bool) or not isinstance(nt[key], int)
+                              or nt[key] < 0):
+                raise RayfleetError(f"{path}: available_node_types.{name}.{key}: must be a "
+                                    f"whole number >= 0, got {nt[key]!r}")
     return cfg, text
 
 

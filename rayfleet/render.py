@@ -131,12 +131,15 @@ def load_outputs(source: str, stdin=None) -> dict[str, Any]:
         return parse_outputs((stdin or sys.stdin).read(), "stdin")
     path = Path(source)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise RayfleetError(f"{source}: no such file; run `pulumi stack output --json > "
                             f"{source}` or pass - to read stdin") from None
     except OSError as e:
         raise RayfleetError(f"{source}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise RayfleetError(f"{source}: not UTF-8 text (byte {e.start}); pass the output of "
+                            "`pulumi stack output --json`") from None
     return parse_outputs(text, source)
 
 
@@ -421,9 +424,28 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
     o = load_outputs(source, stdin)
     token_file = token_file or default_token_file(o["cluster_name"])
     text = render_text(o, token_file, key_name, idle_timeout_minutes)
-    if create_token:
-        ensure_token(token_file)
     path = Path(out) if out else GENERATED / f"{o['stack']}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    # Everything that can fail is checked before anything is created, so a bad --out leaves
+    # no token behind and a bad --token-file leaves no YAML behind.
+    if path.is_dir():
+        raise RayfleetError(f"--out {path}: is a folder; name the YAML file to write")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RayfleetError(f"--out {path}: cannot create its folder ({e.strerror})") from None
+    if create_token:
+        try:
+            ensure_token(token_file)
+        except OSError as e:
+            raise RayfleetError(f"--token-file {token_file}: cannot create it ({e.strerror}); "
+                                "pick a path in a folder you own") from None
+    # Written to a temporary file and moved into place: an interrupted or failed write never
+    # leaves a half-written YAML where `ray up` would read it.
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RayfleetError(f"--out {path}: cannot write ({e.strerror})") from None
     return path
