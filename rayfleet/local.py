@@ -220,6 +220,10 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
             if not quiet:
                 _print_info(existing, "rayfleet local cluster is already up.")
             return existing
+    for flag, value in (("--port", port), ("--dashboard-port", dashboard_port)):
+        # Checked here: socket.bind() answers an out-of-range port with an OverflowError.
+        if not 1 <= value <= 65535:
+            raise ConfigError(flag, f"must be a TCP port between 1 and 65535, got {value}")
         raise ClusterError(
             f"a rayfleet head (pid {existing.pid}) is running but its Jobs API at "
             f"{existing.dashboard_url} does not answer; run `rayfleet local down` first")
