@@ -9,6 +9,7 @@ generated once into the state folder with mode 0600 and handed to Ray through
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +42,16 @@ START_TIMEOUT_S = 120
 def state_dir() -> Path:
     """The rayfleet state folder: $RAYFLEET_HOME, else ~/.rayfleet."""
     return Path(os.environ.get("RAYFLEET_HOME") or Path.home() / ".rayfleet").expanduser()
+
+
+def ray_temp_dir() -> Path:
+    """Ray's session folder for this cluster, one per rayfleet state folder. Ray's default,
+    /tmp/ray, is shared by every cluster on the machine, and a job's driver is pointed at
+    whichever cluster *last* wrote /tmp/ray/ray_current_cluster (job_supervisor resolves
+    "auto"): a second cluster on the same machine would steal the first one's jobs. Kept
+    short: Ray's Unix socket paths under it must stay within 107 bytes."""
+    digest = hashlib.sha1(str(state_dir().resolve()).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"rayfleet-{digest}"
 
 
 def token_path() -> Path:
@@ -208,6 +220,10 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
         raise ConfigError("--num-cpus", f"must be at least 1, got {num_cpus}")
     if num_gpus is not None and num_gpus < 0:
         raise ConfigError("--num-gpus", f"must be 0 or more, got {num_gpus}")
+    for flag, value in (("--port", port), ("--dashboard-port", dashboard_port)):
+        # Checked here: socket.bind() answers an out-of-range port with an OverflowError.
+        if not 1 <= value <= 65535:
+            raise ConfigError(flag, f"must be a TCP port between 1 and 65535, got {value}")
     store = parse_size(object_store_memory)
     if store is not None and store < MIN_OBJECT_STORE:
         raise ConfigError("--object-store-memory",
@@ -220,10 +236,6 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
             if not quiet:
                 _print_info(existing, "rayfleet local cluster is already up.")
             return existing
-    for flag, value in (("--port", port), ("--dashboard-port", dashboard_port)):
-        # Checked here: socket.bind() answers an out-of-range port with an OverflowError.
-        if not 1 <= value <= 65535:
-            raise ConfigError(flag, f"must be a TCP port between 1 and 65535, got {value}")
         raise ClusterError(
             f"a rayfleet head (pid {existing.pid}) is running but its Jobs API at "
             f"{existing.dashboard_url} does not answer; run `rayfleet local down` first")
@@ -247,6 +259,7 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
         # (CVE-2023-48022; DESIGN rule 22). Remote users reach it through a tunnel.
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
         "--node-ip-address=127.0.0.1",
+        f"--temp-dir={ray_temp_dir()}",
         f"--ray-client-server-port={client_port}",
         f"--dashboard-agent-listen-port={agent_port}",
     ]
