@@ -293,7 +293,10 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
         # The Jobs API answers before the head's dashboard agent has registered, and until it
         # has, `ray job submit` fails with "No available agent to submit job" (seen on a
         # loaded 2-core machine): ready means both.
-        if jobs_api_ready(cluster.dashboard_url, secret) and _listening(agent_port):
+        # And `ray start` names the cluster in <temp dir>/ray_current_cluster only after the
+        # dashboard is up; a job submitted before that has its driver pointed elsewhere.
+        if (jobs_api_ready(cluster.dashboard_url, secret) and _listening(agent_port)
+                and (ray_temp_dir() / "ray_current_cluster").exists()):
             if not quiet:
                 _print_info(cluster, "rayfleet local cluster is up.")
             return cluster
