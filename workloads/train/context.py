@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from rayfleet.errors import StorageError
+
 
 class RayContext:
     """ray.train's worker context: Ray has already set up the process group."""
@@ -44,13 +46,31 @@ class RayContext:
         if checkpoint is None:
             yield None
             return
-        with checkpoint.as_directory() as d:
+        with contextlib.ExitStack() as stack:
+            try:
+                d = stack.enter_context(checkpoint.as_directory())
+            except OSError as e:
+                # pyarrow's OSError for an unreachable or failing S3: one line to show.
+                raise StorageError(f"could not read checkpoint {checkpoint.path} from "
+                                   f"storage: {_first_line(e)}") from e
             yield Path(d)
 
     def report(self, metrics: dict, checkpoint_dir: Path | None) -> None:
         checkpoint = (self._train.Checkpoint.from_directory(str(checkpoint_dir))
                       if checkpoint_dir is not None else None)
-        self._train.report(metrics, checkpoint=checkpoint)
+        try:
+            self._train.report(metrics, checkpoint=checkpoint)
+        except OSError as e:
+            # Raised after pyarrow's and Ray's own upload retries. The checkpoint is not
+            # registered, so a re-run resumes from the previous one, never from this partial
+            # upload.
+            raise StorageError(f"could not write the step {metrics.get('step')} checkpoint "
+                               f"to storage: {_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0][:240] if lines else type(e).__name__
 
 
 class TorchrunContext:

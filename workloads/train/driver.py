@@ -255,7 +255,7 @@ def _main(argv: list[str] | None) -> int:
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from workloads.train import runinfo
+    from workloads.train import failures, runinfo
 
     # Train V2 propagates these from the driver to its controller and workers: poll the
     # workers' result queues every second (default 2 s stalls short runs at each report),
@@ -304,7 +304,10 @@ def _main(argv: list[str] | None) -> int:
         run_config=RunConfig(
             name=name, storage_path=storage.path, storage_filesystem=storage.filesystem,
             checkpoint_config=CheckpointConfig(num_to_keep=args.num_to_keep),
-            failure_config=FailureConfig(max_failures=args.max_failures),
+            # A finite controller_failure_limit: Ray's default (-1) retries a worker group
+            # that cannot be placed (a node it needs is gone) forever, a silent hang.
+            failure_config=FailureConfig(max_failures=args.max_failures,
+                                         controller_failure_limit=failures.PLACEMENT_RETRIES),
             worker_runtime_env={"env_vars": env_vars} if env_vars else None,
             logging_config=LoggingConfig(log_level="WARNING")),
         datasets=datasets,
@@ -313,7 +316,9 @@ def _main(argv: list[str] | None) -> int:
     try:
         result = trainer.fit()
     except Exception as e:
-        cause = _root_cause(e)
+        cause = failures.explain(e, storage=storage, name=name, workers=world,
+                                 bundle=worker_bundle(args), nodes_at_start=nodes) \
+            or _root_cause(e)
         if cause is not None:
             raise cause from None
         raise

@@ -31,6 +31,11 @@ def _listing(fs: pafs.FileSystem, path: str) -> dict[str, int]:
             if i.type == pafs.FileType.File}
 
 
+def uri(storage: Storage, path: str) -> str:
+    """A storage path as the user wrote it (s3:// for S3)."""
+    return path if storage.filesystem is None else f"s3://{path}"
+
+
 def latest_checkpoint_path(storage: Storage, name: str) -> str | None:
     raw = _read(storage.fs, storage.join(name, SNAPSHOT))
     if raw is None:
