@@ -1,16 +1,33 @@
-"""Fault 1 (DESIGN): a Ray Train worker killed mid-run. FailureConfig restarts the worker
-group, which resumes from the latest checkpoint, redoes at most one checkpoint interval and
-ends where an uninterrupted run with the same seed ends."""
+"""Training faults (DESIGN 1, 2, 4, 5) on real local Ray clusters.
 
+1. A Ray Train worker killed mid-run: FailureConfig restarts the worker group, which resumes
+   from the latest checkpoint, redoes at most one checkpoint interval and ends where an
+   uninterrupted run with the same seed ends.
+2. The job driver killed: resubmitting the same job resumes from the checkpoint in storage.
+4. S3 cut while a checkpoint is written: one line naming the storage; the partial upload is
+   never resumed from; a damaged latest checkpoint is refused without touching storage.
+5. A worker node of a two-node cluster lost: the run fails in one line naming the lost
+   capacity (instead of waiting forever), and resumes on what is left with fewer workers.
+"""
+
+import json
 import os
 import re
+import shutil
 import signal
+import socket
+import struct
 import subprocess
+import tempfile
+import threading
 import time
+import urllib.request
+import uuid
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN, REPO, summary_of
+from tests.conftest import BIN, REPO, free_port, run, summary_of
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray, pytest.mark.slow]
 
@@ -52,3 +69,364 @@ def test_killed_worker_resumes_from_latest_checkpoint(ray_cluster, tmp_path):
     assert clean.returncode == 0, clean.stdout[-3000:]
     # Same seed, resumed model/optimizer/RNG/data position: the curves meet again.
     assert s["final_loss"] == pytest.approx(summary_of(clean.stdout)["final_loss"], abs=0.1)
+
+
+# -- helpers for faults 2, 4, 5 ------------------------------------------------------------
+
+def _latest_registered(read) -> str | None:
+    """The checkpoint Ray Train resumes from: `latest_checkpoint_result` in its snapshot,
+    written only after every rank's upload succeeded. `read()` returns the snapshot's bytes
+    or None."""
+    raw = read()
+    if not raw:
+        return None
+    latest = json.loads(raw).get("latest_checkpoint_result") or {}
+    return latest.get("checkpoint_dir_name")
+
+
+def _wait_for(what: str, fn, proc: subprocess.Popen | None = None, timeout: float = 300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = fn()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode} before {what}:\n"
+                                 f"{proc.stdout.read()[-3000:] if proc.stdout else ''}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _job_status(ray_cluster, submission_id: str) -> str:
+    """The Jobs REST API with the cluster token (the `ray job status` CLI takes seconds to
+    start on a busy 2-core machine; this is one request)."""
+    token = Path(ray_cluster["client_env"]["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+    req = urllib.request.Request(f"{ray_cluster['dashboard_url']}/api/jobs/{submission_id}",
+                                 headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())["status"]
+
+
+def _driver_pids(marker: str) -> list[int]:
+    """The job's Python driver: a process running workloads.train whose arguments name
+    `marker` (this test's own tmp_path, so nobody else's process matches)."""
+    pids = []
+    for proc_dir in Path("/proc").iterdir():
+        if not proc_dir.name.isdigit():
+            continue
+        try:
+            argv = (proc_dir / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv if a]
+        if (args and Path(args[0]).name.startswith("python") and "workloads.train" in args
+                and any(marker in a for a in args)):
+            pids.append(int(proc_dir.name))
+    return pids
+
+
+# Ray streams its actors' logs to the driver's terminal, each line tagged "(Name pid=N)";
+# Ray Train's controller logs its retries there, with tracebacks. What the kit itself prints
+# is everything else: on failure, exactly one line and no traceback.
+_RAY_LOG_LINE = re.compile(r"^(\x1b\[\d+m)?\(\w+ pid=\d+")
+
+
+def _one_line_error(proc_stderr: str) -> str:
+    own = [ln for ln in proc_stderr.splitlines()
+           if ln.strip() and not _RAY_LOG_LINE.match(ln)]
+    assert len(own) == 1 and "Traceback" not in own[0], "\n".join(own)[-3000:]
+    return own[0]
+
+
+# -- fault 2: the job driver killed --------------------------------------------------------
+
+SHORT = ["--smoke-test", "--model", "tiny", "--max-steps", "60", "--checkpoint-every", "10",
+         "--log-every", "10", "--seed", "3"]
+
+
+def test_killed_job_driver_resubmitted_resumes_from_storage(ray_cluster, tmp_path):
+    """`ray job submit --no-wait`, SIGKILL the driver once a checkpoint is registered (the
+    harshest stop: no cleanup), then submit the same command again: it resumes from that
+    checkpoint and finishes; the run's history has no second start."""
+    name = "driver-killed"
+    entry = ["python", "-m", "workloads.train", *SHORT, "--name", name,
+             "--storage-path", str(tmp_path)]
+    first_id = f"rf-fault2-{uuid.uuid4().hex[:8]}"
+    run([str(BIN / "ray"), "job", "submit", "--no-wait", "--submission-id", first_id,
+         "--working-dir", ".", "--", *entry], env=ray_cluster["env"], timeout=180, check=True)
+    snapshot = tmp_path / name / "checkpoint_manager_snapshot.json"
+    registered = _wait_for("the first registered checkpoint", lambda: _latest_registered(
+        lambda: snapshot.read_bytes() if snapshot.exists() else None))
+    assert (tmp_path / name / registered / "rayfleet_checkpoint.json").exists()
+    pids = _driver_pids(str(tmp_path))
+    assert len(pids) == 1, pids
+    os.kill(pids[0], signal.SIGKILL)
+    status = _wait_for("the first job to end", lambda: (
+        s := _job_status(ray_cluster, first_id)) not in ("PENDING", "RUNNING") and s,
+        timeout=120)
+    assert status in ("FAILED", "STOPPED"), status  # it did not finish on its own
+
+    second = run([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--", *entry],
+                 env=ray_cluster["env"], timeout=400)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-4000:]
+    resumed = re.search(r"resuming from step (\d+) \((\S+)\)", out)
+    assert resumed and int(resumed.group(1)) >= 10, out[-3000:]
+    assert Path(resumed.group(2)).name >= registered  # that checkpoint or a later one
+    assert summary_of(second.stdout)["steps"] == 60
+    steps = [int(r.split(",")[0]) for r in
+             (tmp_path / name / "metrics.csv").read_text().splitlines()[1:]]
+    assert steps == list(range(10, 61, 10))  # one history: no restart from step 0
+
+
+# -- fault 4: storage fails while a checkpoint is written -------------------------------------
+
+class _S3Gate:
+    """A TCP forwarder between the kit and the moto server: S3 as the network sees it. The
+    test can cut it (every open connection reset, new ones reset on accept) after `allow`
+    more bytes of requests, so the cut lands inside a checkpoint upload."""
+
+    def __init__(self, upstream: str):
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.lock = threading.Lock()
+        self.budget: int | None = None  # request bytes still allowed; None: no limit
+        self.cut = False
+        self.conns: set[socket.socket] = set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut_after(self, nbytes: int) -> None:
+        with self.lock:
+            self.budget = nbytes
+
+    def restore(self) -> None:
+        with self.lock:
+            self.cut, self.budget = False, None
+
+    def close(self) -> None:
+        self.server.close()
+        self._reset_all()
+
+    @staticmethod
+    def _reset(s: socket.socket) -> None:
+        # SO_LINGER 0: close() sends RST, as a dead endpoint or a middlebox would.
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        except OSError:
+            pass
+
+    def _reset_all(self) -> None:
+        with self.lock:
+            conns, self.conns = list(self.conns), set()
+        for s in conns:
+            self._reset(s)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            if self.cut:
+                self._reset(client)
+                continue
+            try:
+                upstream = socket.create_connection(self.upstream, timeout=10)
+            except OSError:
+                self._reset(client)
+                continue
+            with self.lock:
+                self.conns |= {client, upstream}
+            threading.Thread(target=self._pump, args=(client, upstream, True),
+                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False),
+                             daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, request: bool) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            if request and data:
+                with self.lock:
+                    if self.budget is not None:
+                        self.budget -= len(data)
+                        self.cut = self.cut or self.budget < 0
+            if not data or self.cut:
+                if self.cut:
+                    self._reset_all()
+                else:
+                    for s in (src, dst):
+                        try:
+                            s.shutdown(socket.SHUT_RDWR)
+                        except OSError:
+                            pass
+                return
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+
+@pytest.fixture
+def s3_gate(moto_server):
+    gate = _S3Gate(moto_server)
+    yield gate
+    gate.close()
+
+
+def _listing(s3_client, bucket: str, prefix: str) -> dict[str, tuple[int, str]]:
+    pages = s3_client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return {o["Key"]: (o["Size"], o["ETag"]) for p in pages for o in p.get("Contents", [])}
+
+
+@pytest.mark.moto
+def test_storage_cut_mid_checkpoint_is_one_line_and_never_resumed_from(
+        ray_cluster, aws_env, s3_client, checkpoint_bucket, s3_gate):
+    """S3 cut (connections reset) in the middle of a checkpoint upload: after pyarrow's and
+    Ray's retries the run stops with one line naming the storage. The partial upload is never
+    the checkpoint resumed from; a damaged latest checkpoint is refused without touching
+    storage; once storage and that checkpoint are whole again, the same command resumes
+    from it and finishes."""
+    prefix = f"fault4-{uuid.uuid4().hex[:8]}"
+    name = "s3-cut"
+    run_prefix = f"{prefix}/{name}/"
+    cmd = [str(BIN / "python"), "-m", "workloads.train", *SHORT, "--max-steps", "40",
+           "--max-failures", "0", "--name", name,
+           "--storage-path", f"s3://{checkpoint_bucket}/{prefix}"]
+    env = {**ray_cluster["env"], **aws_env, "AWS_ENDPOINT_URL_S3": s3_gate.url}
+
+    def snapshot() -> bytes | None:
+        try:
+            return s3_client.get_object(Bucket=checkpoint_bucket, Key=run_prefix
+                                        + "checkpoint_manager_snapshot.json")["Body"].read()
+        except s3_client.exceptions.NoSuchKey:
+            return None
+
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        registered = _wait_for("the first registered checkpoint",
+                               lambda: _latest_registered(snapshot), proc)
+        # ~1.5 MB per checkpoint: the cut lands inside the next one's upload.
+        s3_gate.cut_after(300_000)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, out[-3000:] + err[-3000:]
+    line = _one_line_error(err)
+    assert f"storage s3://{checkpoint_bucket}/{prefix} failed during training" in line
+    assert "Re-run the same command" in line
+    assert "RAYFLEET_SUMMARY" not in out
+    assert _latest_registered(snapshot) == registered  # the cut checkpoint was not registered
+    s3_gate.restore()
+
+    keys = _listing(s3_client, checkpoint_bucket, run_prefix)
+    others = {k.split("/")[2] for k in keys if k.count("/") > 2} - {registered}
+    model_key = f"{run_prefix}{registered}/model.pt"
+    whole = s3_client.get_object(Bucket=checkpoint_bucket, Key=model_key)["Body"].read()
+    s3_client.put_object(Bucket=checkpoint_bucket, Key=model_key, Body=whole[:1000])
+    before = _listing(s3_client, checkpoint_bucket, run_prefix)
+    refused = run(cmd, env=env, timeout=180)
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    line = _one_line_error(refused.stderr)
+    assert f"s3://{checkpoint_bucket}/{model_key.rsplit('/', 1)[0]} is corrupt: model.pt is " \
+           f"1000 bytes, expected {len(whole)}" in line
+    assert _listing(s3_client, checkpoint_bucket, run_prefix) == before  # nothing touched
+
+    s3_client.put_object(Bucket=checkpoint_bucket, Key=model_key, Body=whole)
+    resumed = run(cmd, env=env, timeout=400)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    m = re.search(r"resuming from step (\d+) \((\S+)\)", resumed.stdout)
+    assert m and m.group(2).endswith(f"/{registered}"), resumed.stdout[-3000:]
+    assert not any(o in m.group(2) for o in others)  # never the partial upload
+    assert summary_of(resumed.stdout)["steps"] == 40
+
+
+# -- fault 5: a worker node of a two-node cluster lost -----------------------------------------
+
+@pytest.fixture
+def two_node_cluster(tmp_path):
+    """A head (`rayfleet local up`, 1 CPU, its own state folder and ports) plus a second
+    raylet joined with `ray start --address` (1 CPU) in its own process group, so the test
+    can SIGKILL exactly that node. Token auth on both, as on a real multi-node cluster. The
+    GCS health check is tightened (1 s x 3) so a dead node is noticed in seconds, not 15 s."""
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAYFLEET_HOME=str(home), RAY_health_check_period_ms="1000",
+               RAY_health_check_failure_threshold="3")
+    gcs = free_port()
+    up = run([str(BIN / "rayfleet"), "local", "up", "--num-cpus", "1", "--object-store-memory",
+              "300MB", "--port", str(gcs), "--dashboard-port", str(free_port())],
+             env=env, timeout=180)
+    assert up.returncode == 0, up.stderr
+    exports = run([str(BIN / "rayfleet"), "local", "env"], env=env, check=True).stdout
+    client_env = dict(ln.removeprefix("export ").split("=", 1) for ln in exports.splitlines())
+    temp_dir = tempfile.mkdtemp(prefix="rf5-", dir="/tmp")  # not /tmp/ray: others' clusters
+    worker = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--address", f"127.0.0.1:{gcs}", "--block",
+         "--num-cpus", "1", "--object-store-memory", str(200 << 20),
+         "--node-ip-address", "127.0.0.1", "--temp-dir", temp_dir, "--disable-usage-stats",
+         *[f"--{flag}={free_port()}" for flag in (
+             "node-manager-port", "object-manager-port", "metrics-export-port",
+             "runtime-env-agent-port", "dashboard-agent-grpc-port",
+             "dashboard-agent-listen-port")]],
+        env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(home / "auth_token"),
+             "PYTHONUNBUFFERED": "1"},  # its log is how the test knows it has joined
+        stdout=open(tmp_path / "worker-node.log", "wb"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    head_pid = json.loads((home / "local" / "cluster.json").read_text())["pid"]
+    try:
+        # `ray start` says so once its raylet has registered with the head's GCS.
+        _wait_for("the second node to join", lambda: b"Ray runtime started" in (
+            tmp_path / "worker-node.log").read_bytes(), worker, timeout=180)
+        yield {"env": {**env, **client_env}, "worker": worker}
+    finally:
+        # Both nodes are this test's own process groups; nothing is left to shut down
+        # gracefully (the storage is the test's tmp_path), so SIGKILL each group, then let
+        # `rayfleet local down` find the head gone and forget it.
+        for pgid in (worker.pid, head_pid):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        worker.wait(timeout=30)
+        run([str(BIN / "rayfleet"), "local", "down"], env=env, timeout=120)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_lost_worker_node_fails_naming_the_lost_capacity(two_node_cluster, tmp_path):
+    """2 workers x 1 CPU on two 1-CPU nodes: one worker per node. The second node is killed
+    after the first checkpoint. Ray Train restarts the worker group (FailureConfig), which
+    cannot be placed on what is left: instead of Train V2's default of retrying that forever,
+    the run fails in one line naming the dead node and what still fits, and the advice in
+    that line works: the same run with --num-workers 1 resumes and finishes."""
+    name = "node-lost"
+    cmd = [str(BIN / "python"), "-m", "workloads.train", *SHORT, "--name", name,
+           "--storage-path", str(tmp_path / "runs")]
+    env = {**two_node_cluster["env"], "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "8"}
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    snapshot = tmp_path / "runs" / name / "checkpoint_manager_snapshot.json"
+    try:
+        registered = _wait_for("the first registered checkpoint", lambda: _latest_registered(
+            lambda: snapshot.read_bytes() if snapshot.exists() else None), proc)
+        os.killpg(two_node_cluster["worker"].pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)  # a hang fails here
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, out[-3000:] + err[-3000:]
+    line = _one_line_error(err)
+    assert "could not be placed again" in line and "is DEAD, it had {CPU: 1}" in line, line
+    assert "the cluster now fits 1" in line and "--num-workers 1" in line, line
+    assert "RAYFLEET_SUMMARY" not in out
+
+    smaller = run([*cmd, "--num-workers", "1"], env=env, timeout=400)
+    assert smaller.returncode == 0, smaller.stdout[-3000:] + smaller.stderr[-3000:]
+    m = re.search(r"resuming from step (\d+) \((\S+)\)", smaller.stdout)
+    assert m and int(m.group(1)) >= 10 and Path(m.group(2)).name >= registered
+    assert summary_of(smaller.stdout)["steps"] == 60
