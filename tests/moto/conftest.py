@@ -1,8 +1,18 @@
-"""In-process moto (``mock_aws``), one resource per fixture, chained (DESIGN convention 7)."""
+"""moto fixtures, one resource per fixture, chained (DESIGN convention 7).
+
+- ``moto_account`` / ``infra_stack`` (tests/moto/pulumi_moto.py): a fresh account on the
+  session's moto server, and the example stack built in it by the Pulumi program itself. The
+  launch chain (test_chain.py) and the interrupted-launch fault use these.
+- ``aws`` / ``ec2`` / ``stack`` / ``rendered``: in-process ``mock_aws`` and a boto3-built copy
+  of the stack, for the many small preflight and sweep cases that each need a fresh account
+  in milliseconds rather than a program run (a few seconds).
+"""
 
 from __future__ import annotations
 
 import pytest
+
+from .pulumi_moto import infra_stack, moto_account  # noqa: F401 (fixtures)
 
 REGION = "us-east-1"
 
@@ -58,7 +68,11 @@ def ami(ec2) -> str:
 def stack(ec2, ami, tmp_path):
     """The example stack's resources in moto (VPC, private subnets in three AZs, cluster + EFA
     groups, profiles, launch templates as infra/ makes them, bucket, key pair) and its
-    ``rayfleet`` outputs with the real moto ids, written to outputs.json."""
+    ``rayfleet`` outputs with the real moto ids, written to outputs.json.
+
+    Hand-written, so it can drift from infra/: the preflight tests use it because they need
+    a fresh stack per case cheaply. ``infra_stack`` is the one built by the program, and
+    test_chain.py checks that `rayfleet preflight` passes on it too."""
     import json
     from pathlib import Path
 

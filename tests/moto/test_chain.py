@@ -1,75 +1,138 @@
-"""The chain on moto: the example stack's resources -> `rayfleet render` -> Ray's own AWS
-bootstrap and node provider launch the head and a worker from the rendered YAML -> Ray created
-no security group, role or key pair -> `ray down`'s leftovers -> `rayfleet sweep` -> empty."""
+"""The chain on moto, from the Pulumi program itself: infra/ builds the example stack in moto
+(tests/moto/pulumi_moto.py) -> its stack output -> `rayfleet render` -> `rayfleet preflight`
+passes -> Ray's own AWS bootstrap and node provider launch a head and both A100 worker types
+from the rendered YAML -> every node sits where the stack says, with IMDSv2 and encrypted
+roots, and Ray created no security group, role or key pair -> `rayfleet sweep --delete`
+leaves nothing tagged, and the stack's own resources stay for `pulumi destroy`."""
 
 from __future__ import annotations
 
 import copy
 
 import pytest
-import yaml
 
 from rayfleet import cli, sweep
 
+from .pulumi_moto import account_inventory, cluster_instances, ray_launch_config
+
 pytestmark = pytest.mark.moto
 
+def _tags(resource: dict) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in resource.get("Tags") or []}
 
-def test_render_launch_sweep(stack, rendered, ec2, capsys):
-    import boto3
-    from ray.autoscaler._private.aws.config import bootstrap_aws
+
+NODE_TYPES = {  # Ray node type -> (stack launch template, instance profile)
+    "ray.head.default": ("head", "head"),
+    "ray.worker.a100.ondemand": ("worker_ondemand", "worker"),
+    "ray.worker.a100.spot": ("worker_spot", "worker"),
+}
+
+
+def test_infra_stack_renders_launches_and_sweeps_clean(infra_stack, moto_account, tmp_path,
+                                                       capsys):
     from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
-    from ray.autoscaler._private.util import prepare_config
     from ray.autoscaler.tags import TAG_RAY_NODE_KIND, TAG_RAY_USER_NODE_TYPE
 
-    o = stack["outputs"]
-    iam = boto3.client("iam")
-    before = {
-        "sgs": {g["GroupId"] for g in ec2.describe_security_groups()["SecurityGroups"]},
-        "keys": {k["KeyName"] for k in ec2.describe_key_pairs()["KeyPairs"]},
-        "roles": {r["RoleName"] for r in iam.list_roles()["Roles"]},
-        "profiles": {p["InstanceProfileName"]
-                     for p in iam.list_instance_profiles()["InstanceProfiles"]},
-    }
-    cfg = bootstrap_aws(prepare_config(yaml.safe_load(rendered.read_text())))
+    o = infra_stack.outputs
+    c = o["cluster_name"]
+    ec2 = moto_account.client("ec2")
+    # Every id the program exported is moto's own, not a mock's invention.
+    assert {s["SubnetId"] for s in ec2.describe_subnets(
+        SubnetIds=o["private_subnet_ids"])["Subnets"]} == set(o["private_subnet_ids"])
+    created = infra_stack.mocks.created
+    assert {lt["id"] for lt in o["launch_templates"].values()} == {
+        rid for typ, _, rid in created if typ == "aws:ec2/launchTemplate:LaunchTemplate"}
+    # What the program asked for but moto could not hold is exactly what pulumi_moto.py
+    # documents as placeholders; everything else exists in moto.
+    assert {typ for typ, _ in infra_stack.mocks.placeholders if typ.startswith("aws:")} == {
+        "aws:ec2/placementGroup:PlacementGroup", "aws:s3/bucketPolicy:BucketPolicy",
+        "aws:iam/rolePolicyAttachment:RolePolicyAttachment"}
+
+    rendered = tmp_path / "cluster.yaml"
+    assert cli.main(["render", str(infra_stack.path), "--out", str(rendered),
+                     "--token-file", str(tmp_path / "token")]) == 0
+    assert cli.main(["preflight", str(rendered), "--num-gpus", "8"]) == 0, \
+        capsys.readouterr().out
+
+    before = account_inventory(moto_account)
+    cfg = ray_launch_config(rendered)
     provider = AWSNodeProvider(cfg["provider"], cfg["cluster_name"])
-    for node_type, kind in (("ray.head.default", "head"), ("ray.worker.a100.ondemand",
-                                                           "worker")):
+    for node_type in NODE_TYPES:
+        kind = "head" if node_type == cfg["head_node_type"] else "worker"
         provider.create_node(copy.deepcopy(cfg["available_node_types"][node_type]["node_config"]),
                              {TAG_RAY_NODE_KIND: kind, TAG_RAY_USER_NODE_TYPE: node_type}, 1)
 
-    # Ray created nothing of its permissive defaults.
-    assert {g["GroupId"] for g in ec2.describe_security_groups()["SecurityGroups"]} == \
-        before["sgs"]
-    assert {k["KeyName"] for k in ec2.describe_key_pairs()["KeyPairs"]} == before["keys"]
-    assert {r["RoleName"] for r in iam.list_roles()["Roles"]} == before["roles"]
-    assert {p["InstanceProfileName"]
-            for p in iam.list_instance_profiles()["InstanceProfiles"]} == before["profiles"]
+    # Ray created none of its permissive defaults (rule 3): no ray-autoscaler-* group with SSH
+    # from the world, no ray-autoscaler-v1 role with EC2/S3 full access, no key pair.
+    assert account_inventory(moto_account) == before
 
-    instances = [i for r in ec2.describe_instances(Filters=[
-        {"Name": "tag:ray-cluster-name", "Values": [o["cluster_name"]]}])["Reservations"]
-        for i in r["Instances"]]
-    assert len(instances) == 2
-    profiles = {o["instance_profiles"][k]["arn"] for k in ("head", "worker")}
-    for i in instances:
-        assert i["SubnetId"] in o["private_subnet_ids"]
-        assert "PublicIpAddress" not in i or not i["PublicIpAddress"]
-        groups = {g["GroupId"] for g in i["SecurityGroups"]} | {
-            g["GroupId"] for n in i.get("NetworkInterfaces", []) for g in n.get("Groups", [])}
-        assert o["cluster_security_group_id"] in groups, (i["InstanceType"], i)
-        assert i["IamInstanceProfile"]["Arn"] in profiles
-        assert i["ImageId"] == o["ami_id"]
-        assert i["KeyName"] == f"{o['cluster_name']}-operator"
+    instances = {_tags(i)[TAG_RAY_USER_NODE_TYPE]: i for i in cluster_instances(ec2, c)}
+    assert set(instances) == set(NODE_TYPES)
+    public_subnets = {s["SubnetId"] for s in ec2.describe_subnets(Filters=[
+        {"Name": "tag:rayfleet:tier", "Values": ["public"]}])["Subnets"]}
+    for node_type, i in instances.items():
+        lt_key, profile = NODE_TYPES[node_type]
+        lt = o["launch_templates"][lt_key]
+        tags = _tags(i)
+        where = f"{node_type} {i['InstanceId']}"
+        # Private subnets only, no public address (rule 7).
+        assert i["SubnetId"] in o["private_subnet_ids"], where
+        assert i["SubnetId"] not in public_subnets, where
+        assert not i.get("PublicIpAddress"), where
+        assert not any(n.get("Association", {}).get("PublicIp")
+                       for n in i["NetworkInterfaces"]), where
+        # Launched from the stack's own template, image and key pair, tagged for the sweep.
+        assert tags["aws:ec2launchtemplate:id"] == lt["id"], where
+        assert tags["ray-cluster-name"] == c, where
+        assert i["ImageId"] == o["ami_id"] == infra_stack.ami_id, where
+        assert i["KeyName"] == infra_stack.key_name, where
+        assert i["IamInstanceProfile"]["Arn"] == o["instance_profiles"][profile]["arn"], where
+        groups = {g["GroupId"] for n in i["NetworkInterfaces"] for g in n["Groups"]}
+        assert o["cluster_security_group_id"] in groups, where
+        version = ec2.describe_launch_template_versions(
+            LaunchTemplateId=lt["id"], Versions=[tags["aws:ec2launchtemplate:version"]],
+        )["LaunchTemplateVersions"][0]["LaunchTemplateData"]
+        if profile == "worker":
+            # Every interface in the cluster and EFA groups. moto keys interfaces by DeviceIndex
+            # and reports InterfaceType "interface", so a p4d's four EFAs (cards 0-3, device
+            # indexes 0, 1, 1, 1) show as two plain ones: count and type are checked on the
+            # template version the worker was launched from.
+            nics = i["NetworkInterfaces"]
+            assert nics and all({g["GroupId"] for g in n["Groups"]} == {
+                o["cluster_security_group_id"], o["efa_security_group_id"]} for n in nics), where
+            efas = version["NetworkInterfaces"]
+            assert len(efas) == o["node_types"][lt_key]["efa_interfaces"], where
+            assert all(n["InterfaceType"] == "efa" for n in efas), where
+            assert i["Placement"]["AvailabilityZone"] == o["worker_availability_zone"], where
+            assert (i.get("InstanceLifecycle") == "spot") == (lt_key == "worker_spot"), where
+        # IMDSv2 required, hop limit from the stack (rule 9). On the instance, moto shows what
+        # the RunInstances call asked for: Ray's bootstrap copies the template's data, IMDS
+        # options included, into every launch. moto itself does not apply a launch template's
+        # MetadataOptions, so the template version the instance came from is checked too.
+        assert i["MetadataOptions"]["HttpEndpoint"] == "enabled", where
+        assert i["MetadataOptions"]["HttpTokens"] == "required", where
+        assert i["MetadataOptions"]["HttpPutResponseHopLimit"] == o["imds_hop_limit"], where
+        assert version["MetadataOptions"]["HttpTokens"] == "required", where
+        # Encrypted gp3 roots (rule 10).
+        volumes = ec2.describe_volumes(VolumeIds=[
+            b["Ebs"]["VolumeId"] for b in i["BlockDeviceMappings"]])["Volumes"]
+        assert volumes and all(v["Encrypted"] and v["VolumeType"] == "gp3"
+                               for v in volumes), (where, volumes)
 
-    # `ray down` with cache_stopped_nodes: false terminates; simulate an interrupted one that
-    # left the worker stopped, plus an orphaned volume.
-    worker = next(i["InstanceId"] for i in instances if i["InstanceType"] == "p4d.24xlarge")
+    # `ray down` with cache_stopped_nodes: false terminates; an interrupted one can leave a
+    # stopped worker behind (its EBS still bills) and an orphaned volume.
+    worker = instances["ray.worker.a100.ondemand"]["InstanceId"]
     ec2.stop_instances(InstanceIds=[worker])
-    ec2.create_volume(AvailabilityZone=o["availability_zones"][0], Size=500, TagSpecifications=[
-        {"ResourceType": "volume", "Tags": [{"Key": "ray-cluster-name",
-                                             "Value": o["cluster_name"]}]}])
-    assert cli.main(["sweep", "--cluster-name", o["cluster_name"], "--region", o["region"],
-                     "--delete"]) == 0
-    assert sweep.find(ec2, o["cluster_name"]) == []
+    ec2.create_volume(AvailabilityZone=o["worker_availability_zone"], Size=500,
+                      TagSpecifications=[{"ResourceType": "volume", "Tags": [
+                          {"Key": "ray-cluster-name", "Value": c}]}])
+    capsys.readouterr()
+    assert cli.main(["sweep", "--cluster-name", c, "--region", o["region"], "--delete"]) == 0
+    assert sweep.find(ec2, c) == []
+    assert cli.main(["sweep", "--cluster-name", c, "--region", o["region"]]) == 0
+    assert f"nothing tagged ray-cluster-name={c} is left" in capsys.readouterr().out
     # The stack's own resources stay for `pulumi destroy`.
-    assert o["cluster_security_group_id"] in {
+    assert {o["cluster_security_group_id"], o["efa_security_group_id"]} <= {
         g["GroupId"] for g in ec2.describe_security_groups()["SecurityGroups"]}
+    assert len(ec2.describe_launch_templates(LaunchTemplateIds=[
+        lt["id"] for lt in o["launch_templates"].values()])["LaunchTemplates"]) == 3
