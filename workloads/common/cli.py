@@ -13,7 +13,8 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line and exit 2 (argparse would print usage too)."""
 
     def error(self, message: str):
-        raise RayfleetError(f"{self.prog}: {message}")
+        # run_main already prefixes "<prog>: error:"; repeating the prog here doubled it.
+        raise RayfleetError(message)
 
 
 def run_main(fn: Callable[[list[str] | None], int], argv: list[str] | None, prog: str) -> int:

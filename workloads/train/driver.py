@@ -15,10 +15,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 
-from rayfleet.errors import CheckpointError, ClusterError, ConfigError, RayfleetError
+from rayfleet.errors import (
+    CheckpointError,
+    ClusterError,
+    ConfigError,
+    RayfleetError,
+    StorageError,
+)
 from workloads.common.cli import ArgumentParser, parse_env_pairs, run_main
 from workloads.train.loop import STRATEGIES, LoopConfig
 from workloads.train.model import PRESETS, GPTConfig
@@ -28,6 +35,9 @@ PROG = "workloads.train"
 GPU_MEMORY_GIB = {"A100": 40, "A100-40G": 40, "A100-80G": 80, "H100": 80, "H200": 141,
                   "A10G": 24, "L4": 24, "T4": 16}
 
+
+# Run names become a folder under --storage-path (and Ray Train's experiment name).
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 DEFAULTS = {"model": "small", "batch_size": 16, "max_steps": 200, "checkpoint_every": 50,
             "log_every": 10, "corpus_bytes": 4 << 20, "lr": 1e-3}
@@ -103,8 +113,26 @@ def validate_args(args) -> GPTConfig:
             raise ConfigError(f"--{flag.replace('_', '-')}", "must be at least 1")
     if args.max_failures < -1:
         raise ConfigError("--max-failures", "must be -1 (retry forever) or more")
-    if args.cpus_per_worker <= 0:
-        raise ConfigError("--cpus-per-worker", "must be more than 0")
+    # `not x > 0` rather than `x <= 0`: argparse's float() accepts "nan", which fails every
+    # comparison and would otherwise reach the workers as a NaN learning rate.
+    if not 0 < args.cpus_per_worker < math.inf:
+        raise ConfigError("--cpus-per-worker", f"must be more than 0, got {args.cpus_per_worker}")
+    if not 0 < args.lr < math.inf:
+        raise ConfigError("--lr", f"must be a positive finite number, got {args.lr}; the "
+                                  f"default is {defaults['lr']:g}")
+    if args.gpu_memory_gib is not None and not 0 < args.gpu_memory_gib < math.inf:
+        raise ConfigError("--gpu-memory-gib", f"must be more than 0, got {args.gpu_memory_gib}")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise ConfigError("--warmup-steps", f"must be 0 or more, got {args.warmup_steps}")
+    if args.seed < 0:
+        # numpy's seed() refuses negatives, on every worker, after the cluster is booked.
+        raise ConfigError("--seed", f"must be 0 or more, got {args.seed}")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ConfigError("--seq-len", f"must be at least 1, got {args.seq_len}")
+    if args.name is not None and not RUN_NAME.fullmatch(args.name):
+        # The name is a folder under --storage-path; "../x" or "a/b" would write outside it.
+        raise ConfigError("--name", f"{args.name!r} must be letters, digits, - _ . (no "
+                                    "slashes), starting with a letter or digit")
     if args.resources_per_worker:
         try:
             extra = json.loads(args.resources_per_worker)
@@ -116,7 +144,55 @@ def validate_args(args) -> GPTConfig:
     model = PRESETS[args.model]
     if args.seq_len:
         model = GPTConfig.from_dict({**model.to_dict(), "seq_len": args.seq_len})
+    if args.dataset is None:
+        # The built-in corpus is cut into seq_len+1 windows and split over the workers; with
+        # fewer windows than one batch per worker every rank fails its first epoch, and
+        # FailureConfig would restart the group --max-failures times before giving up.
+        windows = max(0, (args.corpus_bytes - 1) // model.seq_len)
+        need = args.batch_size * args.num_workers
+        if windows < need:
+            raise ConfigError("--corpus-bytes", f"{args.corpus_bytes} bytes make {windows} "
+                                                f"sequences of {model.seq_len + 1} tokens, fewer "
+                                                f"than one batch ({args.batch_size}) per worker "
+                                                f"({args.num_workers}); use at least "
+                                                f"{need * model.seq_len + 1}")
     return model
+
+
+def check_dataset(spec: str | None) -> None:
+    """--dataset checked before Ray starts: a local folder must exist and hold Parquet with a
+    'tokens' column (an s3:// one is checked when Ray Data reads it). Reads footers only."""
+    if spec is None or spec == "stdlib":
+        return
+    if spec.startswith("s3://"):
+        bucket = spec[len("s3://"):].split("/", 1)[0]
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket) or ".." in bucket:
+            raise StorageError(f"--dataset {spec}: {bucket!r} is not a valid S3 bucket name "
+                               "(3-63 lowercase letters, digits, dots, hyphens)")
+        return
+    from pathlib import Path
+
+    root = Path(spec.removeprefix("file://")).expanduser()
+    if not root.exists():
+        raise ConfigError("--dataset", f"{spec} does not exist; give 'stdlib' or the --output "
+                                       "folder of workloads.data")
+    files = [root] if root.is_file() else sorted(
+        p for p in root.rglob("*.parquet")
+        if not any(part.startswith((".", "_")) for part in p.relative_to(root).parts))
+    if not files:
+        raise ConfigError("--dataset", f"{spec} holds no .parquet files; produce them with "
+                                       "python -m workloads.data --output " + spec)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(files[0]).names
+    except (OSError, pa.ArrowException) as e:
+        raise ConfigError("--dataset", f"{files[0]} is not a readable Parquet file "
+                                       f"({str(e).splitlines()[0][:120]})") from None
+    if "tokens" not in names:
+        raise ConfigError("--dataset", f"{files[0]} has no 'tokens' column (columns: "
+                                       f"{', '.join(names)}); produce it with workloads.data")
 
 
 def worker_bundle(args) -> dict[str, float]:
@@ -244,18 +320,23 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     model = validate_args(args)
     env_vars = parse_env_pairs(args.env)
+    check_dataset(args.dataset)
     from workloads.common import storage as st
+    from workloads.train import runinfo
 
     storage = st.resolve(args.storage_path, endpoint=args.s3_endpoint)
     name = args.name or (f"smoke-{args.strategy}" if args.smoke_test
                          else f"gpt-{args.model}-{args.strategy}")
+    # A corrupt latest checkpoint stops the run here, before Ray is started, before any
+    # worker starts and before anything in storage is overwritten.
+    runinfo.check_latest_checkpoint(storage, name, args.strategy)
 
     # Imported late: `--help` and bad flags answer without paying for Ray.
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from workloads.train import failures, runinfo
+    from workloads.train import failures
 
     # Train V2 propagates these from the driver to its controller and workers: poll the
     # workers' result queues every second (default 2 s stalls short runs at each report),
@@ -268,9 +349,6 @@ def _main(argv: list[str] | None) -> int:
     warning = check_memory(model, args, nodes)
     if warning:
         print(f"[rayfleet] {warning}", flush=True)
-    # A corrupt latest checkpoint stops the run here, before any worker starts and before
-    # anything in storage is overwritten.
-    runinfo.check_latest_checkpoint(storage, name, args.strategy)
 
     world = args.num_workers
     lr = args.lr * world  # linear LR scaling (Goyal et al. 2017)
