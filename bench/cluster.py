@@ -14,11 +14,12 @@ BIN = Path(sys.executable).parent
 
 
 @contextlib.contextmanager
-def local_cluster(num_cpus: int = 4):
+def local_cluster(num_cpus: int = 4, extra_env: dict | None = None):
+    """extra_env reaches `ray start` and so every Ray process (e.g. RAY_SERVE_* settings)."""
     from rayfleet.local import free_port
 
     with tempfile.TemporaryDirectory(prefix="rayfleet-bench-") as home:
-        env = {**os.environ, "RAYFLEET_HOME": home}
+        env = {**os.environ, **(extra_env or {}), "RAYFLEET_HOME": home}
         subprocess.run([str(BIN / "rayfleet"), "local", "up", "--num-cpus", str(num_cpus),
                         "--object-store-memory", "1GB", "--port", str(free_port()),
                         "--dashboard-port", str(free_port())], env=env, check=True,
@@ -32,3 +33,14 @@ def local_cluster(num_cpus: int = 4):
         finally:
             subprocess.run([str(BIN / "rayfleet"), "local", "down"], env=env,
                            capture_output=True)
+
+
+@contextlib.contextmanager
+def cluster_env(env: dict | None, num_cpus: int = 4):
+    """The caller's cluster environment when given (`make bench` runs every benchmark on one
+    cluster: one start-up instead of three), else a throwaway cluster for this benchmark."""
+    if env is not None:
+        yield env
+        return
+    with local_cluster(num_cpus) as fresh:
+        yield fresh

@@ -1,7 +1,8 @@
 """Ray Train overhead: the same per-worker loop, model, data and seed under TorchTrainer and
 under torchrun (2 workers, gloo on CPU), side by side in one run, interleaved A B A B so
 machine noise hits both. Prints the steady-state step-time ratio (median over logged
-intervals after warm-up) and the wall-clock ratio including start-up.
+intervals after warm-up), the time from launch until the first logged step (cold start +
+10 steps) and the wall-clock ratio including start-up and the final checkpoint.
 
     python -m bench.train_overhead [--steps 200] [--rounds 2]
 """
@@ -20,6 +21,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+LOG_EVERY = 10
+FIRST_STEP = f"[rayfleet] step {LOG_EVERY}/"  # rank 0's line for the first logged interval
 
 
 def _summary(stdout: str) -> dict:
@@ -29,48 +32,66 @@ def _summary(stdout: str) -> dict:
 
 def loop_args(steps: int) -> list[str]:
     return ["--model", "small", "--batch-size", "16", "--max-steps", str(steps),
-            "--checkpoint-every", str(steps), "--log-every", "10", "--corpus-bytes",
+            "--checkpoint-every", str(steps), "--log-every", str(LOG_EVERY), "--corpus-bytes",
             str(1 << 20), "--seed", "0"]
 
 
-def run_torchrun(steps: int, out: Path) -> tuple[list[float], float]:
+def _timed_run(cmd: list[str], env: dict) -> tuple[str, float, float | None]:
+    """Run cmd; return (output, wall seconds, seconds from launch until the first logged
+    step's line appears: cold start plus the first --log-every steps, as a user sees it)."""
     t0 = time.perf_counter()
-    proc = subprocess.run([str(BIN / "torchrun"), "--nproc-per-node=2", "-m",
-                           "workloads.train.torchrun", *loop_args(steps), "--output", str(out)],
-                          capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
+    first = None
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        if first is None and FIRST_STEP in line:
+            first = time.perf_counter() - t0
+        lines.append(line)
+    proc.wait()
     wall = time.perf_counter() - t0
-    return [h["step_time_s"] for h in _summary(proc.stdout)["history"]], wall
+    out = "".join(lines)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:4]} exited {proc.returncode}:\n{out[-3000:]}")
+    return out, wall, first
 
 
-def run_ray(steps: int, storage: Path, env: dict, name: str) -> tuple[list[float], float]:
-    t0 = time.perf_counter()
-    subprocess.run([str(BIN / "python"), "-m", "workloads.train", *loop_args(steps),
-                    "--num-workers", "2", "--storage-path", str(storage), "--name", name],
-                   capture_output=True, text=True, cwd=REPO, env=env, check=True)
-    wall = time.perf_counter() - t0
+def run_torchrun(steps: int, out: Path) -> tuple[list[float], float, float | None]:
+    stdout, wall, first = _timed_run(
+        [str(BIN / "torchrun"), "--nproc-per-node=2", "-m", "workloads.train.torchrun",
+         *loop_args(steps), "--output", str(out)], {**os.environ, "OMP_NUM_THREADS": "1"})
+    return [h["step_time_s"] for h in _summary(stdout)["history"]], wall, first
+
+
+def run_ray(steps: int, storage: Path, env: dict, name: str
+            ) -> tuple[list[float], float, float | None]:
+    _, wall, first = _timed_run(
+        [str(BIN / "python"), "-m", "workloads.train", *loop_args(steps), "--num-workers", "2",
+         "--storage-path", str(storage), "--name", name], env)
     from workloads.train.checkpoint import read_history
 
     history = read_history((storage / name / "metrics.csv").read_text())
-    return [h["step_time_s"] for h in history], wall
+    return [h["step_time_s"] for h in history], wall, first
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="bench.train_overhead")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
-    from bench.cluster import local_cluster
+    from bench.cluster import cluster_env
 
-    results = {"ray": {"step": [], "wall": []}, "torchrun": {"step": [], "wall": []}}
-    with local_cluster() as env, tempfile.TemporaryDirectory() as tmp:
+    results = {side: {"step": [], "wall": [], "first": []} for side in ("ray", "torchrun")}
+    with cluster_env(env) as env, tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            steps, wall = run_ray(args.steps, Path(tmp), env, f"bench-{r}")
-            results["ray"]["step"] += steps[1:]  # first interval holds warm-up
-            results["ray"]["wall"].append(wall)
-            steps, wall = run_torchrun(args.steps, Path(tmp) / f"torchrun-{r}")
-            results["torchrun"]["step"] += steps[1:]
-            results["torchrun"]["wall"].append(wall)
+            for side in ("ray", "torchrun"):
+                steps, wall, first = (run_ray(args.steps, Path(tmp), env, f"bench-{r}")
+                                      if side == "ray" else
+                                      run_torchrun(args.steps, Path(tmp) / f"torchrun-{r}"))
+                results[side]["step"] += steps[1:]  # the first interval holds warm-up
+                results[side]["wall"].append(wall)
+                if first is not None:
+                    results[side]["first"].append(first)
     ray_step = statistics.median(results["ray"]["step"])
     tr_step = statistics.median(results["torchrun"]["step"])
     out = {
@@ -81,6 +102,12 @@ def main(argv: list[str] | None = None) -> dict:
         "torchrun_wall_s": round(statistics.median(results["torchrun"]["wall"]), 1),
     }
     out["wall_ratio"] = round(out["ray_wall_s"] / out["torchrun_wall_s"], 2)
+    for side in ("ray", "torchrun"):
+        firsts = results[side]["first"]
+        out[f"{side}_first_s"] = round(statistics.median(firsts), 1) if firsts else None
+    if out["ray_first_s"] and out["torchrun_first_s"]:
+        out["first_ratio"] = round(out["ray_first_s"] / out["torchrun_first_s"], 2)
+    out["load_avg"] = round(os.getloadavg()[0], 1)
     print(json.dumps(out))
     return out
 

@@ -360,7 +360,11 @@ def _main(argv: list[str] | None) -> int:
         max_steps=args.max_steps, checkpoint_every=args.checkpoint_every,
         log_every=args.log_every, corpus_bytes=args.corpus_bytes, seed=args.seed,
         use_ray_dataset=args.dataset is not None,
-        num_workers=0 if args.smoke_test else 1)
+        # A DataLoader worker process only where the accelerator leaves host cores free
+        # (GPU). On CPU it competes with the training processes for the same cores, and
+        # each batch costs a socket round-trip to receive the worker's shared-memory fds
+        # (bench/: ~3% of every step on 2 cores, and torchrun's loop does not pay it).
+        num_workers=1 if args.use_gpu and not args.smoke_test else 0)
     global_batch = args.batch_size * args.grad_accum * world
     print(f"[rayfleet] run {name}: {model.num_params() / 1e6:.2f}M params, strategy "
           f"{args.strategy}, {world} workers x {_fmt(worker_bundle(args))}, global batch "

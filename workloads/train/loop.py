@@ -254,6 +254,26 @@ def _batches(loader, epoch: int, skip: int) -> Iterator:
             yield batch
 
 
+class _WaitTimer:
+    """Seconds the loop spends blocked on `next()` of its batch iterator: the data-wait share
+    of step time (how far preprocessing, e.g. a streaming Ray Data shard, falls behind)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, batches) -> Iterator:
+        it = iter(batches)
+        while True:
+            t = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                self.seconds += time.perf_counter() - t
+                return
+            self.seconds += time.perf_counter() - t
+            yield batch
+
+
 def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
     """Train to cfg.max_steps, resuming from ctx's latest checkpoint. Returns final metrics."""
     torch.manual_seed(cfg.seed)  # same init on every rank; DDP broadcasts rank 0's anyway
@@ -272,6 +292,10 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
             step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
             history = ckpt.read_history((d / "metrics.csv").read_text()) \
                 if (d / "metrics.csv").exists() else []
+            for h in history:
+                # Checkpoints from before the data-wait metric: unknown, not zero (and the
+                # CSV writer needs every row to carry the same columns).
+                h.setdefault("data_wait_frac", float("nan"))
             if ctx.rank == 0:
                 print(f"[rayfleet] resumed from step {marker['step']} ({d.name})", flush=True)
 
@@ -296,6 +320,7 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
     peak = peak_flops(ctx.device)
     engine.model.train()
     t_last, steps_since, losses = time.perf_counter(), 0, []
+    wait = _WaitTimer()
     metrics: dict = dict(history[-1]) if history else {}
     done = step >= cfg.max_steps
     if done and ctx.rank == 0:
@@ -303,7 +328,7 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
               flush=True)
     while not done:
         micro, seen = 0, 0
-        for batch in epoch_batches(epoch, batch_in_epoch):
+        for batch in wait.wrap(epoch_batches(epoch, batch_in_epoch)):
             batch_in_epoch += 1
             seen += 1
             x, y = (t.to(ctx.device, non_blocking=True) for t in split_batch(batch))
@@ -322,7 +347,8 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
             if step % cfg.log_every == 0 or save:
                 if ctx.device.type == "cuda":
                     torch.cuda.synchronize()
-                dt = (time.perf_counter() - t_last) / steps_since
+                elapsed = time.perf_counter() - t_last
+                dt = elapsed / steps_since
                 loss = torch.stack(losses).mean()
                 if dist.is_available() and dist.is_initialized():
                     dist.all_reduce(loss, op=dist.ReduceOp.SUM)
@@ -331,6 +357,7 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
                 metrics = {"step": step, "epoch": epoch, "loss": round(loss.item(), 5),
                            "lr": lr_at(step - 1, cfg), "step_time_s": round(dt, 5),
                            "tokens_per_s": round(tps, 1),
+                           "data_wait_frac": round(min(1.0, wait.seconds / elapsed), 5),
                            "mfu": round(flops_per_token * tps / (peak * ctx.world_size), 4)
                            if peak else 0.0}
                 history.append(metrics)
@@ -361,6 +388,7 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
             if step % cfg.log_every == 0 or save:
                 # Step time and tokens/s measure training only; checkpoint time is not in them.
                 t_last, steps_since = time.perf_counter(), 0
+                wait.seconds = 0.0
             if is_final:
                 done = True
                 break

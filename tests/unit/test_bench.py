@@ -1,0 +1,94 @@
+"""The benchmark modules import, and the arithmetic behind the ratios BENCHMARKS.md prints is
+right. No timings are asserted (DESIGN convention 10): these check the bookkeeping only."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bench import __main__ as bench_main
+from bench import data_throughput, serve_latency, train_overhead
+
+
+def test_percentile_is_nearest_rank():
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert serve_latency.percentile(values, 50) == 50.0
+    assert serve_latency.percentile(values, 99) == 99.0
+    assert serve_latency.percentile(values, 100) == 100.0
+    assert serve_latency.percentile([7.0], 99) == 7.0
+    assert serve_latency.percentile([3.0, 1.0, 2.0], 50) == 2.0  # unsorted input
+
+
+def test_cell_stats_and_serve_comparison():
+    cell = serve_latency.cell_stats([0.010] * 99 + [0.200], wall_s=2.0)
+    assert cell == {"n": 100, "p50_ms": 10.0, "p99_ms": 10.0, "rps": 50.0}
+
+    def r(p50, rps):
+        return {"p50_ms": p50, "p99_ms": p50, "rps": rps, "n": 10}
+
+    results = {"serve": {"on": {16: r(30.0, 90.0)}, "off": {16: r(12.5, 30.0), 1: r(9.0, 100)}},
+               "bare": {"on": {16: r(28.0, 120.0)}, "off": {16: r(10.0, 60.0), 1: r(8.0, 120)}}}
+    out = serve_latency.compare(results)
+    assert out["overhead_p50_ms"] == {"on/c16": 2.0, "off/c1": 1.0, "off/c16": 2.5}
+    assert out["batching_gain_c16"] == {"serve": 3.0, "bare": 2.0}
+
+
+def test_data_summary_ratios_and_wait_share():
+    s = data_throughput.summarize(one_s=6.0, ray_s=2.0, tokens=3 * 2**20,
+                                  waits=[0.5, 0.01, 0.03, 0.02])
+    assert s["speedup"] == 3.0
+    assert s["one_process_mb_s"] == 0.5 and s["ray_data_mb_s"] == 1.5
+    # The first interval (stream start-up) is reported apart from the steady state.
+    assert s["data_wait_first_pct"] == 50.0
+    assert s["data_wait_median_pct"] == 2.0 and s["data_wait_max_pct"] == 3.0
+
+
+def test_output_check_accepts_regrouped_packing_and_catches_a_changed_token(tmp_path):
+    paths = data_throughput.make_corpus(tmp_path, megabytes=0.05, files=2)
+    args = data_throughput.pipeline_args(["--seq-len", "16", "--pack-rows", "8"])
+    rows, starts, stream = data_throughput.one_process(paths, args)
+    assert data_throughput.check_same_stream(rows, stream, starts) is None
+    # Ray Data groups documents differently (block sizes): pack the same stream in groups
+    # of 5 documents instead of 8; still the same data.
+    from workloads.data.pipeline import make_packer
+
+    pack, ends = make_packer(16), starts[1:] + [len(stream)]
+    regrouped = np.concatenate([pack({"ids": [stream[starts[j]:ends[j]]
+                                              for j in range(i, min(i + 5, len(starts)))]})
+                                ["tokens"] for i in range(0, len(starts), 5)])
+    assert data_throughput.check_same_stream(regrouped, stream, starts) is None
+    broken = regrouped.copy()
+    broken[len(broken) // 2, 3] ^= 1
+    problem = data_throughput.check_same_stream(broken, stream, starts)
+    assert problem is not None and f"row {len(broken) // 2}" in problem
+
+
+def test_benchmarks_md_renders_goals_from_the_numbers():
+    t = {"steps": 150, "rounds": 2, "ray_step_ms": 102.0, "torchrun_step_ms": 100.0,
+         "step_ratio": 1.02, "ray_wall_s": 40.0, "torchrun_wall_s": 20.0, "wall_ratio": 2.0,
+         "ray_first_s": 15.0, "torchrun_first_s": 5.0, "first_ratio": 3.0, "load_avg": 1.0}
+    d = {"corpus_mb": 24, "docs": 10, "tokens": 1000, "rows_ray": 7, "rows_one_process": 8,
+         "one_process_s": 1.0, "ray_data_s": 2.0, "ray_data_first_s": 9.0,
+         "one_process_mb_s": 1, "ray_data_mb_s": 0.5,
+         "speedup": 0.5, "train_steps": 60, "train_step_ms": 99.0, "data_wait_median_pct": 0.5,
+         "data_wait_max_pct": 1.0, "data_wait_first_pct": 80.0, "load_avg": 1.0}
+    cell = {"p50_ms": 10.0, "p99_ms": 20.0, "rps": 50.0, "n": 20}
+    s = {"results": {side: {b: {1: cell, 16: cell} for b in ("on", "off")}
+                     for side in ("serve", "bare")},
+         "overhead_p50_ms": {"off/c1": 3.5}, "batching_gain_c16": {"serve": 3.2, "bare": 3.0},
+         "ttft_ms": {side: {"on": 55.0, "off": 5.0} for side in ("serve", "bare")},
+         "mean_batch_on": {"serve": 7.5, "bare": 8.0}, "rounds": 2, "max_tokens": 8,
+         "load_avg": 1.0}
+    text = bench_main.render(t, d, s, quick=False)
+    assert "steady-state ratio <= 1.02 — met" in text
+    assert ">= 1.7x on 2 cores — **missed**" in text
+    assert "<= 2 ms p50 overhead — **missed**" in text and "(3.5 ms" in text
+    assert "c=16 — met under Serve (3.2x)" in text
+    assert "| on | 16 | 10.0 / 20.0 ms, 50.0 req/s |" in text
+
+
+def test_train_overhead_measures_both_sides_with_the_same_loop_flags():
+    args = train_overhead.loop_args(42)
+    assert args[args.index("--max-steps") + 1] == "42"
+    # A checkpoint only at the end, so step times hold no checkpoint work.
+    assert args[args.index("--checkpoint-every") + 1] == "42"
+    assert train_overhead.FIRST_STEP == "[rayfleet] step 10/"
