@@ -37,8 +37,12 @@ def deploy_lm(ray_cluster, checkpoint: str, config_dir: Path, **args) -> str:
     path.write_text(yaml.safe_dump(cfg))
     run([str(BIN / "serve"), "deploy", str(path)], env=ray_cluster["env"], check=True,
         timeout=120)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
+    return wait_healthy(ray_cluster, f"http://127.0.0.1:{port}", "lm")
+
+
+def wait_healthy(ray_cluster, url: str, app: str, timeout: float = 180) -> str:
+    """Wait until the app's /health answers 200; on timeout, fail with `serve status`."""
+    deadline = time.time() + timeout
     while time.time() < deadline:
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
@@ -48,7 +52,7 @@ def deploy_lm(ray_cluster, checkpoint: str, config_dir: Path, **args) -> str:
             pass
         time.sleep(1)
     status = run([str(BIN / "serve"), "status"], env=ray_cluster["env"]).stdout
-    raise AssertionError(f"lm app did not become healthy on {url}:\n{status[-3000:]}")
+    raise AssertionError(f"{app} app did not become healthy on {url}:\n{status[-3000:]}")
 
 
 def serve_shutdown(ray_cluster) -> None:

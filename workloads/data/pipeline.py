@@ -225,8 +225,9 @@ def build_pipeline(inputs: Inputs, paths: list[str], args):
 
 # --------------------------------------------------------------------------- output
 
-def write_shard(ds, storage, index: int, n: int) -> dict:
-    """Write one shard atomically enough: temp folder, then move, then the done marker."""
+def write_shard(ds, storage, index: int, n: int, extra: dict | None = None) -> dict:
+    """Write one shard atomically enough: temp folder, then move, then the done marker
+    (`extra` goes into the marker: what a re-run must match to skip the shard)."""
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
@@ -246,7 +247,7 @@ def write_shard(ds, storage, index: int, n: int) -> dict:
         rows += n_rows
         files.append(final)
     fs.delete_dir(tmp)
-    marker = {"shard": index, "of": n, "rows": rows, "files": files}
+    marker = {"shard": index, "of": n, "rows": rows, "files": files, **(extra or {})}
     storage.write_bytes(f"{DONE_DIR}/{name}.json", json.dumps(marker).encode())
     return marker
 

@@ -207,15 +207,10 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
     return "".join(f"# {m.role}: {m.content}\n" for m in messages) + "# assistant:"
 
 
-api = FastAPI(title="rayfleet lm", docs_url=None, redoc_url=None)
-
-
-@api.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError):
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
 
 
-@api.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, e: RequestValidationError):
     first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -227,7 +222,6 @@ async def _validation_error(_: Request, e: RequestValidationError):
                                    param, "invalid_request"), status_code=400)
 
 
-@api.middleware("http")
 async def _limit_body(request: Request, call_next):
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
@@ -237,20 +231,27 @@ async def _limit_body(request: Request, call_next):
     return await call_next(request)
 
 
+def openai_app(title: str) -> FastAPI:
+    """A FastAPI app whose errors are OpenAI error bodies (shared by lm and rag)."""
+    app = FastAPI(title=title, docs_url=None, redoc_url=None)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.middleware("http")(_limit_body)
+    return app
+
+
+api = openai_app("rayfleet lm")
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-@serve.deployment(
-    # Light replicas: the local cluster has 4 logical CPUs on 2 cores, shared with training.
-    ray_actor_options={"num_cpus": 0.5},
-    # Several requests in flight per replica, so @serve.batch has something to batch.
-    max_ongoing_requests=32,
-    autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8},
-    health_check_period_s=10,
-)
-@serve.ingress(api)
-class LMServer:
+class LMCore:
+    """The model and its batcher, without HTTP: LMServer adds the OpenAI routes on top, and
+    LMGenerator serves it to other deployments through a DeploymentHandle (an application
+    may hold only one FastAPI ingress)."""
+
     def __init__(self, checkpoint: str, model_name: str = DEFAULT_MODEL_NAME,
                  max_batch_size: int = 8, batch_wait_timeout_s: float = 0.05,
                  num_threads: int = 1):
@@ -340,6 +341,56 @@ class LMServer:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         return GenRequest(data, max_tokens, body.temperature, body.top_k, body.seed, stop)
 
+    # ------------------------------------------------------------------ handle API
+
+    async def info(self) -> dict:
+        """For composing apps through a DeploymentHandle (e.g. workloads.serve.rag)."""
+        return {"model": self.model_name, "context_length": self.engine.context}
+
+    async def generate(self, prompt: str, max_tokens: int = 64, temperature: float = 1.0,
+                       seed: int | None = None, stop: list[str] | None = None) -> dict:
+        """Complete `prompt` (its last context-length bytes) through the same batcher the
+        HTTP routes use; called by other deployments via a DeploymentHandle."""
+        data = prompt.encode("utf-8")[-self.engine.context:] or b"\n"
+        req = GenRequest(data, max(1, min(int(max_tokens), MAX_NEW_TOKENS)), temperature,
+                         None, seed, list(stop or []))
+        text, finish, batch = await self._collect(req)
+        return {"text": text, "finish_reason": finish, "prompt_tokens": len(data),
+                "completion_tokens": len(text.encode("utf-8")), "batch_size": batch}
+
+    async def _collect(self, req: GenRequest) -> tuple[str, str, int]:
+        parts, finish, batch = [], "length", 1
+        async for delta, fin, b in self._run(req):
+            parts.append(delta)
+            batch = b
+            finish = fin or finish
+        return "".join(parts), finish, batch
+
+    @staticmethod
+    def _usage(reqs: list[GenRequest], texts: list[str]) -> dict:
+        p = sum(len(r.prompt) for r in reqs)
+        c = sum(len(t.encode("utf-8")) for t in texts)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+_DEPLOYMENT = dict(
+    # Light replicas: the local cluster has 4 logical CPUs on 2 cores, shared with training.
+    ray_actor_options={"num_cpus": 0.5},
+    # Several requests in flight per replica, so @serve.batch has something to batch.
+    max_ongoing_requests=32,
+    autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8},
+    health_check_period_s=10,
+)
+
+
+@serve.deployment(**_DEPLOYMENT)
+class LMGenerator(LMCore):
+    """The generator for composed apps (rag): `info()` and `generate()` over a handle."""
+
+
+@serve.deployment(**_DEPLOYMENT)
+@serve.ingress(api)
+class LMServer(LMCore):
     # ------------------------------------------------------------------ routes
 
     @api.get("/health")
@@ -416,19 +467,6 @@ class LMServer:
                              "logprobs": None, "finish_reason": finish}],
                 "usage": self._usage([req], [text]), "rayfleet": {"batch_size": batch}}
 
-    async def _collect(self, req: GenRequest) -> tuple[str, str, int]:
-        parts, finish, batch = [], "length", 1
-        async for delta, fin, b in self._run(req):
-            parts.append(delta)
-            batch = b
-            finish = fin or finish
-        return "".join(parts), finish, batch
-
-    @staticmethod
-    def _usage(reqs: list[GenRequest], texts: list[str]) -> dict:
-        p = sum(len(r.prompt) for r in reqs)
-        c = sum(len(t.encode("utf-8")) for t in texts)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 def app_builder(args: dict) -> serve.Application:

@@ -1,0 +1,1 @@
+"""Batch embeddings with Ray Data (`python -m workloads.embed`)."""

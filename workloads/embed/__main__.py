@@ -1,0 +1,5 @@
+import sys
+
+from workloads.embed.pipeline import main
+
+sys.exit(main())

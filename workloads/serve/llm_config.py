@@ -1,0 +1,204 @@
+"""`python -m workloads.serve.llm_config`: the Serve config of the `llm` app, vLLM on A100s
+through `ray.serve.llm` (`LLMConfig` + `build_openai_app`), generated from a few options and
+validated offline.
+
+    python -m workloads.serve.llm_config --model-id qwen2.5-72b \
+        --model-source Qwen/Qwen2.5-72B-Instruct --tensor-parallel-size 8 \
+        --cluster-config cluster-configs/generated/dev.yaml --output llm.yaml
+    serve deploy llm.yaml            # on the GPU cluster (its image needs `pip install '.[llm]'`)
+
+vLLM cannot be imported on CPU machines, and `ray.serve.llm` needs it at import time, so
+nothing here imports either. The result is checked against Serve's own deploy schema
+(`ServeDeploySchema`) and Ray's `LLMConfig` model (pydantic, importable without vLLM), and,
+given a rendered cluster YAML, against the GPUs its A100 node types can provide: every
+replica needs tensor x pipeline GPUs; tensor-parallel ranks must share a node (NVLink),
+pipeline stages may span nodes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+from rayfleet.errors import ConfigError, RayfleetError
+from workloads.common.cli import ArgumentParser, parse_env_pairs, run_main
+
+PROG = "workloads.serve.llm_config"
+ACCELERATORS = ("A100", "A100-40G", "A100-80G", "H100", "H200", "L4", "A10G")
+EXAMPLE = ["--model-id", "qwen2.5-72b-instruct", "--model-source", "Qwen/Qwen2.5-72B-Instruct",
+           "--tensor-parallel-size", "8", "--max-model-len", "8192"]
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="Generate and validate the vLLM Serve config.")
+    p.add_argument("--model-id", required=True, help="the name clients pass as `model`")
+    p.add_argument("--model-source", required=True,
+                   help="Hugging Face repo id, or an s3:// / local path holding the weights")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs one copy of each layer is split over (within one node)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="stages the layers are split into (may span nodes)")
+    p.add_argument("--max-model-len", type=int, default=8192, help="context length in tokens")
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--max-replicas", type=int, default=4)
+    p.add_argument("--target-ongoing-requests", type=int, default=32,
+                   help="requests per replica the autoscaler aims for")
+    p.add_argument("--accelerator-type", default="A100", help=", ".join(ACCELERATORS))
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs of one worker node (p4d/p4de: 8), when no --cluster-config")
+    p.add_argument("--cluster-config", default=None,
+                   help="a rendered cluster YAML: check the GPUs its worker types can provide")
+    p.add_argument("--engine-kwarg", action="append", metavar="KEY=VALUE",
+                   help="extra vLLM engine argument (value parsed as YAML), repeatable")
+    p.add_argument("--port", type=int, default=8000, help="Serve HTTP port (loopback)")
+    p.add_argument("--output", default="-", help="file to write, '-' for stdout")
+    return p
+
+
+def gpu_capacity(path: str) -> tuple[int, int]:
+    """(largest GPU count on one worker node, GPUs of all workers at max) of a cluster YAML."""
+    try:
+        cfg = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError as e:
+        raise ConfigError("--cluster-config", f"{path} does not exist") from e
+    except yaml.YAMLError as e:
+        raise ConfigError("--cluster-config", f"{path} is not valid YAML") from e
+    types = (cfg or {}).get("available_node_types") if isinstance(cfg, dict) else None
+    if not isinstance(types, dict):
+        raise ConfigError("--cluster-config", f"{path} has no available_node_types")
+    per_node, total = 0, 0
+    for nt in types.values():
+        gpus = int((nt.get("resources") or {}).get("GPU", 0))
+        per_node = max(per_node, gpus)
+        total += gpus * int(nt.get("max_workers", 0))
+    return per_node, total
+
+
+def build(args) -> dict:
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size", "max_model_len",
+                 "min_replicas", "max_replicas", "target_ongoing_requests", "gpus_per_node"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')}", "must be at least 1")
+    if args.min_replicas > args.max_replicas:
+        raise ConfigError("--min-replicas", f"{args.min_replicas} is more than --max-replicas "
+                          f"{args.max_replicas}")
+    if args.accelerator_type not in ACCELERATORS:
+        raise ConfigError("--accelerator-type", "not a GPU type of this kit", ACCELERATORS,
+                          args.accelerator_type)
+    per_node, total, where = args.gpus_per_node, None, f"--gpus-per-node {args.gpus_per_node}"
+    if args.cluster_config:
+        per_node, total = gpu_capacity(args.cluster_config)
+        where = args.cluster_config
+        if per_node == 0:
+            raise ConfigError("--cluster-config", f"{where} has no node type with GPU resources")
+    if tp > per_node:
+        raise ConfigError("--tensor-parallel-size", f"{tp} GPUs but a node has {per_node} "
+                          f"({where}): tensor-parallel ranks must share a node; raise "
+                          "--pipeline-parallel-size to span nodes instead")
+    if total is not None and args.max_replicas * tp * pp > total:
+        raise ConfigError("--max-replicas", f"{args.max_replicas} replicas x {tp * pp} GPUs "
+                          f"need {args.max_replicas * tp * pp} GPUs; {where} has at most "
+                          f"{total}")
+    engine = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+              "max_model_len": args.max_model_len}
+    for key, value in parse_env_pairs(args.engine_kwarg, "--engine-kwarg").items():
+        engine[key] = yaml.safe_load(value)
+    llm = {
+        "model_loading_config": {"model_id": args.model_id, "model_source": args.model_source},
+        "accelerator_type": args.accelerator_type,
+        "engine_kwargs": engine,
+        # One bundle per vLLM worker. STRICT_PACK keeps a single-node replica on one node
+        # (NVLink); PACK lets pipeline stages spill onto the next node.
+        "placement_group_config": {"bundle_per_worker": {"GPU": 1, "CPU": 1},
+                                   "strategy": "STRICT_PACK" if pp == 1 else "PACK"},
+        "deployment_config": {"autoscaling_config": {
+            "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+            "target_ongoing_requests": args.target_ongoing_requests}},
+    }
+    return {
+        # Loopback: clients come through the SSM/SSH tunnel (DESIGN rule 22).
+        "http_options": {"host": "127.0.0.1", "port": args.port},
+        "applications": [{"name": "llm", "route_prefix": "/",
+                          "import_path": "ray.serve.llm:build_openai_app",
+                          "args": {"llm_configs": [llm]}}],
+    }
+
+
+def validate(config: dict) -> None:
+    """Serve's deploy schema for the file, Ray's LLMConfig for each model (no vLLM needed)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        ServeDeploySchema.model_validate(config)
+    except Exception as e:  # pydantic's ValidationError, v1 or v2 flavour
+        raise ConfigError("serve config", f"rejected by Serve's schema: {_first(e)}") from e
+    try:
+        from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+    except ImportError as e:  # moved in another Ray version: the pin says 2.60.0
+        raise RayfleetError(f"cannot import Ray's LLMConfig ({e}); is Ray 2.60.0 installed?") \
+            from e
+    for app in config["applications"]:
+        for llm in app["args"]["llm_configs"]:
+            try:
+                LLMConfig(**llm)
+            except Exception as e:
+                raise ConfigError("llm_configs", f"rejected by Ray's LLMConfig: {_first(e)}") \
+                    from e
+
+
+def _first(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return " ".join(lines[1:3]) if len(lines) > 2 else " ".join(lines)
+
+
+def render(config: dict, argv: list[str]) -> str:
+    head = ("# Serve config for the `llm` app: vLLM on GPU nodes via ray.serve.llm.\n"
+            "# Generated by: python -m workloads.serve.llm_config " + " ".join(argv) + "\n"
+            "# Validated offline against ServeDeploySchema and LLMConfig; deploy on the GPU\n"
+            "# cluster with `serve deploy <this file>` (the image needs `pip install "
+            "'.[llm]'`).\n")
+    return head + yaml.safe_dump(config, sort_keys=False)
+
+
+def _without_output(argv: list[str]) -> list[str]:
+    """The command line as recorded in the file's header: where it was written is not part
+    of what it is (so regenerating into another path gives the same file)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--output":
+            skip = True
+        elif not a.startswith("--output="):
+            out.append(a)
+    return out
+
+
+def run(argv: list[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    config = build(args)
+    validate(config)
+    text = render(config, _without_output(argv))
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        out = Path(args.output)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out)   # never a half-written config
+        gpus = args.tensor_parallel_size * args.pipeline_parallel_size
+        print(f"[rayfleet] wrote {out}: {args.model_id}, {gpus} GPUs per replica, "
+              f"{args.min_replicas}-{args.max_replicas} replicas", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(run, argv, PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""`rag`: retrieval-augmented generation composed from three deployments.
+
+    serve deploy cluster-configs/serve/rag.yaml
+    serve run workloads.serve.rag:app_builder embeddings=runs/emb checkpoint=runs/.../checkpoint_x
+
+    RAGServer (FastAPI ingress, OpenAI API)
+      ├── Retriever   embeddings Parquet from workloads.embed + the same sentence-transformers
+      │               model for the question; exact nearest neighbours (dot product of
+      │               normalised vectors = cosine), k per request
+      └── LMGenerator the `lm` model and batcher (workloads.serve.lm), called through its handle
+
+Routes: GET /v1/models, POST /v1/chat/completions (the last user message is the question;
+the answer carries `rayfleet.sources`: id, score and text of each retrieved document),
+POST /v1/retrieve ({"query", "k"} -> documents), GET /health. The kit's generator is a small
+byte-level model with a short context: the question and as much of the best documents as fit
+go into its prompt. On GPU clusters point the same retriever at the `llm` app instead.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the request models as classes.
+import asyncio
+import time
+import uuid
+
+from pydantic import BaseModel, Field
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from rayfleet.errors import CheckpointError, ConfigError
+from workloads.serve.lm import (
+    MAX_NEW_TOKENS,
+    APIError,
+    ChatMessage,
+    LMGenerator,
+    check_checkpoint,
+    openai_app,
+)
+
+DEFAULT_MODEL_NAME = "rayfleet-rag"
+MAX_K = 20
+
+
+# --------------------------------------------------------------------------- index
+
+def check_index(uri: str):
+    """(storage, manifest, parquet files) of a finished workloads.embed output, cheaply: the
+    builder calls this so a missing or unfinished index fails `serve deploy` with one line."""
+    import json
+
+    import pyarrow.fs as pafs
+
+    from workloads.common.storage import resolve
+
+    storage = resolve(uri, check_writable=False)
+    try:
+        manifest = json.loads(storage.read_bytes(storage.join("_manifest.json")))
+    except (FileNotFoundError, OSError, ValueError) as e:
+        raise CheckpointError(f"embeddings {uri}: no readable _manifest.json (run "
+                              "`python -m workloads.embed --output ...` to the end first)") from e
+    files = sorted(i.path for i in storage.fs.get_file_info(
+        pafs.FileSelector(storage.path, allow_not_found=True))
+        if i.type == pafs.FileType.File and i.base_name.endswith(".parquet"))
+    if not files:
+        raise CheckpointError(f"embeddings {uri}: no Parquet files next to _manifest.json")
+    return storage, manifest, files
+
+
+def load_index(uri: str):
+    """(ids, texts, matrix) from workloads.embed output (local folder or s3://)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    storage, manifest, files = check_index(uri)
+    fs = storage.fs
+    tables = [pq.read_table(fs.open_input_file(f)) for f in files]
+    ids, texts, vecs = [], [], []
+    for t in tables:
+        if "text" not in t.schema.names:
+            raise CheckpointError(f"embeddings {uri}: written with --no-text; rag needs the "
+                                  "document text")
+        ids += t["id"].to_pylist()
+        texts += t["text"].to_pylist()
+        emb = t["embedding"].combine_chunks()
+        vecs.append(emb.values.to_numpy(zero_copy_only=False).reshape(len(emb),
+                                                                       emb.type.list_size))
+    matrix = np.concatenate(vecs).astype(np.float32)
+    if len(ids) != manifest.get("rows"):
+        raise CheckpointError(f"embeddings {uri}: {len(ids)} rows but the manifest says "
+                              f"{manifest.get('rows')} (a partial write?)")
+    return ids, texts, matrix, manifest
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32,
+                  health_check_period_s=10)
+class Retriever:
+    def __init__(self, embeddings: str):
+        import torch
+
+        from workloads.embed.pipeline import load_encoder, model_path
+
+        torch.set_num_threads(1)
+        self.ids, self.texts, self.matrix, manifest = load_index(embeddings)
+        self.encoder = load_encoder(model_path(manifest["model"]))
+
+    def check_health(self) -> None:
+        if not len(self.ids):
+            raise RuntimeError("empty index")
+
+    async def search(self, query: str, k: int) -> list[dict]:
+        return await asyncio.to_thread(self._search, query, k)
+
+    def _search(self, query: str, k: int) -> list[dict]:
+        import numpy as np
+
+        from workloads.embed.pipeline import encode
+
+        q = encode(self.encoder, [query], 1)[0]
+        scores = self.matrix @ q
+        k = min(k, len(scores))
+        top = np.argpartition(-scores, k - 1)[:k]
+        top = top[np.argsort(-scores[top], kind="stable")]
+        return [{"id": self.ids[i], "score": round(float(scores[i]), 4),
+                 "text": self.texts[i]} for i in top]
+
+
+# --------------------------------------------------------------------------- API
+
+class ChatRequest(BaseModel):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    seed: int | None = None
+    k: int = Field(3, ge=1, le=MAX_K)   # rayfleet extension: documents to retrieve
+
+
+class RetrieveRequest(BaseModel):
+    query: str = Field(min_length=1)
+    k: int = Field(3, ge=1, le=MAX_K)
+
+
+def rag_prompt(question: str, sources: list[dict], budget: int) -> str:
+    """Documents first, the question last (the model continues from the end), all within
+    `budget` bytes: documents are cut to what fits, and dropped when not even a document's
+    name and a few words would; a question longer than the budget keeps its end."""
+    tail = f"# question: {question}\n# answer:".encode("utf-8")
+    if len(tail) >= budget:
+        return tail[-budget:].decode("utf-8", errors="ignore")
+    room = budget - len(tail)
+    head = b""
+    for s in sources:
+        line = f"# {s['id']}: {' '.join(s['text'].split())}\n".encode("utf-8")
+        if room - len(head) < len(s["id"]) + 16:
+            break
+        if len(line) > room - len(head):
+            line = line[:room - len(head) - 1].rstrip() + b"\n"
+        head += line
+    return head.decode("utf-8", errors="ignore") + tail.decode("utf-8")
+
+
+api = openai_app("rayfleet rag")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
+@serve.ingress(api)
+class RAGServer:
+    def __init__(self, retriever: DeploymentHandle, generator: DeploymentHandle,
+                 model_name: str = DEFAULT_MODEL_NAME):
+        self.retriever, self.generator = retriever, generator
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok", "model": self.model_name}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                            "created": self.created, "owned_by": "rayfleet"}]}
+
+    @api.post("/v1/retrieve")
+    async def retrieve(self, body: RetrieveRequest) -> dict:
+        return {"object": "list", "data": await self.retriever.search.remote(body.query, body.k)}
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, body: ChatRequest):
+        if body.model != self.model_name:
+            raise APIError(404, f"The model '{body.model}' does not exist; this server has "
+                           f"'{self.model_name}' (GET /v1/models)", param="model",
+                           code="model_not_found")
+        question = next((m.content for m in reversed(body.messages) if m.role == "user"), "")
+        if not question.strip():
+            raise APIError(400, "messages: no user message with content to answer",
+                           param="messages", code="invalid_request")
+        max_tokens = body.max_completion_tokens or body.max_tokens or 64
+        # Both sub-calls go through handles: Serve routes, queues and load-balances them.
+        info_ref = self.generator.info.remote()
+        sources = await self.retriever.search.remote(question, body.k)
+        info = await info_ref
+        prompt = rag_prompt(question, sources, info["context_length"])
+        out = await self.generator.generate.remote(prompt, max_tokens, body.temperature,
+                                                   body.seed)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion",
+                "created": int(time.time()), "model": self.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant",
+                                                     "content": out["text"]},
+                             "logprobs": None, "finish_reason": out["finish_reason"]}],
+                "usage": {"prompt_tokens": out["prompt_tokens"],
+                          "completion_tokens": out["completion_tokens"],
+                          "total_tokens": out["prompt_tokens"] + out["completion_tokens"]},
+                "rayfleet": {"sources": sources, "generator": info["model"],
+                             "prompt": prompt}}
+
+
+def app_builder(args: dict) -> serve.Application:
+    """Serve config entry point (`import_path: workloads.serve.rag:app_builder`).
+
+    args: embeddings (required: workloads.embed output, folder or s3://), checkpoint
+    (required: the generator's workloads.train checkpoint), model_name, generator_model_name.
+    """
+    args = dict(args or {})
+    known = {"embeddings", "checkpoint", "model_name", "generator_model_name"}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ConfigError(f"args.{unknown[0]}", "unknown argument for the rag app",
+                          sorted(known), unknown[0])
+    embeddings = str(args.get("embeddings") or "")
+    if not embeddings:
+        raise ConfigError("args.embeddings", "no embeddings given (the output folder or s3:// "
+                          "prefix of workloads.embed)")
+    checkpoint = str(args.get("checkpoint") or "")
+    check_checkpoint(checkpoint)
+    check_index(embeddings)  # a missing or unfinished index fails the deploy, not a replica
+    generator = LMGenerator.bind(checkpoint,
+                                 model_name=str(args.get("generator_model_name", "rayfleet-lm")))
+    return RAGServer.bind(Retriever.bind(embeddings), generator,
+                          model_name=str(args.get("model_name", DEFAULT_MODEL_NAME)))
