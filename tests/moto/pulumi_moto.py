@@ -103,6 +103,9 @@ class _Inputs:
     def ignore(self, *keys: str) -> None:
         self._read.update(keys)
 
+    def keys(self) -> list[str]:
+        return list(self._raw)
+
     def unread(self) -> list[str]:
         return sorted(set(self._raw) - self._read)
 
@@ -531,12 +534,13 @@ class MotoMocks(pulumi.runtime.Mocks):
                             "tagsAll": tags}
 
     def _launch_template(self, name, i, tags):
-        lt_name = i.get("name") or f"{name}-{secrets.token_hex(4)[:7]}"
-        # Resource-level settings of the template, not of the instances it launches.
+        lt_name = i.get("name") or (i.get("namePrefix") or f"{name}-") + secrets.token_hex(4)[:7]
+        # Settings of the template itself, not of the instances it launches. The first
+        # version is the default one, so the version settings only matter on updates.
         meta = ("name", "namePrefix", "description", "tags", "updateDefaultVersion",
                 "defaultVersion")
         i.ignore(*meta)
-        data = _pascal({k: i[k] for k in list(i._raw) if k not in meta})
+        data = _pascal({k: i[k] for k in i.keys() if k not in meta})
         lt = self.ec2.create_launch_template(
             LaunchTemplateName=lt_name, VersionDescription=i.get("description") or "",
             LaunchTemplateData=data,

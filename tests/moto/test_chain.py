@@ -48,6 +48,26 @@ def test_infra_stack_renders_launches_and_sweeps_clean(infra_stack, moto_account
         "aws:ec2/placementGroup:PlacementGroup", "aws:s3/bucketPolicy:BucketPolicy",
         "aws:iam/rolePolicyAttachment:RolePolicyAttachment"}
 
+    # The stack's hardening as moto now holds it: the VPC's default group empty (rule 5), the
+    # cluster group admitting only itself and the operator ranges (rules 1, 2, 4), the bucket
+    # private, versioned and encrypted with the stack's key (rules 11, 12, 14).
+    groups = {g["GroupId"]: g for g in ec2.describe_security_groups(Filters=[
+        {"Name": "vpc-id", "Values": [o["vpc_id"]]}])["SecurityGroups"]}
+    default = next(g for g in groups.values() if g["GroupName"] == "default")
+    assert default["IpPermissions"] == [] and default["IpPermissionsEgress"] == []
+    cluster_in = groups[o["cluster_security_group_id"]]["IpPermissions"]
+    assert {u["GroupId"] for p in cluster_in for u in p["UserIdGroupPairs"]} == {
+        o["cluster_security_group_id"]}
+    assert {r["CidrIp"] for p in cluster_in for r in p["IpRanges"]} | {
+        r["CidrIpv6"] for p in cluster_in for r in p["Ipv6Ranges"]} <= set(o["operator_cidrs"])
+    s3 = moto_account.client("s3")
+    assert all(s3.get_public_access_block(Bucket=o["bucket"])[
+        "PublicAccessBlockConfiguration"].values())
+    assert s3.get_bucket_versioning(Bucket=o["bucket"])["Status"] == "Enabled"
+    (sse,) = s3.get_bucket_encryption(Bucket=o["bucket"])[
+        "ServerSideEncryptionConfiguration"]["Rules"]
+    assert sse["ApplyServerSideEncryptionByDefault"]["KMSMasterKeyID"] == o["kms_key_arn"]
+
     rendered = tmp_path / "cluster.yaml"
     assert cli.main(["render", str(infra_stack.path), "--out", str(rendered),
                      "--token-file", str(tmp_path / "token")]) == 0
