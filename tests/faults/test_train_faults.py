@@ -183,8 +183,9 @@ def test_killed_job_driver_resubmitted_resumes_from_storage(ray_cluster, tmp_pat
 
 class _S3Gate:
     """A TCP forwarder between the kit and the moto server: S3 as the network sees it. The
-    test can cut it (every open connection reset, new ones reset on accept) after `allow`
-    more bytes of requests, so the cut lands inside a checkpoint upload."""
+    test can cut it (every open connection reset, new ones reset on accept) after some more
+    bytes of requests, so the cut can land inside a checkpoint upload (which files made it
+    depends on timing; the test asserts only what holds either way)."""
 
     def __init__(self, upstream: str):
         host, port = upstream.removeprefix("http://").split(":")

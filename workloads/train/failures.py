@@ -58,10 +58,12 @@ def explain(err: BaseException, *, storage, name: str, workers: int,
     chain = list(causes(err))
     storage_err = next((e for e in chain if isinstance(e, StorageError)), None)
     if storage_err is None:
-        # pyarrow reports every S3 failure as an OSError "... AWS Error ..."; the controller
-        # (writing its checkpoint snapshot) has no kit code around it to translate it.
+        # pyarrow reports every S3 failure as an OSError "... AWS Error ..." naming the
+        # bucket; the controller (writing its checkpoint snapshot) has no kit code around it
+        # to translate it. The bucket check keeps a --dataset bucket's errors out of this.
+        bucket = f"'{storage.path.split('/', 1)[0]}'"
         storage_err = next((e for e in chain if isinstance(e, OSError)
-                            and "AWS Error" in str(e)), None)
+                            and "AWS Error" in str(e) and bucket in str(e)), None)
     if storage_err is not None:
         return StorageError(
             f"storage {storage.uri} failed during training ({first_line(storage_err)}); "
