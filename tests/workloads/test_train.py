@@ -77,7 +77,7 @@ def test_rerun_with_same_name_resumes_step_counter(ray_cluster, tmp_path):
 
 @pytest.mark.moto
 def test_s3_checkpoints_on_moto_then_resume_from_them(ray_cluster, aws_env, s3_client,
-                                                      checkpoint_bucket):
+                                                      checkpoint_bucket, monkeypatch):
     base = ["--smoke-test", "--name", "s3-run", "--checkpoint-every", "5",
             "--storage-path", f"s3://{checkpoint_bucket}/runs"]
     first = train(ray_cluster, base + ["--max-steps", "10"], aws_env)
@@ -90,7 +90,16 @@ def test_s3_checkpoints_on_moto_then_resume_from_them(ray_cluster, aws_env, s3_c
     second = train(ray_cluster, base + ["--max-steps", "15"], aws_env)
     assert second.returncode == 0, second.stdout[-3000:]
     assert "resuming from step 10" in second.stdout
-    assert summary_of(second.stdout)["checkpoint"].startswith(f"s3://{checkpoint_bucket}/runs/")
+    final = summary_of(second.stdout)["checkpoint"]
+    assert final.startswith(f"s3://{checkpoint_bucket}/runs/")
+    # ... and the `lm` app's loader serves straight from that s3:// checkpoint.
+    from workloads.serve.lm import check_checkpoint, load_checkpoint
+
+    for key, value in aws_env.items():
+        monkeypatch.setenv(key, value)
+    assert check_checkpoint(final)["step"] == 15
+    model_config, state = load_checkpoint(final)
+    assert model_config["seq_len"] == 64 and "tok.weight" in state
 
 
 def test_gpus_on_cpu_cluster_fail_in_seconds(ray_cluster, tmp_path):
