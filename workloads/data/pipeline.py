@@ -73,6 +73,11 @@ def clean(row: dict) -> dict:
     text = row["text"]
     if isinstance(text, bytes):
         text = text.decode("utf-8", errors="replace")
+        # A stray bad byte is dropped below; a document with more than 1% undecodable bytes
+        # (or NULs) is not UTF-8 at all (latin-1, UTF-16, binary): emptied here, so the
+        # --min-chars filter drops it whole instead of training on its mangled remains.
+        if text.count("\ufffd") > max(1, len(text) // 100) or "\x00" in text:
+            text = ""
     text = str(text).replace("\r\n", "\n").replace("\r", "\n").replace("\ufffd", "")
     return {"text": text.strip("\n") + "\n"}
 
@@ -223,6 +228,56 @@ def build_pipeline(inputs: Inputs, paths: list[str], args):
                           batch_format="numpy")
 
 
+def check_first_file(inputs: Inputs, column: str) -> None:
+    """JSONL / Parquet: the first file's encoding, syntax and columns, read here without Ray.
+    A Ray Data read would start the cluster and stream its worker's traceback to the user
+    before the error; this reads a Parquet footer or the first MiB of JSON Lines."""
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    fs = inputs.filesystem or pafs.LocalFileSystem()
+    path = inputs.files[0][0]
+    where = path if inputs.filesystem is None else f"s3://{path}"
+    if inputs.fmt == "parquet":
+        try:
+            with fs.open_input_file(path) as f:
+                names = pq.read_schema(f).names
+        except (OSError, pa.ArrowException) as e:
+            raise ConfigError("--input", f"{where} is not a readable Parquet file "
+                                         f"({str(e).splitlines()[0][:120]})") from None
+    else:
+        limit = 1 << 20
+        with fs.open_input_stream(path) as f:
+            head = f.read(limit)
+        lines = head.split(b"\n")
+        if len(head) == limit:
+            lines = lines[:-1]  # cut mid-line by the limit
+        keys: set[str] = set()
+        for n, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise ConfigError("--input", f"{where} line {n} is not UTF-8 (byte {e.start} "
+                                             "of the line); convert the file, e.g. iconv -f "
+                                             "latin1 -t utf-8") from None
+            except json.JSONDecodeError as e:
+                raise ConfigError("--input", f"{where} line {n} is not JSON ({e.msg}); "
+                                             "expected one JSON object per line") from None
+            if not isinstance(obj, dict):
+                raise ConfigError("--input", f"{where} line {n} is a JSON "
+                                             f"{type(obj).__name__}, not an object")
+            keys.update(obj)
+        if not keys:
+            return  # no whole line in the first MiB: Ray Data's reader will judge it
+        names = sorted(keys)
+    if column not in names:
+        raise ConfigError("--column", f"no column {column!r} in {where} "
+                          f"(columns: {', '.join(names)})", names, column)
+
+
 # --------------------------------------------------------------------------- output
 
 def write_shard(ds, storage, index: int, n: int, extra: dict | None = None) -> dict:
@@ -234,6 +289,9 @@ def write_shard(ds, storage, index: int, n: int, extra: dict | None = None) -> d
     fs, name = storage.fs, f"shard-{index:05d}"
     tmp = storage.join(f"_tmp-{name}")
     fs.delete_dir_contents(tmp, missing_dir_ok=True)
+    # Ray writes no file (and no folder) for a shard that cleaning emptied; the listing
+    # below must still find the folder.
+    fs.create_dir(tmp)
     ds.write_parquet(tmp if storage.filesystem is None else tmp, filesystem=storage.filesystem)
     parts = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(tmp, recursive=True))
                    if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
@@ -277,7 +335,10 @@ def run(argv: list[str] | None) -> int:
     for flag in ("seq_len", "batch_size", "concurrency", "pack_rows", "shard_bytes"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')}", "must be at least 1")
-    if args.tokenizer_cpus <= 0:
+    for flag in ("max_bytes", "min_chars"):
+        if getattr(args, flag) < 0:
+            raise ConfigError(f"--{flag.replace('_', '-')}", "must be 0 or more")
+    if not 0 < args.tokenizer_cpus < float("inf"):  # NaN fails every comparison
         raise ConfigError("--tokenizer-cpus", "must be more than 0")
 
     inputs = list_inputs(args)                   # bad input fails here, before any write
@@ -285,15 +346,18 @@ def run(argv: list[str] | None) -> int:
         raise ConfigError("--input", f"the corpus ({sum(s for _, s in inputs.files)} bytes) "
                           f"is shorter than one sequence of {args.seq_len + 1} tokens")
     shards = shards_of(inputs.files, args.shard_bytes)
+    if inputs.fmt != "text":  # encoding and schema errors before Ray or any write
+        check_first_file(inputs, args.column)
+
+    from workloads.common.storage import resolve
+
+    created = args.output if not args.output.startswith("s3://") and \
+        not os.path.exists(os.path.expanduser(args.output)) else None
+    storage = resolve(args.output, endpoint=args.s3_endpoint)
 
     import ray
     from ray.data import DataContext
 
-    from workloads.common.storage import resolve
-
-    if inputs.fmt != "text":  # schema errors (unknown column) before anything is written
-        read(inputs, shards[0], args.column)
-    storage = resolve(args.output, endpoint=args.s3_endpoint)
     ray.init(ignore_reinit_error=True, log_to_driver=True)
     # Same input, same rows in the same order: shards are reproducible byte for byte.
     DataContext.get_current().execution_options.preserve_order = True
@@ -309,14 +373,37 @@ def run(argv: list[str] | None) -> int:
             rows += done["rows"]
             continue
         clear_partial(storage, i)
-        marker = write_shard(build_pipeline(inputs, paths, args), storage, i, len(shards))
+        try:
+            marker = write_shard(build_pipeline(inputs, paths, args), storage, i, len(shards))
+        except BaseException as e:
+            # No half-written shard stays behind, whatever stopped the write.
+            _drop_partial(storage, i)
+            # Ray re-raises a worker's error as RayTaskError(UnicodeDecodeError), an instance
+            # of both (JSON Lines past the first MiB that check_first_file read).
+            if isinstance(e, UnicodeDecodeError):
+                raise ConfigError("--input", f"shard {i + 1} ({paths[0]}, ...) is not UTF-8 "
+                                             "text; convert it, e.g. iconv -f latin1 -t "
+                                             "utf-8") from None
+            raise
         print(f"[rayfleet] shard {i + 1}/{len(shards)}: {len(paths)} files -> "
               f"{marker['rows']} sequences of {args.seq_len + 1} tokens", flush=True)
         written += 1
         rows += marker["rows"]
     if rows == 0:
-        raise RayfleetError(f"{args.input}: nothing left after cleaning (every document is "
-                            f"shorter than --min-chars {args.min_chars}?)")
+        # Nothing usable: leave the output as it was, so no empty "done" shard is skipped by
+        # the next run once the input is fixed.
+        for i in range(len(shards)):
+            _drop_partial(storage, i)
+            try:
+                storage.fs.delete_file(storage.join(f"{DONE_DIR}/shard-{i:05d}.json"))
+            except (FileNotFoundError, OSError):
+                pass
+        if created:
+            _remove_empty_dirs(storage.path)
+        raise RayfleetError(f"{args.input}: nothing left after cleaning: every document is "
+                            f"shorter than --min-chars {args.min_chars}, has lines over 1000 "
+                            "characters, or is not UTF-8 text (convert it, e.g. iconv -f "
+                            "latin1 -t utf-8)")
     manifest = {"output": storage.uri, "input": args.input, "format": inputs.fmt,
                 "seq_len": args.seq_len, "shards": len(shards), "written": written,
                 "skipped": skipped, "rows": rows,
@@ -328,6 +415,24 @@ def run(argv: list[str] | None) -> int:
           f"workloads.train --dataset {storage.uri}", flush=True)
     print("RAYFLEET_SUMMARY " + json.dumps(manifest), flush=True)
     return 0
+
+
+def _drop_partial(storage, index: int) -> None:
+    """Remove shard `index`'s temporary folder and any of its files already moved in."""
+    try:
+        storage.fs.delete_dir(storage.join(f"_tmp-shard-{index:05d}"))
+    except (FileNotFoundError, OSError):
+        pass  # never created
+    clear_partial(storage, index)
+
+
+def _remove_empty_dirs(root: str) -> None:
+    """Remove `root` and its sub-folders if they hold no file (a folder this run created)."""
+    for dirpath, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            pass  # not empty: something else lives there
 
 
 def main(argv: list[str] | None = None) -> int:
