@@ -139,3 +139,14 @@ def checkpoint_bucket(s3_client) -> str:
 def clean_dir(tmp_path):
     yield tmp_path
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def lm_checkpoint(ray_cluster, tmp_path_factory) -> str:
+    """A finished workloads.train checkpoint (tiny model, 10 steps), trained once."""
+    storage = tmp_path_factory.mktemp("lm-runs")
+    proc = run([str(BIN / "python"), "-m", "workloads.train", "--smoke-test", "--max-steps",
+                "10", "--checkpoint-every", "10", "--name", "lm-fixture",
+                "--storage-path", str(storage)], env=ray_cluster["env"], timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    return summary_of(proc.stdout)["checkpoint"]

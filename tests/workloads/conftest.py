@@ -1,5 +1,6 @@
-"""Fixtures for the data / serve / demo tests: one tiny trained checkpoint per session, and
-the `lm` Serve app deployed with `serve deploy` as a user would."""
+"""Helpers for the serve tests (workloads/ and faults/): the `lm` Serve app deployed with
+`serve deploy` as a user would. The session's trained checkpoint is `lm_checkpoint` in
+tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -7,24 +8,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
 import yaml
 
-from tests.conftest import BIN, REPO, free_port, run, summary_of
+from tests.conftest import BIN, REPO, free_port, run
 
 
-@pytest.fixture(scope="session")
-def lm_checkpoint(ray_cluster, tmp_path_factory) -> str:
-    """A finished workloads.train checkpoint (tiny model, 10 steps), trained once."""
-    storage = tmp_path_factory.mktemp("lm-runs")
-    proc = run([str(BIN / "python"), "-m", "workloads.train", "--smoke-test", "--max-steps",
-                "10", "--checkpoint-every", "10", "--name", "lm-fixture",
-                "--storage-path", str(storage)], env=ray_cluster["env"], timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    return summary_of(proc.stdout)["checkpoint"]
-
-
-def deploy_lm(ray_cluster, checkpoint: str, config_dir: Path, **args) -> str:
+def deploy_lm(ray_cluster, checkpoint: str, config_dir: Path, deployment: dict | None = None,
+              **args) -> str:
     """The user's path: write a copy of cluster-configs/serve/lm.yaml with this checkpoint and
     a free loopback port, `serve deploy` it, wait until /health answers. Returns the base URL.
     (`serve deploy` rather than an in-process `serve.run`: Ray reads token-auth settings once
@@ -33,6 +23,7 @@ def deploy_lm(ray_cluster, checkpoint: str, config_dir: Path, **args) -> str:
     cfg = yaml.safe_load((REPO / "cluster-configs" / "serve" / "lm.yaml").read_text())
     cfg["http_options"] = {"host": "127.0.0.1", "port": port}
     cfg["applications"][0]["args"].update({"checkpoint": checkpoint, **args})
+    cfg["applications"][0]["deployments"][0].update(deployment or {})
     path = config_dir / "lm.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run([str(BIN / "serve"), "deploy", str(path)], env=ray_cluster["env"], check=True,

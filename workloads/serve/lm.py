@@ -402,7 +402,8 @@ class LMServer(LMCore):
         sizes = list(self.batch_sizes)
         return {"model": self.model_name, "batches": len(sizes), "batch_sizes": sizes,
                 "max_batch_size_seen": max(sizes, default=0),
-                "replica": serve.get_replica_context().replica_id.unique_id}
+                "replica": serve.get_replica_context().replica_id.unique_id,
+                "pid": os.getpid()}
 
     @api.get("/v1/models")
     async def models(self) -> dict:
