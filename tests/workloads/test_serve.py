@@ -139,6 +139,10 @@ def test_builder_refuses_missing_and_corrupt_checkpoints(tmp_path, lm_checkpoint
         app_builder({"checkpoint": str(tmp_path / "nope")})
     with pytest.raises(ConfigError, match="no checkpoint given"):
         app_builder({})
+    with pytest.raises(ConfigError, match="args.max_batch_size: must be a number, got 'eight'"):
+        app_builder({"checkpoint": lm_checkpoint, "max_batch_size": "eight"})
+    with pytest.raises(ConfigError, match="args.batch_wait_timeout_s: must be at least 0"):
+        app_builder({"checkpoint": lm_checkpoint, "batch_wait_timeout_s": "nan"})
     broken = tmp_path / "broken"
     shutil.copytree(lm_checkpoint, broken)
     with open(broken / "model.pt", "ab") as f:

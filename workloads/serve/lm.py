@@ -20,6 +20,7 @@ import codecs
 import collections
 import json
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -102,9 +103,12 @@ def load_checkpoint(path: str) -> tuple[dict, dict]:
 
     fs, inner = _split_s3(path)
     local = Path(tempfile.mkdtemp(prefix="rayfleet-serve-"))
-    pafs.copy_files(inner, str(local), source_filesystem=fs,
-                    destination_filesystem=pafs.LocalFileSystem())
-    return load_full_weights(local)
+    try:
+        pafs.copy_files(inner, str(local), source_filesystem=fs,
+                        destination_filesystem=pafs.LocalFileSystem())
+        return load_full_weights(local)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)   # the weights are in memory now
 
 
 # --------------------------------------------------------------------------- engine
@@ -470,6 +474,18 @@ class LMServer(LMCore):
 
 
 
+def _number(args: dict, key: str, default, kind, minimum):
+    """A numeric app argument, or one line naming it (not a ValueError in `serve deploy`)."""
+    raw = args.get(key, default)
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"args.{key}", f"must be a number, got {raw!r}") from None
+    if not value >= minimum:   # also refuses NaN
+        raise ConfigError(f"args.{key}", f"must be at least {minimum}, got {raw!r}")
+    return value
+
+
 def app_builder(args: dict) -> serve.Application:
     """Serve config entry point (`import_path: workloads.serve.lm:app_builder`).
 
@@ -485,9 +501,7 @@ def app_builder(args: dict) -> serve.Application:
     checkpoint = str(args.pop("checkpoint", "") or "")
     check_checkpoint(checkpoint)
     kwargs = {"model_name": str(args.get("model_name", DEFAULT_MODEL_NAME)),
-              "max_batch_size": int(args.get("max_batch_size", 8)),
-              "batch_wait_timeout_s": float(args.get("batch_wait_timeout_s", 0.05)),
-              "num_threads": int(args.get("num_threads", 1))}
-    if kwargs["max_batch_size"] < 1:
-        raise ConfigError("args.max_batch_size", "must be at least 1")
+              "max_batch_size": _number(args, "max_batch_size", 8, int, 1),
+              "batch_wait_timeout_s": _number(args, "batch_wait_timeout_s", 0.05, float, 0),
+              "num_threads": _number(args, "num_threads", 1, int, 1)}
     return LMServer.bind(checkpoint, **kwargs)
