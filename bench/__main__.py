@@ -10,6 +10,7 @@ import argparse
 import datetime
 import os
 import platform
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,8 +27,14 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, {platform.platform()}"
 
 
-def goal(ok: bool) -> str:
-    return "met" if ok else "**missed**"
+def goal(ok: bool, load: float | None = None) -> str:
+    """'met' / 'missed', flagged as unreadable when the benchmark ran on a busy machine."""
+    verdict = "met" if ok else "**missed**"
+    cores = os.cpu_count() or 1
+    if load is not None and load > cores:
+        verdict += (f" (as measured at load {load:g} on {cores} cores, which says little: "
+                    "re-run on an idle machine)")
+    return verdict
 
 
 def _cell(r: dict | None) -> str:
@@ -49,11 +56,12 @@ def serve_table(s: dict) -> str:
     return "\n".join(rows)
 
 
-def render(t: dict, d: dict, s: dict, quick: bool) -> str:
+def render(t: dict, d: dict, s: dict, quick: bool, minutes: float | None = None) -> str:
     import ray
     import torch
 
     today = datetime.date.today().isoformat()
+    took = f"; this run took {minutes:.1f} min" if minutes is not None else ""
     train_rows = "\n".join([
         _row("steady-state step", f"{t['ray_step_ms']} ms", f"{t['torchrun_step_ms']} ms",
              f"**{t['step_ratio']}**"),
@@ -87,7 +95,7 @@ benchmark: train {t['load_avg']}, data {d['load_avg']}, serve {s['load_avg']} (o
 {os.cpu_count()} cores; above ~{os.cpu_count()} the machine was shared and every number is
 noisier, Ray's side usually more so because its own processes compete too).
 
-Reproduce: `make bench` (all three, one throwaway cluster, writes this file), or one at a
+Reproduce: `make bench` (all three, one throwaway cluster, writes this file{took}), or one at a
 time: `.venv/bin/python -m bench.train_overhead --steps 150 --rounds 2`,
 `python -m bench.data_throughput --mb 24`, `python -m bench.serve_latency --rounds 2`.
 
@@ -102,9 +110,10 @@ at the end.
 |---|---|---|---|
 {train_rows}
 
-Goal (issue 7): steady-state ratio <= 1.02 — {goal(t['step_ratio'] <= 1.02)}. The cold-start
-gap is Ray's fixed start-up: the driver connecting, the Train controller, placement group and
-worker actors, gloo set-up through Ray; the wall gap adds the checkpoint upload to storage.
+Goal (issue 7): steady-state ratio <= 1.02 — {goal(t['step_ratio'] <= 1.02, t['load_avg'])}.
+The cold-start gap is Ray's fixed start-up: the driver connecting, the Train controller,
+placement group and worker actors, gloo set-up through Ray; the wall gap adds the checkpoint
+upload to storage.
 
 ## 2. Ray Data pipeline vs one process; data wait while streaming into training
 
@@ -126,8 +135,8 @@ per 10-step interval): median **{d['data_wait_median_pct']}%**, worst
 {d['data_wait_max_pct']}% after the first interval; the first interval (the stream starting
 up) {d['data_wait_first_pct']}%.
 
-Goals (issue 7): >= 1.7x on 2 cores — {goal(d['speedup'] >= 1.7)}; data wait <= 2% —
-{goal((d['data_wait_median_pct'] or 0) <= 2)} (steady state).
+Goals (issue 7): >= 1.7x on 2 cores — {goal(d['speedup'] >= 1.7, d['load_avg'])}; data wait <= 2% —
+{goal((d['data_wait_median_pct'] or 0) <= 2, d['load_avg'])} (steady state).
 
 ## 3. Serve `lm` vs the same model behind bare FastAPI/uvicorn
 
@@ -143,9 +152,10 @@ aiohttp client keeps `concurrency` requests in flight; {s['rounds']} interleaved
 |---|---|---|
 {serve_rows}
 
-Goals (issue 7): <= 2 ms p50 overhead — {goal(over1 is not None and over1 <= 2)} at c=1
-without batching ({over1} ms; the other cells are in the table); batching >= 3x throughput at
-c=16 — {goal((gain.get('serve') or 0) >= 3)} under Serve ({gain.get('serve')}x).
+Goals (issue 7): <= 2 ms p50 overhead —
+{goal(over1 is not None and over1 <= 2, s['load_avg'])} at c=1 without batching
+({over1} ms; the other cells are in the table); batching >= 3x throughput at
+c=16 — {goal((gain.get('serve') or 0) >= 3, s['load_avg'])} under Serve ({gain.get('serve')}x).
 At c=1 with batching on, each request waits the full 50 ms `batch_wait_timeout_s` for company
 that never comes: lower it (`args.batch_wait_timeout_s`) for latency-bound traffic.
 
@@ -174,7 +184,28 @@ the tables above but not this section.
   waits for a core before each batch can cross, and the training process waits for it.
 - Outside the loop, Ray's own processes (GCS, raylet, dashboard, agent, the Train controller
   polling every second) take CPU from the two training processes on a 2-core machine; that
-  share is small on an idle machine and grows with load.
+  share is small on an idle machine and grows with load. On a shared machine (load 15-40)
+  the ratio swung from 0.56 to 2.0 between runs, torchrun's side sometimes the slower one:
+  only an idle-machine run answers the 1.02 goal.
+- **Data (benchmark 2).** `ds.stats()` of a warm run (24 MiB, load ~7): remote CPU time per
+  operator: JSON read 0.31 s, clean `map` + `filter` 0.60 s, tokenizer actors 0.18 s, pack
+  0.22 s: 1.3 s of CPU where the one-process loop needs 0.6 s for everything; the rest of
+  Ray's wall time is task scheduling and object-store hand-offs between operators. A byte
+  tokenizer does ~80 us of work per 3 KiB document, less than Ray Data's per-block costs, so
+  two cores have nothing worth sharing: the 1.7x goal fits a tokenizer with real per-byte
+  work (BPE) or a multi-node cluster reading S3, not this pipeline on one 2-core box. What
+  would cut Ray's share, not done here (the pipeline is another engineer's file): clean and
+  filter as one vectorised `map_batches` (one Arrow conversion per batch, not per row), and
+  not re-reading the schema for every shard (`read()` calls `ds.schema()`, an extra
+  execution: 0.5 s warm, ~10 s on a cold cluster). The first run on a cluster also starts
+  worker processes and the actor pool (the "first run" time). Data wait, the other goal, is
+  far inside it: the stream keeps ahead of a 2-worker `small` run after its first interval.
+- **Serve (benchmark 3).** With batching on, both sides form batches of about the same size
+  (the mean decode batch row), so Serve's lower requests/s is not batching failing: it is
+  per-request work in Serve's HTTP proxy, router and replica (the request crosses two
+  processes and an actor call each way, on cores the model also needs). That cost grows
+  with concurrency on 2 cores and caps Serve near 100 req/s here, which is what keeps the
+  batching gain under 3x; the bare app reaches the batching the model allows.
 """
 
 
@@ -185,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench import data_throughput, serve_latency, train_overhead
     from bench.cluster import local_cluster
 
+    t0 = time.perf_counter()
     with local_cluster() as env:
         t = train_overhead.main(["--steps", "60", "--rounds", "1"] if args.quick else
                                 ["--steps", "150", "--rounds", "2"], env=env)
@@ -192,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
                                  ["--mb", "24", "--train-steps", "60"], env=env)
         s = serve_latency.main(["--rounds", "1", "--requests-per-worker", "3"] if args.quick
                                else ["--rounds", "2"], env=env)
-    text = render(t, d, s, args.quick)
+    text = render(t, d, s, args.quick, (time.perf_counter() - t0) / 60)
     (REPO / "BENCHMARKS.md").write_text(text)
     print(text)
 
