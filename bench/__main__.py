@@ -6,12 +6,13 @@ BENCHMARKS.md (not tests: nothing asserts these numbers).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
 import time
 from pathlib import Path
+
+from bench import ArgumentParser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -210,7 +211,7 @@ the tables above but not this section.
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="bench")
+    ap = ArgumentParser(prog="bench")
     ap.add_argument("--quick", action="store_true", help="fewer steps/requests (smoke run)")
     args = ap.parse_args(argv)
     from bench import data_throughput, serve_latency, train_overhead

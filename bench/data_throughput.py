@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import ArgumentParser, at_least
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 WORDS = ("def class return self import from for while if else elif try except with as "
@@ -195,9 +197,10 @@ def summarize(one_s: float, ray_s: float, tokens: int, waits: list[float]) -> di
 
 
 def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="bench.data_throughput")
-    ap.add_argument("--mb", type=float, default=24.0, help="generated corpus size")
-    ap.add_argument("--train-steps", type=int, default=60)
+    ap = ArgumentParser(prog="bench.data_throughput")
+    ap.add_argument("--mb", type=at_least(0.1, float), default=24.0, help="generated corpus size")
+    ap.add_argument("--train-steps", type=at_least(20), default=60,
+                    help="steps of the data-wait run (two logged intervals at least)")
     ap.add_argument("--pipeline-args", default="",
                     help="extra workloads.data flags for both sides, e.g. '--concurrency 4'")
     ap.add_argument("--ray-side", nargs=2, metavar=("CORPUS", "OUT"), help=argparse.SUPPRESS)

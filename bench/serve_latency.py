@@ -28,6 +28,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench import ArgumentParser, at_least
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CONCURRENCY = (1, 8, 16, 32)
@@ -204,11 +206,11 @@ def wait_healthy(urls: list[str], timeout: float = 240) -> None:
 # --------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="bench.serve_latency")
-    ap.add_argument("--requests-per-worker", type=int, default=6,
+    ap = ArgumentParser(prog="bench.serve_latency")
+    ap.add_argument("--requests-per-worker", type=at_least(1), default=6,
                     help="requests per concurrent client per cell (at least 20 per cell)")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved Serve/bare rounds")
-    ap.add_argument("--ttft-requests", type=int, default=10)
+    ap.add_argument("--rounds", type=at_least(1), default=2, help="interleaved Serve/bare rounds")
+    ap.add_argument("--ttft-requests", type=at_least(1), default=10)
     ap.add_argument("--bare-server", nargs=3, metavar=("PORT", "CHECKPOINT", "BATCHING"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -9,7 +9,6 @@ intervals after warm-up), the time from launch until the first logged step (cold
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -18,6 +17,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench import ArgumentParser, at_least
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -75,9 +76,10 @@ def run_ray(steps: int, storage: Path, env: dict, name: str
 
 
 def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="bench.train_overhead")
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap = ArgumentParser(prog="bench.train_overhead")
+    ap.add_argument("--steps", type=at_least(2 * LOG_EVERY), default=150,
+                    help="steps per run (the first logged interval is warm-up)")
+    ap.add_argument("--rounds", type=at_least(1), default=2)
     args = ap.parse_args(argv)
     from bench.cluster import cluster_env
 

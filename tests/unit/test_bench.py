@@ -99,3 +99,17 @@ def test_train_overhead_measures_both_sides_with_the_same_loop_flags():
     # A checkpoint only at the end, so step times hold no checkpoint work.
     assert args[args.index("--checkpoint-every") + 1] == "42"
     assert train_overhead.FIRST_STEP == "[rayfleet] step 10/"
+
+
+def test_bad_flags_are_one_line_and_exit_2():
+    import subprocess
+    import sys
+
+    for module, flags, says in [("bench.train_overhead", ["--steps", "5"], "at least 20"),
+                                ("bench.data_throughput", ["--mb", "nan"], "at least 0.1"),
+                                ("bench.serve_latency", ["--rounds", "x"], "expected a number")]:
+        proc = subprocess.run([sys.executable, "-m", module, *flags], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2, (module, proc.stderr)
+        assert proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+        assert proc.stdout == ""  # refused before any cluster or corpus exists
