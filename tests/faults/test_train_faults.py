@@ -120,7 +120,7 @@ def _driver_pids(marker: str) -> list[int]:
             continue
         args = [a.decode(errors="replace") for a in argv if a]
         if (args and Path(args[0]).name.startswith("python") and "workloads.train" in args
-                and any(marker in a for a in args)):
+                and "submit" not in args and any(marker in a for a in args)):
             pids.append(int(proc_dir.name))
     return pids
 
