@@ -119,16 +119,21 @@ def test_openai_error_bodies(client, lm_url):
         assert err["error"]["type"] == "invalid_request_error"
 
 
-def test_serve_config_file_is_valid_and_points_at_the_builder():
+def test_serve_config_files_are_valid_and_point_at_the_builders():
     from ray.serve.schema import ServeDeploySchema
 
-    cfg = yaml.safe_load((REPO / "cluster-configs" / "serve" / "lm.yaml").read_text())
-    schema = ServeDeploySchema.model_validate(cfg)
-    app = schema.applications[0]
-    assert app.import_path == "workloads.serve.lm:app_builder"
-    auto = app.deployments[0].autoscaling_config
+    builders = {}
+    for path in sorted((REPO / "cluster-configs" / "serve").glob("*.yaml")):
+        schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+        assert schema.http_options.host == "127.0.0.1", path   # rule 22: loopback only
+        builders[path.stem] = schema.applications[0].import_path
+    assert builders == {"lm": "workloads.serve.lm:app_builder",
+                        "rag": "workloads.serve.rag:app_builder",
+                        "llm": "ray.serve.llm:build_openai_app"}
+    lm = ServeDeploySchema.model_validate(yaml.safe_load(
+        (REPO / "cluster-configs" / "serve" / "lm.yaml").read_text()))
+    auto = lm.applications[0].deployments[0].autoscaling_config
     assert auto["min_replicas"] <= auto["max_replicas"]
-    assert schema.http_options.host == "127.0.0.1"
 
 
 def test_builder_refuses_missing_and_corrupt_checkpoints(tmp_path, lm_checkpoint):
