@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import stat
 import tempfile
 import tomllib
@@ -157,6 +158,19 @@ def test_bad_value_fails_before_anything_is_done(ansible_env, tmp_path, bad, mes
     recap = _recap(proc.stdout)["localhost"]
     assert recap["failed"] == 1 and recap["changed"] == 0
     assert not (tmp_path / "etc").exists() and not (tmp_path / "state").exists()
+
+
+def test_a_taken_port_fails_in_one_line_before_ray_starts(ansible_env, tmp_path):
+    node = _node_vars(tmp_path)
+    with socket.socket() as holder:  # another program on the GCS port
+        holder.bind(("0.0.0.0", node["ray_node_gcs_port"]))
+        holder.listen()
+        proc = _playbook(ansible_env, _inventory(tmp_path / "inventory.yml", node), timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert (f"port {node['ray_node_gcs_port']} (ray_node_gcs_port) is already in use by another "
+            "process; stop it or pick another port.") in out, out[-3000:]
+    assert not Path(node["ray_node_pid_file"]).exists()  # nothing was started
 
 
 # --- a real head and worker, started and stopped by the playbook -------------------------------
