@@ -160,6 +160,7 @@ def test_bad_value_fails_before_anything_is_done(ansible_env, tmp_path, bad, mes
     assert not (tmp_path / "etc").exists() and not (tmp_path / "state").exists()
 
 
+@pytest.mark.slow  # a full play up to the port check: seconds, not the unit tier's
 def test_a_taken_port_fails_in_one_line_before_ray_starts(ansible_env, tmp_path):
     node = _node_vars(tmp_path)
     with socket.socket() as holder:  # another program on the GCS port
