@@ -1,4 +1,4 @@
-# `make demo` and `make test` each set themselves up on a machine that has only Python 3.10+.
+# `make demo` and `make test` each set themselves up on a machine that has only Python 3.11+.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
