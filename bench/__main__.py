@@ -185,9 +185,12 @@ the tables above but not this section.
   waits for a core before each batch can cross, and the training process waits for it.
 - Outside the loop, Ray's own processes (GCS, raylet, dashboard, agent, the Train controller
   polling every second) take CPU from the two training processes on a 2-core machine; that
-  share is small on an idle machine and grows with load. On a shared machine (load 15-40)
-  the ratio swung from 0.56 to 2.0 between runs, torchrun's side sometimes the slower one:
-  only an idle-machine run answers the 1.02 goal.
+  share is small on an idle machine and grows with load. On a shared machine (load 7-40)
+  the ratio swung from 0.56 to 2.0 between runs, torchrun's side often the slower one. One
+  reason: this kernel has `sched_autogroup_enabled=1`, so a busy machine shares CPU between
+  sessions, not processes; the Ray workers run in the cluster's session (`rayfleet local
+  up`), torchrun's in the benchmark's, and each gets whatever share its session wins
+  against the other users' sessions. Only an idle-machine run answers the 1.02 goal.
 - **Data (benchmark 2).** `ds.stats()` of a warm run (24 MiB, load ~7): remote CPU time per
   operator: JSON read 0.31 s, clean `map` + `filter` 0.60 s, tokenizer actors 0.18 s, pack
   0.22 s: 1.3 s of CPU where the one-process loop needs 0.6 s for everything; the rest of
