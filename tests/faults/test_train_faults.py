@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from rayfleet.local import ray_temp_dir
 from tests.conftest import BIN, REPO, free_port, run, summary_of
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray, pytest.mark.slow]
@@ -383,6 +384,9 @@ def two_node_cluster(tmp_path):
         stdout=open(tmp_path / "worker-node.log", "wb"), stderr=subprocess.STDOUT,
         start_new_session=True)
     head_pid = json.loads((home / "local" / "cluster.json").read_text())["pid"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAYFLEET_HOME", str(home))
+        head_temp = ray_temp_dir()  # the head's Ray session folder, removed at the end
     try:
         # `ray start` says so once its raylet has registered with the head's GCS.
         _wait_for("the second node to join", lambda: b"Ray runtime started" in (
@@ -399,7 +403,8 @@ def two_node_cluster(tmp_path):
                 pass
         worker.wait(timeout=30)
         run([str(BIN / "rayfleet"), "local", "down"], env=env, timeout=120)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        for folder in (temp_dir, head_temp):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_lost_worker_node_fails_naming_the_lost_capacity(two_node_cluster, tmp_path):
