@@ -335,6 +335,9 @@ def _forget() -> None:
         pass
 
 
+STRAGGLER_GRACE_S = 3.0
+
+
 def _stop(cluster: LocalCluster, timeout: float = 30.0) -> None:
     """SIGTERM the `ray start --block` leader only: it tears its children down in order, as
     `ray stop` would (a group-wide SIGTERM leaves it hung on unreaped children). Whatever is
@@ -346,6 +349,11 @@ def _stop(cluster: LocalCluster, timeout: float = 30.0) -> None:
         pgid = cluster.pid  # the leader is gone; its group may still hold raylet/workers
     end = time.time() + timeout
     while time.time() < end and _group_alive(pgid):
+        if not _alive(cluster.pid):
+            # The leader has finished its orderly teardown; what is left of the group are
+            # stragglers (idle workers, a job driver) that would hold `down` for the full
+            # grace period: a few seconds more, then SIGKILL.
+            end = min(end, time.time() + STRAGGLER_GRACE_S)
         time.sleep(0.3)
     if _group_alive(pgid):
         try:
