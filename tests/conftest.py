@@ -150,3 +150,20 @@ def lm_checkpoint(ray_cluster, tmp_path_factory) -> str:
                 "--storage-path", str(storage)], env=ray_cluster["env"], timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     return summary_of(proc.stdout)["checkpoint"]
+
+
+@pytest.fixture
+def aws_calls(monkeypatch):
+    """Every AWS API operation botocore makes in this process, in order (the bad-input tests
+    assert it stays empty: no AWS call made)."""
+    import botocore.client
+
+    calls: list[str] = []
+    real = botocore.client.BaseClient._make_api_call
+
+    def counting(self, operation, params):
+        calls.append(operation)
+        return real(self, operation, params)
+
+    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", counting)
+    return calls

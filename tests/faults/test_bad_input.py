@@ -411,24 +411,14 @@ def aws_env(trap: Trap, home: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def guarded(trap, tmp_path, monkeypatch):
+def guarded(trap, tmp_path, monkeypatch, aws_calls):
     """Env pointing AWS at the trap, botocore calls counted, `import ray` blocked."""
-    import botocore.client
-
     for k, v in aws_env(trap, tmp_path / "home").items():
         monkeypatch.setenv(k, v)
     for k in ("AWS_PROFILE", "RAY_ADDRESS"):
         monkeypatch.delenv(k, raising=False)
-    calls: list[str] = []
-    real = botocore.client.BaseClient._make_api_call
-
-    def counting(self, operation, params):
-        calls.append(operation)
-        return real(self, operation, params)
-
-    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", counting)
     trap.hits.clear()
-    return calls
+    return aws_calls
 
 
 def snapshot(root: Path) -> dict[str, tuple]:

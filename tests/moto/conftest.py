@@ -42,22 +42,6 @@ def ec2(aws):
 
 
 @pytest.fixture
-def aws_calls(monkeypatch):
-    """Every AWS API operation botocore makes in this process, in order."""
-    import botocore.client
-
-    calls: list[str] = []
-    real = botocore.client.BaseClient._make_api_call
-
-    def counting(self, operation, params):
-        calls.append(operation)
-        return real(self, operation, params)
-
-    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", counting)
-    return calls
-
-
-@pytest.fixture
 def ami(ec2) -> str:
     """A registered image, standing in for the Deep Learning AMI."""
     return ec2.register_image(Name="dlami-standin", RootDeviceName="/dev/sda1",

@@ -39,22 +39,6 @@ def outputs() -> dict:
     return json.loads(EXAMPLE_OUTPUTS.read_text())
 
 
-@pytest.fixture
-def aws_calls(monkeypatch):
-    """Counts every AWS API call botocore would make in this process."""
-    import botocore.client
-
-    calls: list[str] = []
-    real = botocore.client.BaseClient._make_api_call
-
-    def counting(self, operation, params):
-        calls.append(operation)
-        return real(self, operation, params)
-
-    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", counting)
-    return calls
-
-
 def rendered(tmp_path, outputs: dict) -> tuple[Path, dict]:
     src = tmp_path / "outputs.json"
     src.write_text(json.dumps(outputs))

@@ -282,21 +282,11 @@ def check_memory(model: GPTConfig, args, nodes: list[dict]) -> str | None:
 
 def _root_cause(err: BaseException) -> BaseException | None:
     """The first RayfleetError in a Ray exception chain (worker errors are wrapped)."""
-    seen, stack = set(), [err]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, RayfleetError):
-            return e
-        stack.extend([e.__cause__, e.__context__, getattr(e, "cause", None)])
-        for attr in ("worker_failures", "errors"):
-            val = getattr(e, attr, None)
-            if isinstance(val, dict):
-                stack.extend(val.values())
-            elif isinstance(val, (list, tuple)):
-                stack.extend(val)
+    from workloads.train import failures
+
+    found = next((e for e in failures.causes(err) if isinstance(e, RayfleetError)), None)
+    if found is not None:
+        return found
     text = str(err)
     if "CheckpointError" in text:
         line = next((ln for ln in text.splitlines() if "CheckpointError" in ln), text)
