@@ -352,12 +352,13 @@ class LMCore:
         return {"model": self.model_name, "context_length": self.engine.context}
 
     async def generate(self, prompt: str, max_tokens: int = 64, temperature: float = 1.0,
-                       seed: int | None = None, stop: list[str] | None = None) -> dict:
+                       seed: int | None = None, stop: list[str] | None = None,
+                       top_k: int | None = None) -> dict:
         """Complete `prompt` (its last context-length bytes) through the same batcher the
         HTTP routes use; called by other deployments via a DeploymentHandle."""
         data = prompt.encode("utf-8")[-self.engine.context:] or b"\n"
         req = GenRequest(data, max(1, min(int(max_tokens), MAX_NEW_TOKENS)), temperature,
-                         None, seed, list(stop or []))
+                         top_k, seed, list(stop or []))
         text, finish, batch = await self._collect(req)
         return {"text": text, "finish_reason": finish, "prompt_tokens": len(data),
                 "completion_tokens": len(text.encode("utf-8")), "batch_size": batch}

@@ -27,9 +27,8 @@ from ray.serve.handle import DeploymentHandle
 
 from rayfleet.errors import CheckpointError, ConfigError
 from workloads.serve.lm import (
-    MAX_NEW_TOKENS,
     APIError,
-    ChatMessage,
+    ChatRequest,
     LMGenerator,
     check_checkpoint,
     openai_app,
@@ -124,14 +123,9 @@ class Retriever:
 
 # --------------------------------------------------------------------------- API
 
-class ChatRequest(BaseModel):
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    seed: int | None = None
-    k: int = Field(3, ge=1, le=MAX_K)   # rayfleet extension: documents to retrieve
+class RAGChatRequest(ChatRequest):
+    """lm's chat request plus `k`, the documents to retrieve (a rayfleet extension)."""
+    k: int = Field(3, ge=1, le=MAX_K)
 
 
 class RetrieveRequest(BaseModel):
@@ -184,11 +178,14 @@ class RAGServer:
         return {"object": "list", "data": await self.retriever.search.remote(body.query, body.k)}
 
     @api.post("/v1/chat/completions")
-    async def chat(self, body: ChatRequest):
+    async def chat(self, body: RAGChatRequest):
         if body.model != self.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server has "
                            f"'{self.model_name}' (GET /v1/models)", param="model",
                            code="model_not_found")
+        if body.stream:
+            raise APIError(400, "stream: the rag app answers in one response; drop "
+                           "`stream`", param="stream", code="invalid_request")
         question = next((m.content for m in reversed(body.messages) if m.role == "user"), "")
         if not question.strip():
             raise APIError(400, "messages: no user message with content to answer",
@@ -199,8 +196,9 @@ class RAGServer:
         sources = await self.retriever.search.remote(question, body.k)
         info = await info_ref
         prompt = rag_prompt(question, sources, info["context_length"])
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         out = await self.generator.generate.remote(prompt, max_tokens, body.temperature,
-                                                   body.seed)
+                                                   body.seed, stop, body.top_k)
         return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant",
