@@ -338,7 +338,11 @@ def _forget() -> None:
 STRAGGLER_GRACE_S = 3.0
 
 
-def _stop(cluster: LocalCluster, timeout: float = 30.0) -> None:
+# `ray stop`'s own grace period before SIGKILL (its --grace-period default).
+STOP_GRACE_S = 16.0
+
+
+def _stop(cluster: LocalCluster, timeout: float = STOP_GRACE_S) -> None:
     """SIGTERM the `ray start --block` leader only: it tears its children down in order, as
     `ray stop` would (a group-wide SIGTERM leaves it hung on unreaped children). Whatever is
     left of that process group, and only of it, gets SIGKILL after the grace period."""

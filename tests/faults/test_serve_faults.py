@@ -21,8 +21,8 @@ from tests.workloads.conftest import deploy_lm, serve_shutdown
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray]
 
-REQUESTS = 150
-KILL_AFTER = 40
+REQUESTS = 100
+KILL_AFTER = 30
 CLIENTS = 4
 RETRIES = 2          # the openai client's default max_retries
 

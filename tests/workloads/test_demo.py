@@ -1,5 +1,6 @@
 """`make demo`'s script end to end (data job -> training job streaming it -> serve deploy ->
-an answer through the openai client -> summary), on the session's cluster so it does not
+an answer through the openai client -> summary), on the session's cluster. It is also the
+test of training streaming from the data pipeline's output (`--dataset`) so it does not
 start a second Ray on a 2-core machine. The script sees the running cluster and leaves it up."""
 
 from __future__ import annotations
