@@ -113,3 +113,17 @@ def test_bad_flags_are_one_line_and_exit_2():
         assert proc.returncode == 2, (module, proc.stderr)
         assert proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
         assert proc.stdout == ""  # refused before any cluster or corpus exists
+
+
+def test_gpu_section_survives_a_cpu_bench_and_says_when_no_run_exists(capsys):
+    import torch
+
+    from bench import gpu
+
+    assert gpu.gpu_section_of("# Benchmarks\n").startswith(gpu.BEGIN)
+    assert "No GPU run exists yet" in gpu.gpu_section_of("")
+    measured = f"{gpu.BEGIN}\n## 4. GPU\nLast GPU run: NVIDIA H100\n{gpu.END}"
+    assert gpu.gpu_section_of(f"# B\n\n{measured}\n") == measured
+    if not torch.cuda.is_available():
+        assert gpu.main([]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
