@@ -8,23 +8,11 @@
 
 from __future__ import annotations
 
-import importlib
-import warnings
 
 import pytest
 import yaml
 
 from .harness import ROOT, Built, run_program
-
-# pulumi_aws warns about its own deprecated classes (BucketV2...) when its modules load; the
-# program uses none of them, so load the modules it does use quietly, once.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    for _module, _cls in (("s3", "Bucket"), ("ec2", "Vpc"), ("vpc", "SecurityGroupIngressRule"),
-                          ("iam", "Role"), ("cloudwatch", "LogGroup"), ("kms", "Key"),
-                          ("budgets", "Budget")):
-        # pulumi_aws loads submodules lazily: touching a class is what imports them.
-        getattr(importlib.import_module(f"pulumi_aws.{_module}"), _cls)
 
 MINIMAL = {"rayfleet:bucketEncryption": "s3"}
 MAXIMAL = {

@@ -9,8 +9,10 @@ proves what the program *requests*; it does not prove AWS accepts it (see the RE
 
 from __future__ import annotations
 
+import importlib
 import runpy
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,16 @@ from pulumi.runtime import mocks as pulumi_mocks
 from pulumi.runtime import settings as pulumi_settings
 
 from infra.policy import Resource
+
+# pulumi_aws warns about its own deprecated classes (BucketV2...) when its modules load; the
+# program uses none of them, so load the modules it does use quietly, once.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    for _module, _cls in (("s3", "Bucket"), ("ec2", "Vpc"), ("vpc", "SecurityGroupIngressRule"),
+                          ("iam", "Role"), ("cloudwatch", "LogGroup"), ("kms", "Key"),
+                          ("budgets", "Budget")):
+        # pulumi_aws loads submodules lazily: touching a class is what imports them.
+        getattr(importlib.import_module(f"pulumi_aws.{_module}"), _cls)
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = ROOT / "infra" / "__main__.py"
@@ -144,16 +156,10 @@ class Built:
         return found
 
 
-def run_program(config: dict[str, Any], *, stack: str = "dev",
-                extra: Callable[[], None] | None = None, zones: int = 6) -> Built:
-    """Run infra/__main__.py with ``config`` ({"rayfleet:key": value}) under fresh mocks.
-
-    ``extra`` runs inside the same program after __main__, for mutation tests that add a
-    resource the way a careless change to the program would.
-    """
-    region = str(config.get("rayfleet:region", "us-east-1"))
-    mocks = CaptureMocks(region, zones=zones)
-    monitor = CaptureMonitor(mocks)
+def execute(mocks: pulumi.runtime.Mocks, config: dict[str, Any], *, stack: str = "dev",
+            monitor: Any = None, extra: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run infra/__main__.py with ``config`` ({"rayfleet:key": value}) under ``mocks``;
+    return the stack outputs it exported (resolved)."""
     # Each run starts from a clean slate: a new root stack, no leftover config or outputs.
     pulumi_settings.ROOT.set(None)
     pulumi.runtime.set_mocks(mocks, project="rayfleet", stack=stack, preview=False,
@@ -173,8 +179,22 @@ def run_program(config: dict[str, Any], *, stack: str = "dev",
             extra()
         return pulumi.Output.from_input(exported).apply(resolved.update)
 
+    program()
+    return resolved
+
+
+def run_program(config: dict[str, Any], *, stack: str = "dev",
+                extra: Callable[[], None] | None = None, zones: int = 6) -> Built:
+    """Run infra/__main__.py with ``config`` ({"rayfleet:key": value}) under fresh mocks.
+
+    ``extra`` runs inside the same program after __main__, for mutation tests that add a
+    resource the way a careless change to the program would.
+    """
+    region = str(config.get("rayfleet:region", "us-east-1"))
+    mocks = CaptureMocks(region, zones=zones)
+    monitor = CaptureMonitor(mocks)
     try:
-        program()
+        resolved = execute(mocks, config, stack=stack, monitor=monitor, extra=extra)
     except Exception as err:
         # Let a test see what had been registered when the program stopped.
         err.registrations = list(monitor.registrations)  # type: ignore[attr-defined]

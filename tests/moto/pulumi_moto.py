@@ -33,37 +33,23 @@ test account; the name/architecture/state filters are).
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
-import runpy
 import secrets
 import threading
 import time
-import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pulumi
 import pytest
 import yaml
-from pulumi.runtime import settings as pulumi_settings
 
-# pulumi_aws warns about its own deprecated classes (BucketV2...) as its modules load; the
-# program uses none of them (tests/infra/conftest.py does the same).
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    for _module, _cls in (("s3", "Bucket"), ("ec2", "Vpc"), ("vpc", "SecurityGroupIngressRule"),
-                          ("iam", "Role"), ("cloudwatch", "LogGroup"), ("kms", "Key"),
-                          ("budgets", "Budget")):
-        # pulumi_aws loads submodules lazily: touching a class is what imports them.
-        getattr(importlib.import_module(f"pulumi_aws.{_module}"), _cls)
+from tests.infra.harness import execute
 
 ROOT = Path(__file__).resolve().parents[2]
-MAIN = ROOT / "infra" / "__main__.py"
 REGION = "us-east-1"
 # What a Deep Learning AMI is called; the program finds its image by this name (get_ami).
 DLAMI_STANDIN = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.7 (Ubuntu 22.04) 20250601"
@@ -607,35 +593,9 @@ _HANDLERS = {
 
 # ---------------------------------------------------------------------- running the program
 
-def _config_string(value: Any) -> str:
-    """Config values as the engine hands them to a program: strings, arrays as JSON."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple, dict)):
-        return json.dumps(value)
-    return str(value)
-
-
 def run_program(mocks: MotoMocks, config: dict[str, Any], stack: str = "dev") -> dict[str, Any]:
     """Run infra/__main__.py with ``config`` under ``mocks``; return what it exported."""
-    # A clean slate: a new root stack, no config or outputs left from an earlier run.
-    pulumi_settings.ROOT.set(None)
-    pulumi.runtime.set_mocks(mocks, project="rayfleet", stack=stack, preview=False)
-    pulumi.runtime.set_all_config({k: _config_string(v) for k, v in config.items()})
-    exported: dict[str, Any] = {}
-    resolved: dict[str, Any] = {}
-
-    def record(name: str, value: Any) -> None:
-        exported[name] = value
-
-    @pulumi.runtime.test
-    def program():
-        with mock.patch.object(pulumi, "export", record):
-            runpy.run_path(str(MAIN), run_name="__main__")
-        return pulumi.Output.from_input(exported).apply(resolved.update)
-
-    program()
-    return resolved
+    return execute(mocks, config, stack=stack)
 
 
 # ---------------------------------------------------------------------- fixtures
