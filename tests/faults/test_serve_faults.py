@@ -21,8 +21,8 @@ from tests.workloads.conftest import deploy_lm, serve_shutdown
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray]
 
-REQUESTS = 100
-KILL_AFTER = 30
+REQUESTS = 80
+KILL_AFTER = 25
 CLIENTS = 4
 RETRIES = 2          # the openai client's default max_retries
 
