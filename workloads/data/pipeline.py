@@ -8,7 +8,8 @@ training sequences `workloads.train --dataset` reads.
 
 Stages (streamed block by block, never the whole corpus in memory):
   read     text files (one row per file), JSONL or Parquet (`--column`), local or s3://
-  clean    `map`: normalise newlines, drop undecodable bytes; `filter`: too short / binary-ish
+  clean    `map_batches` (one task per block): normalise newlines, drop undecodable bytes,
+           then drop documents too short or binary-ish
   tokenize `map_batches` over an actor pool of stateful `ByteTokenizer`s
   pack     `map_batches`: concatenate and cut into windows of seq_len + 1 (column `tokens`)
   write    Parquet, one shard per group of input files: `shard-00003-000.parquet`, ...
