@@ -176,16 +176,20 @@ class Engine:
 
 # --------------------------------------------------------------------------- API schema
 
-class CompletionRequest(BaseModel):
+class SamplingRequest(BaseModel):
+    """What completions and chat requests share: the model and how to sample."""
     model: str
-    prompt: str | list[str]
-    max_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_k: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str]
+    max_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS)
 
 
 class ChatMessage(BaseModel):
@@ -193,17 +197,10 @@ class ChatMessage(BaseModel):
     content: str
 
 
-class ChatRequest(BaseModel):
-    model: str
+class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_k: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=1)
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
 
 
 def chat_prompt(messages: list[ChatMessage]) -> str:
