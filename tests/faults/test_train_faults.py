@@ -44,12 +44,25 @@ def _args(tmp_path, name):
 def test_killed_worker_resumes_from_latest_checkpoint(ray_cluster, tmp_path):
     proc = subprocess.Popen(_args(tmp_path, "killed"), env=ray_cluster["env"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out, killed_pid, last_step_at_kill = [], None, None
+    # Kill only once Ray Train has registered a checkpoint: one reported but not yet
+    # registered by the controller is not resumed from (the restart would start at step 0,
+    # which is Ray's behaviour, not a kit fault).
+    snapshot = tmp_path / "killed" / "checkpoint_manager_snapshot.json"
+
+    def registered_step() -> int | None:
+        try:
+            latest = json.loads(snapshot.read_bytes()).get("latest_checkpoint_result") or {}
+        except (OSError, ValueError):  # not written yet, or caught mid-write
+            return None
+        return latest.get("metrics", {}).get("step")
+
+    out, killed_pid, last_step_at_kill, registered = [], None, None, None
     deadline = time.time() + 300
     for line in proc.stdout:
         out.append(line)
         m = re.search(r"RayTrainWorker pid=(\d+).*\[rayfleet\] step (\d+)/", line)
-        if m and killed_pid is None and int(m.group(2)) >= 15:
+        if (m and killed_pid is None and int(m.group(2)) >= 15
+                and (registered := registered_step())):
             killed_pid, last_step_at_kill = int(m.group(1)), int(m.group(2))
             os.kill(killed_pid, signal.SIGKILL)
         if time.time() > deadline:
@@ -61,7 +74,9 @@ def test_killed_worker_resumes_from_latest_checkpoint(ray_cluster, tmp_path):
     assert killed_pid is not None, "the run ended before a worker could be killed"
     resumed = [int(s) for s in re.findall(r"\[rayfleet\] resumed from step (\d+)", text)]
     assert resumed, text[-3000:]
-    assert last_step_at_kill - resumed[-1] <= 10 + 5  # at most one interval (+ log lag) redone
+    # Resumed from the checkpoint registered when the worker died (or a later one that
+    # registered in the moment before the group stopped), never from scratch or an older one.
+    assert registered <= resumed[-1] <= last_step_at_kill, (registered, resumed, last_step_at_kill)
     s = summary_of(text)
     assert s["steps"] == 40
 
