@@ -1,11 +1,12 @@
 """GPU benchmark (issue 7, item 4): the LM training loop on one GPU in bf16 under `torchrun`
 (no Ray, by design: the GPU machines carry torch but not Ray), tokens/s and MFU against the
-GPU's dense bf16 peak (workloads/train/loop.py's table) for the 350m and 1b presets.
+GPU's dense bf16 peak (workloads/train/loop.py's table) for the 350m and 1b presets, each
+eager and with `--compile` (torch.compile in place) side by side in one run.
 
     python -m bench.gpu                  # where CUDA exists; rewrites BENCHMARKS.md's GPU section
 
 Only the GPU section between the markers is rewritten, so `make bench` (CPU) and this can run
-on different machines. torch.compile is not measured: the loop has no compile switch yet.
+on different machines.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ NO_RUN = f"""{BEGIN}
 No GPU run exists yet: no machine with CUDA was available to the sessions that wrote this
 file. Reproduce on one: `python -m bench.gpu` (needs torch with CUDA; Ray is not needed). It
 trains the 350m and 1b presets for a few dozen steps in bf16 and records tokens/s and MFU
-against the GPU's dense bf16 peak. Goal (issue 7): >= 45% MFU on an H100. torch.compile is
-not measured: the loop has no compile switch yet.
+against the GPU's dense bf16 peak, eager and with torch.compile. Goal (issue 7): >= 45% MFU
+on an H100.
 {END}"""
 
 
@@ -41,19 +42,21 @@ def gpu_section_of(text: str) -> str:
     return NO_RUN
 
 
-def run_one(model: str, steps: int, batch: int, out: Path) -> dict:
+def run_one(model: str, compiled: bool, steps: int, batch: int, out: Path) -> dict:
+    name = f"{model}-{'compile' if compiled else 'eager'}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "1", "-m", "workloads.train.torchrun", "--model", model, "--use-gpu",
            "--max-steps", str(steps), "--log-every", "10", "--checkpoint-every", str(10 * steps),
-           "--batch-size", str(batch), "--output", str(out / model)]
+           "--batch-size", str(batch), "--output", str(out / name), *(["--compile"] * compiled)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RAYFLEET_SUMMARY ")]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"bench.gpu: {model} failed (exit {proc.returncode}): "
+        raise SystemExit(f"bench.gpu: {name} failed (exit {proc.returncode}): "
                          f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
     summary = json.loads(lines[-1].split(" ", 1)[1])
     steady = [h for h in summary["history"][1:] if h.get("tokens_per_s")] or summary["history"]
-    return {"model": model, "batch": batch, "steps": steps,
+    # The first logged interval holds the compile (or CUDA warm-up): steady state is the rest.
+    return {"model": model, "compile": compiled, "batch": batch, "steps": steps,
             "tokens_per_s": statistics.median(h["tokens_per_s"] for h in steady),
             "mfu": statistics.median(h.get("mfu", 0.0) for h in steady)}
 
@@ -71,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.cuda.get_device_name(0)
     with tempfile.TemporaryDirectory(prefix="rayfleet-gpu-") as tmp:
-        rows = [run_one(m, args.steps, args.batch_size, Path(tmp)) for m in ("350m", "1b")]
-    table = "\n".join(f"| {r['model']} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
-                      f"{100 * r['mfu']:.1f}% |" for r in rows)
+        rows = [run_one(m, c, args.steps, args.batch_size, Path(tmp))
+                for m in ("350m", "1b") for c in (False, True)]
+    eager = {r["model"]: r["tokens_per_s"] for r in rows if not r["compile"]}
+    table = "\n".join(f"| {r['model']} | {'torch.compile' if r['compile'] else 'eager'} | "
+                      f"{r['batch']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
+                      f"{r['tokens_per_s'] / eager[r['model']]:.2f}x |" for r in rows)
     best = max(r["mfu"] for r in rows)
     section = f"""{BEGIN}
 ## 4. GPU: the training loop on one GPU in bf16 (torchrun)
@@ -82,12 +88,12 @@ Last GPU run: {device}; torch {torch.__version__}, Python {platform.python_versi
 `python -m bench.gpu --steps {args.steps} --batch-size {args.batch_size}` (median of the
 logged 10-step intervals after the first; no Ray on that machine, by design).
 
-| preset | batch (seqs) | tokens/s | MFU (dense bf16 peak) |
-|---|---|---|---|
+| preset | mode | batch (seqs) | tokens/s | MFU (dense bf16 peak) | vs eager |
+|---|---|---|---|---|---|
 {table}
 
 Goal (issue 7): >= 45% MFU on an H100 — {"met" if best >= 0.45 else "**missed**"}
-(best {100 * best:.1f}%). torch.compile is not measured: the loop has no compile switch yet.
+(best {100 * best:.1f}%).
 {END}"""
     text = BENCH_MD.read_text() if BENCH_MD.exists() else ""
     text = (text.replace(gpu_section_of(text), section) if BEGIN in text

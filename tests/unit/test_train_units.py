@@ -49,6 +49,7 @@ def test_lr_warms_up_then_decays():
     (["--model", "125M"], "--model", 'did you mean "125m"'),
     (["--zero-stage", "1"], "--zero-stage", "2 or 3"),
     (["--resources-per-worker", "[1]"], "--resources-per-worker", "JSON object"),
+    (["--strategy", "deepspeed", "--compile"], "--compile", "ddp or fsdp"),
 ])
 def test_bad_flags_name_the_key(argv, key, needle):
     with pytest.raises(ConfigError) as e:
@@ -108,10 +109,11 @@ def test_oom_warning_for_1b_ddp_on_a100_40g_but_not_with_zero3():
     assert check_memory(model, args, [GPU_NODE]) is None
 
 
-def _run_loop(root: Path, max_steps: int, strategy: str = "ddp") -> tuple[TorchrunContext, dict]:
+def _run_loop(root: Path, max_steps: int, strategy: str = "ddp",
+              compile: bool = False) -> tuple[TorchrunContext, dict]:
     cfg = LoopConfig(model=PRESETS["tiny"].to_dict(), strategy=strategy, batch_size=8,
                      lr=3e-3, warmup_steps=3, max_steps=max_steps, checkpoint_every=5,
-                     log_every=5, corpus_bytes=64 << 10, num_workers=0)
+                     log_every=5, corpus_bytes=64 << 10, num_workers=0, compile=compile)
     ctx = TorchrunContext(root, keep=2)
     return ctx, train_loop(cfg, ctx)
 
@@ -131,6 +133,24 @@ def test_loop_learns_and_resumes_where_it_stopped(tmp_path):
     state = json.loads((sorted(tmp_path.glob("checkpoint_*"))[-1] / "trainer_state.json")
                        .read_text())
     assert state["step"] == 15
+
+
+@pytest.mark.slow  # inductor compiles the tiny model's forward and backward (~25 s on 2 cores)
+def test_compiled_loop_matches_eager_and_shares_its_checkpoints(tmp_path):
+    try:
+        _, eager = _run_loop(tmp_path / "eager", 5)
+        _, compiled = _run_loop(tmp_path / "compiled", 5, compile=True)
+        # The same seed and data: torch.compile changes kernels, not the arithmetic.
+        assert compiled["loss"] == pytest.approx(eager["loss"], abs=1e-3)
+        # Compiled in place: state_dict keys as in eager (no `_orig_mod.` prefix), so an
+        # eager run resumes from a compiled run's checkpoint and the other way round.
+        latest = sorted((tmp_path / "compiled").glob("checkpoint_*"))[-1]
+        keys = torch.load(latest / "model.pt", weights_only=True).keys()
+        assert keys == GPT(PRESETS["tiny"]).state_dict().keys()
+        ctx, resumed = _run_loop(tmp_path / "compiled", 10)  # eager, from the compiled one
+        assert [r["step"] for r in ctx.reports] == [10] and resumed["step"] == 10
+    finally:
+        torch._dynamo.reset()
 
 
 def test_truncated_checkpoint_is_refused(tmp_path):

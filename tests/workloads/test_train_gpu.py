@@ -11,8 +11,8 @@ from tests.conftest import BIN, run, summary_of
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_torchrun_on_cuda_learns_in_bf16(tmp_path, strategy):
+@pytest.mark.parametrize("strategy,compile", [("ddp", False), ("fsdp", False), ("ddp", True)])
+def test_torchrun_on_cuda_learns_in_bf16(tmp_path, strategy, compile):
     import torch
 
     nproc = min(2, torch.cuda.device_count())
@@ -20,7 +20,8 @@ def test_torchrun_on_cuda_learns_in_bf16(tmp_path, strategy):
     proc = run([torchrun, f"--nproc-per-node={nproc}", "-m", "workloads.train.torchrun",
                 "--model", "small", "--strategy", strategy, "--max-steps", "60",
                 "--checkpoint-every", "30", "--log-every", "10", "--batch-size", "32",
-                "--output", str(tmp_path)], env=dict(os.environ), timeout=600)
+                "--output", str(tmp_path), *(["--compile"] * compile)],
+               env=dict(os.environ), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = summary_of(proc.stdout)
     assert s["device"].startswith("cuda")

@@ -84,6 +84,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--env", action="append", metavar="KEY=VALUE",
                    help="environment variable for every worker (repeatable)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model in place (ddp, fsdp); the first step compiles")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="per-GPU memory for the OOM estimate (default: from accelerator type)")
     return p
@@ -105,6 +107,9 @@ def validate_args(args) -> GPTConfig:
         raise ConfigError("--model", f"unknown model size {args.model!r}", PRESETS, args.model)
     if args.num_workers < 1:
         raise ConfigError("--num-workers", f"must be at least 1, got {args.num_workers}")
+    if args.compile and args.strategy == "deepspeed":
+        raise ConfigError("--compile", "works with --strategy ddp or fsdp; DeepSpeed wraps the "
+                          "model in its own engine, which --compile does not reach")
     if args.zero_stage not in (2, 3):
         raise ConfigError("--zero-stage", f"must be 2 or 3, got {args.zero_stage}")
     for flag in ("batch_size", "grad_accum", "max_steps", "checkpoint_every", "log_every",
@@ -349,7 +354,7 @@ def _main(argv: list[str] | None) -> int:
         else max(1, min(100, args.max_steps // 10)),
         max_steps=args.max_steps, checkpoint_every=args.checkpoint_every,
         log_every=args.log_every, corpus_bytes=args.corpus_bytes, seed=args.seed,
-        use_ray_dataset=args.dataset is not None,
+        use_ray_dataset=args.dataset is not None, compile=args.compile,
         # A DataLoader worker process only where the accelerator leaves host cores free
         # (GPU). On CPU it competes with the training processes for the same cores, and
         # each batch costs a socket round-trip to receive the worker's shared-memory fds

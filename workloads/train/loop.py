@@ -54,6 +54,7 @@ class LoopConfig:
     seed: int = 0
     use_ray_dataset: bool = False
     num_workers: int = 1              # DataLoader worker processes (0 = in the train process)
+    compile: bool = False             # torch.compile in place (ddp, fsdp)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -134,6 +135,12 @@ class _Engine:
                 model=model.to(ctx.device), optimizer=opt, config=ds_config,
                 dist_init_required=False)
             return
+        if cfg.compile:
+            # In place (nn.Module.compile): parameter names and state_dict keys stay as they
+            # are, so compiled and eager runs read each other's checkpoints. FSDP2 compiles
+            # per block, before sharding (each block's all-gather stays outside its graph).
+            for module in (model.blocks if self.strategy == "fsdp" else [model]):
+                module.compile()
         if self.strategy == "fsdp":
             from torch.distributed.fsdp import fully_shard
 

@@ -36,6 +36,7 @@ def _main(argv: list[str] | None) -> int:
                      else max(1, min(100, args.max_steps // 10)),
                      max_steps=args.max_steps, checkpoint_every=args.checkpoint_every,
                      log_every=args.log_every, corpus_bytes=args.corpus_bytes, seed=args.seed,
+                     compile=args.compile,
                      # As the Ray driver: a DataLoader process only beside a GPU.
                      num_workers=1 if ctx.device.type == "cuda" else 0)
     final = train_loop(cfg, ctx)
