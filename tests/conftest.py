@@ -86,7 +86,10 @@ def ray_cluster(rayfleet_home):
             "gcs_port": gcs, "dashboard_port": dash, "pid": client["pid"],
             "dashboard_url": f"http://127.0.0.1:{dash}", "up_stdout": up.stdout}
     yield info
-    run([str(BIN / "rayfleet"), "local", "down"], env=env, timeout=120)
+    down = run([str(BIN / "rayfleet"), "local", "down"], env=env, timeout=120)
+    # After every job, Serve app and Ray Data run of the session: the head's own teardown
+    # finishes (Ray's SIGTERM drain would otherwise hold it until `down` kills it).
+    assert down.returncode == 0 and "was killed" not in down.stdout, down.stdout + down.stderr
 
 
 @pytest.fixture(scope="session")
