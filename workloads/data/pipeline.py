@@ -228,11 +228,14 @@ def read(inputs: Inputs, paths: list[str], column: str):
 
 
 def build_pipeline(inputs: Inputs, paths: list[str], args):
+    from ray.data import ActorPoolStrategy
+
     ds = read(inputs, paths, args.column)
     ds = ds.map_batches(clean_batch, batch_size=args.batch_size, batch_format="numpy",
                         fn_kwargs={"min_chars": args.min_chars})
     ds = ds.map_batches(ByteTokenizer, batch_size=args.batch_size, batch_format="numpy",
-                        concurrency=(1, args.concurrency), num_cpus=args.tokenizer_cpus)
+                        compute=ActorPoolStrategy(min_size=1, max_size=args.concurrency),
+                        num_cpus=args.tokenizer_cpus)
     return ds.map_batches(make_packer(args.seq_len), batch_size=args.pack_rows,
                           batch_format="numpy")
 

@@ -239,7 +239,7 @@ def run(argv: list[str] | None) -> int:
         raise ConfigError("--input", f"{args.input} holds no documents")
 
     import ray
-    from ray.data import DataContext
+    from ray.data import ActorPoolStrategy, DataContext
 
     from workloads.common.storage import resolve
 
@@ -281,7 +281,8 @@ def run(argv: list[str] | None) -> int:
             fn_constructor_kwargs={"path": path, "batch_size": args.batch_size,
                                    "keep_text": not args.no_text, "device": device,
                                    "num_threads": max(1, int(args.actor_cpus))},
-            concurrency=(1, args.concurrency), num_cpus=args.actor_cpus, num_gpus=num_gpus)
+            compute=ActorPoolStrategy(min_size=1, max_size=args.concurrency),
+            num_cpus=args.actor_cpus, num_gpus=num_gpus)
         marker = data.write_shard(ds, storage, i, len(shards), extra={"model": args.model})
         print(f"[rayfleet] shard {i + 1}/{len(shards)}: {marker['rows']} vectors", flush=True)
         written += 1
