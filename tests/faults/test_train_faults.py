@@ -47,22 +47,14 @@ def test_killed_worker_resumes_from_latest_checkpoint(ray_cluster, tmp_path):
     # Kill only once Ray Train has registered a checkpoint: one reported but not yet
     # registered by the controller is not resumed from (the restart would start at step 0,
     # which is Ray's behaviour, not a kit fault).
-    snapshot = tmp_path / "killed" / "checkpoint_manager_snapshot.json"
-
-    def registered_step() -> int | None:
-        try:
-            latest = json.loads(snapshot.read_bytes()).get("latest_checkpoint_result") or {}
-        except (OSError, ValueError):  # not written yet, or caught mid-write
-            return None
-        return latest.get("metrics", {}).get("step")
-
+    snapshot = _file_reader(tmp_path / "killed" / "checkpoint_manager_snapshot.json")
     out, killed_pid, last_step_at_kill, registered = [], None, None, None
     deadline = time.time() + 300
     for line in proc.stdout:
         out.append(line)
         m = re.search(r"RayTrainWorker pid=(\d+).*\[rayfleet\] step (\d+)/", line)
         if (m and killed_pid is None and int(m.group(2)) >= 15
-                and (registered := registered_step())):
+                and (registered := (_latest_registered(snapshot, "metrics") or {}).get("step"))):
             killed_pid, last_step_at_kill = int(m.group(1)), int(m.group(2))
             os.kill(killed_pid, signal.SIGKILL)
         if time.time() > deadline:
@@ -97,15 +89,22 @@ def test_killed_worker_resumes_from_latest_checkpoint(ray_cluster, tmp_path):
 
 # -- helpers for faults 2, 4, 5 ------------------------------------------------------------
 
-def _latest_registered(read) -> str | None:
+def _latest_registered(read, field: str = "checkpoint_dir_name"):
     """The checkpoint Ray Train resumes from: `latest_checkpoint_result` in its snapshot,
-    written only after every rank's upload succeeded. `read()` returns the snapshot's bytes
-    or None."""
+    written only after every rank's upload succeeded; `field` of it (its folder name, or the
+    "metrics" it was reported with). `read()` returns the snapshot's bytes or None."""
     raw = read()
     if not raw:
         return None
-    latest = json.loads(raw).get("latest_checkpoint_result") or {}
-    return latest.get("checkpoint_dir_name")
+    try:
+        latest = json.loads(raw).get("latest_checkpoint_result") or {}
+    except ValueError:  # caught while Ray rewrites it
+        return None
+    return latest.get(field)
+
+
+def _file_reader(path: Path):
+    return lambda: path.read_bytes() if path.exists() else None
 
 
 def _wait_for(what: str, fn, proc: subprocess.Popen | None = None, timeout: float = 300):
@@ -178,9 +177,9 @@ def test_killed_job_driver_resubmitted_resumes_from_storage(ray_cluster, tmp_pat
     first_id = f"rf-fault2-{uuid.uuid4().hex[:8]}"
     run([str(BIN / "ray"), "job", "submit", "--no-wait", "--submission-id", first_id,
          "--working-dir", ".", "--", *entry], env=ray_cluster["env"], timeout=180, check=True)
-    snapshot = tmp_path / name / "checkpoint_manager_snapshot.json"
-    registered = _wait_for("the first registered checkpoint", lambda: _latest_registered(
-        lambda: snapshot.read_bytes() if snapshot.exists() else None))
+    snapshot = _file_reader(tmp_path / name / "checkpoint_manager_snapshot.json")
+    registered = _wait_for("the first registered checkpoint",
+                           lambda: _latest_registered(snapshot))
     assert (tmp_path / name / registered / "rayfleet_checkpoint.json").exists()
     pids = _driver_pids(str(tmp_path))
     assert len(pids) == 1, pids
@@ -448,10 +447,10 @@ def test_lost_worker_node_fails_naming_the_lost_capacity(two_node_cluster, tmp_p
     env = {**two_node_cluster["env"], "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "8"}
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    snapshot = tmp_path / "runs" / name / "checkpoint_manager_snapshot.json"
+    snapshot = _file_reader(tmp_path / "runs" / name / "checkpoint_manager_snapshot.json")
     try:
-        registered = _wait_for("the first registered checkpoint", lambda: _latest_registered(
-            lambda: snapshot.read_bytes() if snapshot.exists() else None), proc)
+        registered = _wait_for("the first registered checkpoint",
+                               lambda: _latest_registered(snapshot), proc)
         os.killpg(two_node_cluster["worker"].pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=300)  # a hang fails here
     finally:
