@@ -11,7 +11,8 @@ from tests.conftest import BIN, run, summary_of
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("strategy,compile", [("ddp", False), ("fsdp", False), ("ddp", True)])
+@pytest.mark.parametrize("strategy,compile",
+                         [("ddp", False), ("fsdp", False), ("ddp", True), ("fsdp", True)])
 def test_torchrun_on_cuda_learns_in_bf16(tmp_path, strategy, compile):
     import torch
 
