@@ -146,6 +146,8 @@ def test_playbook_syntax_and_example_inventory(ansible_env):
     ({"ray_node_role": "boss"},
      "value of ray_node_role must be one of: head, worker, got: boss"),
     ({"ray_node_dashboard_port": "http"}, "ray_node_dashboard_port"),
+    ({"ray_node_drain_timeout": 30}, "ray_node_drain_timeout (30) must be 0 or more and below "
+                                     "ray_node_stop_timeout (30)"),
 ])
 def test_bad_value_fails_before_anything_is_done(ansible_env, tmp_path, bad, message):
     # Extra vars, as a user would type them: they override the play's own role vars.
@@ -225,6 +227,9 @@ def test_started_nodes_are_ready_with_private_tokens(nodes):
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     assert b"--head" in cmdline and b"--block" in cmdline
     assert b"--dashboard-host=127.0.0.1" in cmdline  # rule 22
+    # Ray's SIGTERM drain stays below the stop timeout, so stopping is Ray's own teardown.
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert b"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=10" in environ
 
 
 @pytest.mark.ray
