@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,10 +50,15 @@ def run_one(model: str, compiled: bool, steps: int, batch: int, out: Path) -> di
            "--max-steps", str(steps), "--log-every", "10", "--checkpoint-every", str(10 * steps),
            "--batch-size", str(batch), "--output", str(out / name), *(["--compile"] * compiled)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    # The run's final checkpoint is ~16 bytes a parameter (weights + Adam): 1b's is 16 GB, so
+    # each run's folder goes before the next one starts.
+    shutil.rmtree(out / name, ignore_errors=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RAYFLEET_SUMMARY ")]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"bench.gpu: {name} failed (exit {proc.returncode}): "
-                         f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+        # torchrun ends stderr with its own banner; the worker's error is the last line that
+        # names one.
+        err = [ln for ln in proc.stderr.splitlines() if "Error" in ln] or ["no output"]
+        raise SystemExit(f"bench.gpu: {name} failed (exit {proc.returncode}): {err[-1][:500]}")
     summary = json.loads(lines[-1].split(" ", 1)[1])
     steady = [h for h in summary["history"][1:] if h.get("tokens_per_s")] or summary["history"]
     # The first logged interval holds the compile (or CUDA warm-up): steady state is the rest.
