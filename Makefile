@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
-	$(BIN)/pip install -q -e '.[dev,workloads]'
+	$(BIN)/pip install -q -e '.[dev,operator]'
 	$(BIN)/pip install -q --no-build-isolation -e '.[deepspeed]'
 	touch $(STAMP)
 

@@ -29,6 +29,9 @@ def _local(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--port", type=int, default=6379, help="GCS port (default 6379)")
     up.add_argument("--dashboard-port", type=int, default=8265,
                     help="dashboard and Jobs API port on 127.0.0.1 (default 8265)")
+    up.add_argument("--python", default=None, metavar="PATH",
+                    help="interpreter of the environment Ray and its jobs run in (default: "
+                         "this one); it must hold the node environment")
     lsub.add_parser("down", help="stop the cluster `up` started, and only it")
     lsub.add_parser("status", help="nodes (ALIVE/DEAD) and free CPUs/GPUs/memory")
     env = lsub.add_parser("env", help='shell exports for clients: eval "$(rayfleet local env)"')
@@ -41,7 +44,7 @@ def _run_local(args: argparse.Namespace) -> int:
     if args.action == "up":
         local.up(num_cpus=args.num_cpus, num_gpus=args.num_gpus,
                  object_store_memory=args.object_store_memory, port=args.port,
-                 dashboard_port=args.dashboard_port)
+                 dashboard_port=args.dashboard_port, python=args.python)
         return 0
     if args.action == "down":
         local.down()
@@ -98,6 +101,18 @@ def _ops(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--region", default=None, help="AWS region (default: the AWS config's)")
     p.add_argument("--delete", action="store_true", help="remove what is found")
 
+    p = sub.add_parser("serve-config", help="a Serve config whose code every node can fetch: "
+                                            "the working dir zipped to s3://, then serve deploy")
+    p.add_argument("config", help="Serve config, e.g. cluster-configs/serve/lm.yaml")
+    p.add_argument("--package-to", required=True, metavar="URI",
+                   help="s3://BUCKET/PREFIX every node can read (the stack's bucket), or "
+                        "file:///PATH on storage the nodes share")
+    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="set an application arg, e.g. checkpoint=s3://... (repeatable)")
+    p.add_argument("--working-dir", default=".", help="the code to package (default .)")
+    p.add_argument("-o", "--out", default=None,
+                   help="where to write (default cluster-configs/generated/serve-<name>.yaml)")
+
     p = sub.add_parser("preflight", help="check the AWS account can launch a cluster YAML")
     p.add_argument("config", help="Ray cluster-launcher YAML")
     p.add_argument("--num-gpus", type=int, default=None,
@@ -141,8 +156,18 @@ def _run_preflight(args: argparse.Namespace) -> int:
     return preflight.main(args.config, num_gpus=args.num_gpus, bucket=args.bucket)
 
 
+def _run_serve_config(args: argparse.Namespace) -> int:
+    from rayfleet import serve_config
+
+    path = serve_config.serve_config(args.config, args.package_to, working_dir=args.working_dir,
+                                     arg_pairs=args.arg, out=args.out)
+    print(f"wrote {path}\nNext: serve deploy {path}")
+    return 0
+
+
 HANDLERS = {"local": _run_local, "render": _run_render, "lint": _run_lint,
-            "cost": _run_cost, "sweep": _run_sweep, "preflight": _run_preflight}
+            "cost": _run_cost, "sweep": _run_sweep, "preflight": _run_preflight,
+            "serve-config": _run_serve_config}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -214,8 +214,12 @@ def _print_info(cluster: LocalCluster, headline: str, out=sys.stdout) -> None:
 
 def up(num_cpus: int | None = None, num_gpus: int | None = None,
        object_store_memory: str | int | None = None, port: int = DEFAULT_GCS_PORT,
-       dashboard_port: int = DEFAULT_DASHBOARD_PORT, quiet: bool = False) -> LocalCluster:
-    """Start the head (idempotent). Raises RayfleetError with one line on any expected failure."""
+       dashboard_port: int = DEFAULT_DASHBOARD_PORT, quiet: bool = False,
+       python: str | None = None) -> LocalCluster:
+    """Start the head (idempotent). Raises RayfleetError with one line on any expected failure.
+
+    python: the interpreter whose environment the head, its workers and job drivers run in
+    (default: this one). It must hold the node environment, as every node of a cluster does."""
     if num_cpus is not None and num_cpus < 1:
         raise ConfigError("--num-cpus", f"must be at least 1, got {num_cpus}")
     if num_gpus is not None and num_gpus < 0:
@@ -247,13 +251,14 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
                 f"port {p} ({what}) is already in use by another process; stop it "
                 f"(`ray stop` if it is another Ray) or pick another with {flag}")
 
+    python = _check_node_env(python)
     token = ensure_token()
     logdir = state_dir() / "local"
     logdir.mkdir(parents=True, exist_ok=True)
     log = logdir / "ray-head.log"
     client_port, agent_port = _pick(DEFAULT_CLIENT_PORT), _pick(DEFAULT_AGENT_PORT)
     cmd = [
-        _ray_bin(), "start", "--head", "--block", "--disable-usage-stats",
+        _ray_bin(python), "start", "--head", "--block", "--disable-usage-stats",
         f"--port={port}",
         # The dashboard serves the Jobs API (remote code execution by design): loopback only
         # (CVE-2023-48022; DESIGN rule 22). Remote users reach it through a tunnel.
@@ -273,7 +278,7 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     # Job drivers inherit the head's PATH: put the kit's interpreter first so that
     # `ray job submit -- python -m workloads...` runs with the pinned Ray and torch even
     # when the user never activated the venv.
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PATH"] = os.pathsep.join([str(Path(python).parent), env.get("PATH", "")])
     env.pop("RAY_AUTH_TOKEN", None)  # a stray token in the environment would win over the file
     # On SIGTERM, Ray 2.60's `ray start --block` first drains its node for up to 30 s, waiting
     # for it to go idle so Serve can move replicas elsewhere. A one-node cluster has nowhere
@@ -319,10 +324,34 @@ def _listening(port: int) -> bool:
         return False
 
 
-def _ray_bin() -> str:
-    # The `ray` next to this interpreter: the kit's pinned Ray, whatever PATH says.
-    candidate = Path(sys.executable).with_name("ray")
+def _ray_bin(python: str | None = None) -> str:
+    # The `ray` next to the interpreter: the pinned Ray of that environment, whatever PATH says.
+    candidate = Path(python or sys.executable).with_name("ray")
     return str(candidate) if candidate.exists() else "ray"
+
+
+def _check_node_env(python: str | None) -> str:
+    """The interpreter to start from, once it is known to hold the node environment (the
+    same check a job would otherwise fail on later, on a worker, or after training)."""
+    from rayfleet import nodeenv
+
+    env = nodeenv.load()
+    if python is None:
+        python, lacking = sys.executable, nodeenv.missing(env.all)
+    else:
+        # Not resolved: a venv's python is a symlink to the base interpreter, whose
+        # site-packages are not the venv's.
+        path = Path(python).expanduser().absolute()
+        if not path.is_file():
+            raise ConfigError("--python", f"{python} is not an interpreter")
+        python, lacking = str(path), nodeenv.missing_in(str(path), env.all)
+    if lacking:
+        shown = ", ".join(lacking[:4]) + (f" and {len(lacking) - 4} more" if len(lacking) > 4
+                                          else "")
+        raise ClusterError(f"{python} lacks the node environment: {shown} (`make setup`, or "
+                           "pip install pyproject.toml's dependencies, then its deepspeed extra "
+                           "with --no-build-isolation)")
+    return python
 
 
 def _last_line(log: Path) -> str:

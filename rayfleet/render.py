@@ -19,7 +19,6 @@ import os
 import re
 import shlex
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from rayfleet.config import (
     RAY_PORTS,
     WORKER_INSTANCE_TYPES,
 )
+from rayfleet import nodeenv
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ SCHEMA_VERSION = 1
 # Where the token lands on every node, and the venv the setup commands build there.
 REMOTE_TOKEN = "~/.rayfleet/auth_token"
 REMOTE_TOKEN_ENV = "$HOME/.rayfleet/auth_token"
-VENV = "~/rayfleet-venv"
+VENV = nodeenv.VENV
 RAY_BIN = f"{VENV}/bin/ray"
 
 # Every key render reads, dotted; a missing one is refused with its name.
@@ -145,24 +145,32 @@ def load_outputs(source: str, stdin=None) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- versions
 
-def pinned_versions(pyproject: Path = PYPROJECT) -> dict[str, str]:
-    """``{"ray": 'ray[default,...]==2.60.0', "torch": ..., "boto3": ...}`` from pyproject.toml,
-    the one place versions are pinned (rule 25)."""
-    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    out = {}
-    for dep in deps:
-        m = re.fullmatch(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?==([^;\s]+)", dep.strip())
-        if m and m.group(1) in ("ray", "torch", "boto3"):
-            out[m.group(1)] = dep.strip()
-    for name in ("ray", "torch"):
-        if name not in out:
-            raise RayfleetError(f"{pyproject}: {name} is not pinned with == in "
-                                "[project].dependencies")
-    return out
-
-
 def ray_version(pyproject: Path = PYPROJECT) -> str:
-    return pinned_versions(pyproject)["ray"].split("==", 1)[1]
+    return nodeenv.load(pyproject).pin("ray").split("==", 1)[1]
+
+
+def setup_commands(env: nodeenv.NodeEnv) -> list[str]:
+    """Build the node environment in ~/rayfleet-venv; re-running on a built node changes
+    nothing (pip finds every pin satisfied)."""
+    major, minor = nodeenv.MIN_PYTHON
+    need = f"sys.version_info < ({major}, {minor})"
+    pythons = "python3.12 python3.11 /opt/pytorch/bin/python3 python3"
+    return [
+        # The first Python >= 3.11 the AMI has: Ubuntu 22.04's python3 is 3.10, too old for
+        # the pinned pandas and numpy; the Deep Learning AMI's /opt/pytorch venv is newer.
+        f"test -x {VENV}/bin/python || {{ for p in {pythons}; do "
+        f"\"$p\" -c 'import sys; sys.exit({need})' 2>/dev/null && "
+        f"\"$p\" -m venv {VENV} && break; done; test -x {VENV}/bin/python || "
+        f"{{ echo 'rayfleet: no Python {major}.{minor}+ with venv on this node; the node "
+        f"environment needs one (add python3.12-venv or python3.11-venv to the image)' >&2; "
+        f"exit 1; }}; }}",
+        f"{VENV}/bin/pip install --quiet --upgrade pip setuptools wheel",
+        f"{VENV}/bin/pip install --quiet " + " ".join(shlex.quote(r) for r in env.requirements),
+        # DeepSpeed's sdist imports torch when it builds: after torch, without isolation.
+        *([f"{VENV}/bin/pip install --quiet --no-build-isolation "
+           + " ".join(shlex.quote(r) for r in env.after_torch)] if env.after_torch else []),
+        "chmod 700 ~/.rayfleet && chmod 600 " + REMOTE_TOKEN,
+    ]
 
 
 # ----------------------------------------------------------------------------- YAML with comments
@@ -250,7 +258,7 @@ def build_config(o: dict[str, Any], token_file: str, key_name: str | None = None
     c = o["cluster_name"]
     region = o["region"]
     key_name = key_name or f"{c}-operator"
-    pins = pinned_versions(pyproject)
+    node_env = nodeenv.load(pyproject)
     nt = o["node_types"]
     head_t, spot_t, od_t = nt["head"], nt["worker_spot"], nt["worker_ondemand"]
     profiles = o["instance_profiles"]
@@ -291,7 +299,10 @@ def build_config(o: dict[str, Any], token_file: str, key_name: str | None = None
         }
 
     head_spec = HEAD_INSTANCE_TYPES[head_t["instance_type"]]
-    auth_env = f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={REMOTE_TOKEN_ENV}"
+    # PATH: a job's entrypoint (`python -m workloads...`) runs with the node's PATH, and
+    # `python` must be the node environment's, not the image's.
+    auth_env = (f"export PATH={VENV.replace('~', '$HOME', 1)}/bin:$PATH RAY_AUTH_MODE=token "
+                f"RAY_AUTH_TOKEN_PATH={REMOTE_TOKEN_ENV}")
     ssm = (f"aws ssm start-session --region {region} --target %h "
            "--document-name AWS-StartSSHSession --parameters portNumber=%p")
     return {
@@ -363,13 +374,13 @@ def build_config(o: dict[str, Any], token_file: str, key_name: str | None = None
         "rsync_exclude": [],
         "rsync_filter": [],
         "initialization_commands": [],
-        "setup_commands": Why([
-            f"test -x {VENV}/bin/python || python3 -m venv {VENV}",
-            f"{VENV}/bin/pip install --quiet "
-            + " ".join(shlex.quote(pins[k]) for k in ("ray", "torch", "boto3") if k in pins),
-            "chmod 700 ~/.rayfleet && chmod 600 " + REMOTE_TOKEN,
-        ], "Exactly the versions pyproject.toml pins, on every node (rule 25): Ray refuses a "
-           "client or node whose version differs from the head's."),
+        "setup_commands": Why(
+            setup_commands(node_env),
+            "The node environment (pyproject.toml's dependencies and deepspeed extra, exactly "
+            "as pinned) on every node: Ray refuses a client or node whose Ray differs from the "
+            "head's (rule 25), and a job fails on the first package its node lacks. The kit's "
+            "code is not installed: jobs bring it with --working-dir, Serve apps from the "
+            "bucket (rayfleet serve-config)."),
         "head_setup_commands": [],
         "worker_setup_commands": [],
         "head_start_ray_commands": Why([
@@ -377,7 +388,8 @@ def build_config(o: dict[str, Any], token_file: str, key_name: str | None = None
             f"ulimit -n 65536; {auth_env}; {RAY_BIN} start --head "
             f"--autoscaling-config=~/ray_bootstrap_config.yaml --dashboard-host=127.0.0.1 "
             + port_flags(head=True),
-        ], "Token auth on (rule 21); the dashboard and Jobs API listen on loopback only and are "
+        ], "Token auth on (rule 21); the node environment first on PATH, so a job's `python` "
+           "is its python; the dashboard and Jobs API listen on loopback only and are "
            "reached by an SSM tunnel (rule 22); every port pinned to what the security group "
            "opens."),
         "worker_start_ray_commands": Why([

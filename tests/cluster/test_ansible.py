@@ -1,10 +1,11 @@
 """The on-prem path: `infra/ansible/site.yml` and its `ray_node` role, run for real.
 
-The cheap checks (playbook syntax, example inventory, argument specs, the Ray pin) need no
-cluster. The real run drives `ansible-playbook` against this machine (connection local) with
-the kit's own venv as `ray_node_venv`, so the pinned install is a no-op, and everything the
-role writes in temp folders on free ports: the head it starts must take a token-authenticated
-`ray job submit`, refuse one without the token, and be gone, ports free, after `stopped`.
+The cheap checks (playbook syntax, example inventory, argument specs, the node environment's
+pins) need no cluster. The real run drives `ansible-playbook` against this machine (connection
+local), everything the role writes in temp folders on free ports, and the role builds its venv
+with its defaults (the node environment) in a fresh folder: the head it starts must take a
+token-authenticated `ray job submit`, refuse one without the token, run the workloads README
+submits with the code sent along (`--working-dir .`), and be gone, ports free, after `stopped`.
 """
 
 from __future__ import annotations
@@ -74,9 +75,10 @@ def _inventory(path: Path, head: dict, worker: dict | None = None) -> Path:
     return path
 
 
-def _node_vars(root: Path, temp_dir: str = "") -> dict:
+def _node_vars(root: Path, temp_dir: str = "", venv: Path | None = None) -> dict:
     return {
-        "ray_node_venv": str(BIN.parent),
+        # The kit's venv (a no-op install) unless the test builds the node environment.
+        "ray_node_venv": str(venv or BIN.parent),
         "ray_node_user": getpass.getuser(),
         "ray_node_create_user": False,
         "ray_node_config_dir": str(root / "etc"),
@@ -85,7 +87,7 @@ def _node_vars(root: Path, temp_dir: str = "") -> dict:
         "ray_node_auth_token_path": str(root / "secrets" / "auth_token"),
         "ray_node_temp_dir": temp_dir,
         "ray_node_node_ip_address": "127.0.0.1",
-        "ray_node_num_cpus": 1,
+        "ray_node_num_cpus": 2,
         "ray_node_object_store_memory": 100 * 2**20,
         **{f"ray_node_{p}_port": free_port() for p in PORTS},
     }
@@ -106,11 +108,20 @@ def _recap(stdout: str) -> dict[str, dict[str, int]]:
 
 # --- no cluster needed -----------------------------------------------------------------------
 
-def test_role_installs_the_ray_version_pyproject_pins():
-    # DESIGN rule 25: the nodes must run the Ray the clients run.
+def test_role_installs_the_node_environment_pyproject_pins():
+    # DESIGN rule 25: the nodes must run the Ray the clients run; and every package the
+    # workloads import, at the same pins as the cluster YAML's setup commands.
+    from rayfleet import nodeenv
+
+    env, defaults, spec = nodeenv.load(), _role_defaults(), _argument_spec()
     pin = _pyproject_ray_pin()
-    assert _role_defaults()["ray_node_ray_version"] == pin
-    assert _argument_spec()["ray_node_ray_version"]["default"] == pin
+    assert defaults["ray_node_ray_version"] == pin
+    ray = f"ray[{','.join(defaults['ray_node_ray_extras'])}]=={pin}"
+    assert [ray, *defaults["ray_node_pip_packages"]] == list(env.requirements)
+    assert defaults["ray_node_pip_packages_after_torch"] == list(env.after_torch)
+    for name in ("ray_node_ray_version", "ray_node_ray_extras", "ray_node_pip_packages",
+                 "ray_node_pip_packages_after_torch"):
+        assert spec[name]["default"] == defaults[name], name
 
 
 def test_argument_spec_documents_every_default():
@@ -186,12 +197,14 @@ def nodes(ansible_env, tmp_path_factory):
     # Ray's session folder holds unix sockets (107-byte path limit): short, and our own, so
     # these nodes never touch /tmp/ray/ray_current_cluster, which other clusters use.
     temp_dir = tempfile.mkdtemp(prefix="rfans-", dir="/tmp")
-    head = _node_vars(root / "head", temp_dir)
-    worker = {**_node_vars(root / "worker", temp_dir),
+    # Both hosts are this machine, so they share one venv: the worker's install is a no-op.
+    venv = root / "venv"
+    head = _node_vars(root / "head", temp_dir, venv)
+    worker = {**_node_vars(root / "worker", temp_dir, venv),
               "ray_node_head_address": f"127.0.0.1:{head['ray_node_gcs_port']}"}
     inventory = _inventory(root / "inventory.yml", head, worker)
     # --diff -v: without no_log, the token would show in the file diffs and module results.
-    started = _playbook(ansible_env, inventory, "--diff", "-v")
+    started = _playbook(ansible_env, inventory, "--diff", "-v", timeout=900)
     info = {"head": head, "worker": worker, "inventory": inventory, "started": started,
             "url": f"http://127.0.0.1:{head['ray_node_dashboard_port']}"}
     try:
@@ -250,8 +263,35 @@ def test_job_submit_needs_the_token_and_sees_both_nodes(nodes, tmp_path):
                   "RAY_AUTH_TOKEN_PATH": nodes["head"]["ray_node_auth_token_path"]}
     ok = run(submit, env=with_token, timeout=240)
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
-    assert "nodes-alive 2 cpus 2.0" in ok.stdout
+    assert "nodes-alive 2 cpus 4.0" in ok.stdout
     assert "succeeded" in ok.stdout.lower()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [
+    ["workloads.train", "--smoke-test", "--max-steps", "4", "--checkpoint-every", "4"],
+    ["workloads.train", "--smoke-test", "--max-steps", "4", "--checkpoint-every", "4",
+     "--strategy", "fsdp"],
+    ["workloads.train", "--smoke-test", "--max-steps", "4", "--checkpoint-every", "4",
+     "--strategy", "deepspeed"],
+    ["workloads.data", "--smoke-test", "--max-bytes", "50000"],
+    ["workloads.embed", "--smoke-test", "--max-docs", "16"],
+], ids=["train-ddp", "train-fsdp", "train-deepspeed", "data", "embed"])
+def test_the_role_built_environment_runs_every_workload(nodes, tmp_path, argv):
+    # The venv holds the role's defaults and nothing of the kit: the code comes with the job.
+    venv_python = Path(nodes["head"]["ray_node_venv"]) / "bin" / "python"
+    no_kit = run([str(venv_python), "-c", "import workloads"], cwd=tmp_path)
+    assert "No module named 'workloads'" in no_kit.stderr
+    client = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    client.update(HOME=str(tmp_path), PATH=f"{BIN}:{os.environ['PATH']}", RAY_AUTH_MODE="token",
+                  RAY_AUTH_TOKEN_PATH=nodes["head"]["ray_node_auth_token_path"])
+    out = ["--storage-path" if argv[0] == "workloads.train" else "--output", str(tmp_path / "o")]
+    job = run([str(BIN / "ray"), "job", "submit", "--address", nodes["url"], "--working-dir",
+               ".", "--", "python", "-m", *argv, *out], env=client, timeout=400)
+    assert job.returncode == 0 and "succeeded" in job.stdout.lower(), (
+        job.stdout[-4000:] + job.stderr[-2000:])
+    assert "RAYFLEET_SUMMARY " in job.stdout
 
 
 @pytest.mark.ray

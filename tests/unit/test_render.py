@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import shlex
 import os
 import stat
 import subprocess
@@ -153,13 +154,16 @@ def test_every_ray_port_is_pinned_as_infra_opens_it(tmp_path, outputs):
                 assert e in worker, e
 
 
-def test_setup_pins_exactly_pyprojects_ray_and_torch(tmp_path, outputs):
+def test_setup_installs_exactly_the_node_environment(tmp_path, outputs):
     _, cfg = rendered(tmp_path, outputs)
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    ray_pin = next(d for d in deps if d.startswith("ray["))
-    torch_pin = next(d for d in deps if d.startswith("torch=="))
-    setup = " ".join(cfg["setup_commands"])
-    assert f"'{ray_pin}'" in setup and torch_pin in setup
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps, deepspeed = project["dependencies"], project["optional-dependencies"]["deepspeed"]
+    setup = cfg["setup_commands"]
+    install = next(c for c in setup if "pip install --quiet 'ray[" in c)
+    assert shlex.split(install)[3:] == deps  # every pin, in pyproject's order, and nothing else
+    # DeepSpeed after torch, without build isolation (its build imports torch).
+    assert setup.index(install) < next(i for i, c in enumerate(setup)
+                                       if "--no-build-isolation" in c and deepspeed[0] in c)
     # on-prem installs the same.
     onprem = yaml.safe_load((CONFIGS / "onprem.yaml").read_text())
     assert onprem["setup_commands"] == cfg["setup_commands"]
@@ -172,7 +176,12 @@ def test_pins_follow_pyproject(tmp_path, outputs):
     fake.write_text('[project]\ndependencies = ["ray[default]==9.9.9", "torch==1.2.3"]\n')
     o = render.parse_outputs(json.dumps(outputs))
     cfg = render.plain(render.build_config(o, "t", pyproject=fake))
-    assert "'ray[default]==9.9.9' torch==1.2.3" in cfg["setup_commands"][1]
+    assert any(c.endswith("pip install --quiet 'ray[default]==9.9.9' torch==1.2.3")
+               for c in cfg["setup_commands"])
+    assert not any("--no-build-isolation" in c for c in cfg["setup_commands"])
+    fake.write_text('[project]\ndependencies = ["ray[default]==9.9.9", "torch>=1"]\n')
+    with pytest.raises(render.RayfleetError, match="'torch>=1' is not pinned with =="):
+        render.build_config(o, "t", pyproject=fake)
 
 
 def test_every_non_obvious_field_has_a_comment_above():

@@ -30,6 +30,7 @@ import numpy as np
 
 from rayfleet.errors import ConfigError, RayfleetError
 from workloads.common.cli import ArgumentParser, run_main
+from workloads.common.deps import require
 
 PROG = "workloads.data"
 TEXT_EXT = (".txt", ".md", ".py", ".rst")
@@ -340,6 +341,8 @@ def read_marker(storage, index: int) -> dict | None:
 
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    require({"ray.data": "ray[data]", "pyarrow": "pyarrow", "pandas": "pandas"},
+            "workloads.data")
     defaults = SMOKE if args.smoke_test else DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None:

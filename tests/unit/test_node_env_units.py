@@ -1,0 +1,153 @@
+"""The node environment as declared (pyproject.toml), its check in `rayfleet local up`, a
+workload on a node that lacks part of it, and `rayfleet serve-config`'s refusals."""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayfleet import nodeenv
+from rayfleet.errors import RayfleetError
+from tests.conftest import BIN, REPO, run
+
+# A sitecustomize that makes the named modules unimportable: a node without them.
+BLOCKER = """
+import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}")
+sys.meta_path.insert(0, _Block())
+"""
+
+
+def test_every_module_the_workloads_import_is_in_the_node_environment():
+    """A new import in workloads/ without its package in pyproject's dependencies would pass
+    every other test (the kit's venv has everything) and fail on a node built from the YAML."""
+    env = nodeenv.load()
+    declared = {nodeenv._normal(nodeenv._REQ.match(r).group(1)) for r in env.all}
+    provided = metadata.packages_distributions()
+    lacking = {}
+    for path in (REPO / "workloads").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0
+                     else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("workloads", "rayfleet"):
+                    continue
+                dists = {nodeenv._normal(d) for d in provided.get(top, [])}
+                # fastapi and pydantic come with ray[serve]: Ray's own requirements.
+                if not dists & declared and not dists & _ray_serve_deps():
+                    lacking[top] = str(path.relative_to(REPO))
+    assert not lacking, f"imported by workloads/ but not in the node environment: {lacking}"
+
+
+def _ray_serve_deps() -> set[str]:
+    reqs = metadata.requires("ray") or []
+    return {nodeenv._normal(nodeenv._REQ.match(r).group(1)) for r in reqs
+            if "extra == \"serve\"" in r or "extra == 'serve'" in r}
+
+
+def test_unpinned_requirement_is_refused(tmp_path):
+    fake = tmp_path / "pyproject.toml"
+    fake.write_text('[project]\ndependencies = ["ray==2.60.0", "numpy>=1"]\n')
+    with pytest.raises(RayfleetError, match="'numpy>=1' is not pinned with =="):
+        nodeenv.load(fake)
+
+
+def test_missing_names_what_is_absent_or_at_another_version():
+    assert nodeenv.missing(["pyyaml==6.0.3", "rayfleet-no-such-dist==1.0"]) == [
+        "rayfleet-no-such-dist (not installed)"]
+    assert nodeenv.missing(["pyyaml==0.0.1"]) == [
+        f"pyyaml==0.0.1 (has {metadata.version('pyyaml')})"]
+
+
+@pytest.mark.parametrize("argv,blocked,needle", [
+    (["workloads.train", "--smoke-test", "--strategy", "deepspeed"], ["deepspeed"],
+     "lacks deepspeed (needed for workloads.train --strategy deepspeed)"),
+    (["workloads.train", "--smoke-test"], ["matplotlib"], "lacks matplotlib"),
+    (["workloads.embed", "--smoke-test"], ["sentence_transformers"],
+     "lacks sentence-transformers (needed for workloads.embed)"),
+])
+def test_a_workload_on_a_node_lacking_a_package_says_so_before_starting(tmp_path, argv,
+                                                                         blocked, needle):
+    (tmp_path / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(blocked)))
+    proc = run([str(BIN / "python"), "-m", *argv, "--storage-path" if "train" in argv[0]
+                else "--output", str(tmp_path / "out")],
+               env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path), "HOME": str(tmp_path)},
+               timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert needle in proc.stderr and "node environment" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_local_up_refuses_an_interpreter_without_the_node_environment(tmp_path):
+    proc = run([str(BIN / "rayfleet"), "local", "up", "--python", "/usr/bin/python3"],
+               env={"PATH": "/usr/bin:/bin", "RAYFLEET_HOME": str(tmp_path)}, timeout=60)
+    assert proc.returncode == 2
+    assert "/usr/bin/python3 lacks the node environment: ray (not installed)" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "local").exists()  # nothing started
+
+
+def _serve_config(tmp_path, *args, env=None):
+    return run([str(BIN / "rayfleet"), "serve-config", *args], env=env, timeout=120)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["cluster-configs/serve/lm.yaml", "--package-to", "s3://bucket/p"],
+     "lm.args.checkpoint: 'runs/demo/checkpoint_000002' is relative to this folder"),
+    (["cluster-configs/serve/lm.yaml", "--package-to", "/tmp/x"],
+     "--package-to: '/tmp/x' must be s3://BUCKET/PREFIX"),
+    (["cluster-configs/serve/no-such.yaml", "--package-to", "s3://bucket/p"],
+     "no such Serve config"),
+    (["cluster-configs/onprem.yaml", "--package-to", "s3://bucket/p"], "not a Serve config"),
+    (["cluster-configs/serve/lm.yaml", "--package-to", "s3://bucket/p", "--arg", "oops"],
+     "--arg: expects KEY=VALUE"),
+])
+def test_serve_config_bad_input_is_one_line_and_uploads_nothing(tmp_path, args, needle):
+    out = tmp_path / "out.yaml"
+    proc = _serve_config(tmp_path, *args, "-o", str(out),
+                         env={"PATH": "/usr/bin:/bin", "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9",
+                              "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x"})
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def test_serve_config_packages_the_code_as_ray_unpacks_it(tmp_path):
+    out = tmp_path / "lm.yaml"
+    proc = _serve_config(tmp_path, "cluster-configs/serve/lm.yaml", "--package-to",
+                         f"file://{tmp_path}/pkgs", "--arg", "checkpoint=/ckpt/run/x", "-o",
+                         str(out))
+    assert proc.returncode == 0, proc.stderr
+    cfg = yaml.safe_load(out.read_text())
+    app = cfg["applications"][0]
+    assert app["args"]["checkpoint"] == "/ckpt/run/x"
+    assert app["import_path"] == "workloads.serve.lm:app_builder"
+    uri = app["runtime_env"]["working_dir"]
+    zip_path = Path(uri.removeprefix("file://"))
+    with zipfile.ZipFile(zip_path) as z:
+        names = z.namelist()
+    top = {n.split("/")[0] for n in names}
+    assert len(top) == 1  # one folder, which Ray strips when it unpacks a remote zip
+    inner = {n.split("/", 1)[1] for n in names}
+    assert "workloads/serve/lm.py" in inner and "rayfleet/errors.py" in inner
+    assert not any(n.startswith((".venv/", ".git/", "runs/")) for n in inner)
+    # Same code, same name: a second run re-uses the package.
+    again = _serve_config(tmp_path, "cluster-configs/serve/lm.yaml", "--package-to",
+                          f"file://{tmp_path}/pkgs", "--arg", "checkpoint=/ckpt/run/x", "-o",
+                          str(out))
+    assert again.returncode == 0
+    assert yaml.safe_load(out.read_text())["applications"][0]["runtime_env"]["working_dir"] == uri
+    assert json.dumps(cfg["http_options"]) == json.dumps({"host": "127.0.0.1", "port": 8000})
