@@ -7,7 +7,9 @@ one with `bash -c` in a scratch HOME holding the YAML's `file_mounts` (the token
 cluster is started from the venv those commands built (`rayfleet local up --python`), and the
 operator reaches it as on AWS: `ray job submit --working-dir .` for data, train (each
 strategy) and embed, and `rayfleet serve-config` + `serve deploy` for the `lm` and `rag` apps
-from the configs as committed, their code fetched by the nodes from S3 (a moto server).
+from the configs as committed, their code fetched by the nodes from S3 (a moto server). The
+embeddings' and `rag`'s own checks ride on these runs (one embed job and one rag deployment in
+the suite), driven by the real `openai` client.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import json
 import os
 import shutil
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -27,6 +32,7 @@ from tests.workloads.conftest import wait_healthy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.moto]
 BUCKET = "rayfleet-node-env"
+DOCS = 80   # stdlib module docstrings: __future__ ... email.*, csv and bz2 among them
 
 
 def _pip_passthrough(home: Path) -> dict[str, str]:
@@ -174,27 +180,59 @@ def test_data_writes_packed_shards(node):
 @pytest.fixture(scope="module")
 def embeddings(node):
     out = node["root"] / "embeddings"
-    proc = _submit(node, "workloads.embed", "--smoke-test", "--max-docs", "80", "--output",
-                   str(out))
+    proc = _submit(node, "workloads.embed", "--smoke-test", "--max-docs", str(DOCS),
+                   "--batch-size", "32", "--output", str(out))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    return out
+    return out, summary_of(proc.stdout)
 
 
-def test_embed_writes_vectors(embeddings):
-    table = pq.read_table(sorted(embeddings.glob("*.parquet")))
-    assert table.num_rows == 80
-    assert len(table.column("embedding")[0]) == 384
+def _table(out: Path):
+    return pq.read_table(sorted(out.glob("*.parquet")))
 
 
-def _deploy(node, app: str, tmp_path: Path, port: int, **args: str) -> str:
+def test_embed_writes_one_unit_vector_per_document_with_its_id(embeddings):
+    from workloads.embed.pipeline import stdlib_docs
+
+    out, summary = embeddings
+    t = _table(out)
+    assert summary["rows"] == t.num_rows == DOCS and summary["dim"] == 384
+    assert t.schema.field("embedding").type.list_size == 384
+    # Same documents, same order as the source (preserve_order), ids intact. (The node's
+    # Python is this machine's, so its standard library is the same documents.)
+    assert t["id"].to_pylist() == [d["id"] for d in stdlib_docs(DOCS)]
+    vecs = np.array(t["embedding"].to_pylist(), dtype=np.float32)
+    assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-4)
+    assert json.loads((out / "_manifest.json").read_text())["model"] == "all-MiniLM-L6-v2"
+
+
+def test_vectors_are_what_the_model_gives_here(embeddings):
+    """Deterministic and correct: the node's actors, batching 32 at a time, agree with the
+    same packaged model run once in this process, one document at a time."""
+    from workloads.embed.pipeline import encode, load_encoder, model_path
+
+    t = _table(embeddings[0])
+    enc = load_encoder(model_path("all-MiniLM-L6-v2"))
+    for i in (0, 17, DOCS - 1):
+        mine = encode(enc, [t["text"][i].as_py()], 1)[0]
+        assert np.abs(mine - np.array(t["embedding"][i].as_py())).max() < 1e-5
+
+
+# --------------------------------------------------------------------------- serve
+
+@pytest.fixture(scope="module")
+def serve_port() -> int:
+    # Serve's proxy keeps the port of the first deploy for the cluster's life.
+    return free_port()
+
+
+def _deploy(node, app: str, config_dir: Path, port: int, **args: str) -> str:
     """The committed config on a free port, packaged with `rayfleet serve-config` to the
-    bucket, then `serve deploy`ed: the nodes fetch the code from S3 themselves. (The port is
-    the cluster's for good once Serve's proxy has started.)"""
+    bucket, then `serve deploy`ed: the nodes fetch the code from S3 themselves."""
     cfg = yaml.safe_load((REPO / "cluster-configs" / "serve" / f"{app}.yaml").read_text())
     cfg["http_options"]["port"] = port
-    src = tmp_path / f"{app}.yaml"
+    src = config_dir / f"{app}.yaml"
     src.write_text(yaml.safe_dump(cfg))
-    out = tmp_path / f"serve-{app}.yaml"
+    out = config_dir / f"serve-{app}.yaml"
     made = run([str(BIN / "rayfleet"), "serve-config", str(src), "--package-to",
                 f"s3://{BUCKET}/rayfleet/packages", "-o", str(out),
                 *[f"--arg={k}={v}" for k, v in args.items()]], env=node["env"], timeout=120)
@@ -206,26 +244,69 @@ def _deploy(node, app: str, tmp_path: Path, port: int, **args: str) -> str:
     return wait_healthy({"env": node["env"]}, f"http://127.0.0.1:{port}", app)
 
 
-def _post(url: str, body: dict) -> dict:
-    import urllib.request
-
+def _post(url: str, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
-def test_serve_lm_and_rag_from_the_committed_configs(node, ddp_run, embeddings, tmp_path):
-    checkpoint = ddp_run[0]["checkpoint"]   # s3://: each replica downloads it
-    port = free_port()
-    url = _deploy(node, "lm", tmp_path, port, checkpoint=checkpoint)
-    done = _post(url + "/v1/completions", {"model": "rayfleet-lm", "prompt": "import ",
-                                           "max_tokens": 8, "seed": 1})
+def test_serve_lm_from_the_committed_config_and_the_s3_checkpoint(node, ddp_run, serve_port,
+                                                                 tmp_path):
+    url = _deploy(node, "lm", tmp_path, serve_port, checkpoint=ddp_run[0]["checkpoint"])
+    status, done = _post(url + "/v1/completions", {"model": "rayfleet-lm", "prompt": "import ",
+                                                   "max_tokens": 8, "seed": 1})
+    assert status == 200, done
     assert done["choices"][0]["text"] and done["usage"]["completion_tokens"] >= 1
 
-    # `serve deploy` replaces the cluster's apps: rag now, with the embed job's vectors.
-    url = _deploy(node, "rag", tmp_path, port, checkpoint=checkpoint,
-                  embeddings=str(embeddings))
-    found = _post(url + "/v1/retrieve", {"query": "How do I read and write CSV files?",
-                                         "k": 3})
-    assert found["data"][0]["id"] == "csv", found
+
+@pytest.fixture(scope="module")
+def rag_url(node, ddp_run, embeddings, serve_port, tmp_path_factory):
+    # `serve deploy` replaces the cluster's apps: rag after lm, on the same port.
+    return _deploy(node, "rag", tmp_path_factory.mktemp("rag"), serve_port,
+                   checkpoint=ddp_run[0]["checkpoint"], embeddings=str(embeddings[0]))
+
+
+def test_retriever_finds_the_document_that_answers(rag_url):
+    status, body = _post(rag_url + "/v1/retrieve",
+                         {"query": "How do I read and write CSV files?", "k": 3})
+    assert status == 200
+    hits = body["data"]
+    assert [h["id"] for h in hits][0] == "csv"
+    assert hits[0]["score"] > hits[1]["score"] >= hits[2]["score"]
+
+
+def test_rag_answers_through_the_openai_client_with_its_sources(rag_url):
+    import openai
+
+    client = openai.OpenAI(base_url=rag_url + "/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    assert [m.id for m in client.models.list().data] == ["rayfleet-rag"]
+    r = client.chat.completions.create(
+        model="rayfleet-rag", max_tokens=12, seed=1,
+        messages=[{"role": "user", "content": "bzip2 compression?"}])
+    assert r.choices[0].message.content and r.usage.completion_tokens >= 1
+    extra = r.model_extra["rayfleet"]
+    assert extra["sources"][0]["id"] == "bz2" and extra["generator"] == "rayfleet-lm"
+    # The generator saw the retrieved document (trimmed to its short context).
+    assert extra["prompt"].startswith("# bz2:") and extra["prompt"].endswith("# answer:")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user",
+                                                                 "content": "hi"}])
+
+
+def test_rag_refuses_bad_requests_and_a_missing_index(rag_url, tmp_path):
+    from rayfleet.errors import CheckpointError
+    from workloads.serve.rag import check_index
+
+    status, body = _post(rag_url + "/v1/retrieve", {"query": "", "k": 3})
+    assert status == 400 and body["error"]["param"] == "query"
+    status, body = _post(rag_url + "/v1/chat/completions",
+                         {"model": "rayfleet-rag", "k": 500,
+                          "messages": [{"role": "user", "content": "x"}]})
+    assert status == 400 and body["error"]["param"] == "k"
+    with pytest.raises(CheckpointError, match="_manifest.json"):
+        check_index(str(tmp_path))
