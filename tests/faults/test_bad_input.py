@@ -495,7 +495,10 @@ def test_bad_input_is_one_line_no_aws_no_ray_nothing_written(case, tmp_path, gua
     if case.program == "serve":
         import workloads.serve.lm  # noqa: F401
     else:
-        monkeypatch.setitem(sys.modules, "ray", None)
+        # Every Ray module, not only `ray`: `from ray.data import X` would otherwise still
+        # succeed once an earlier test had imported ray.data (sys.modules is looked at first).
+        for name in [m for m in sys.modules if m == "ray" or m.startswith("ray.")] or ["ray"]:
+            monkeypatch.setitem(sys.modules, name, None)
     before = snapshot(tmp_path)
     argv = [a.format(tmp=tmp_path, yaml=EXAMPLE_YAML) for a in case.argv]
     capsys.readouterr()

@@ -108,6 +108,8 @@ def test_launch_interrupted_by_capacity_error_is_swept_clean(infra_stack, moto_a
     assert head_id in listed and all(v in listed for v in head_volumes), listed
     assert {x.id for x in sweep.find(ec2, c)} >= {head_id, *head_volumes}
     assert cluster_instances(ec2, c), "a sweep without --delete removed something"
+    present = {v["VolumeId"] for v in ec2.describe_volumes()["Volumes"]}
+    assert head_volumes <= present, "a sweep without --delete removed a volume"
 
     assert cli.main(["sweep", "--cluster-name", c, "--region", o["region"], "--delete"]) == 0
     assert cluster_instances(ec2, c) == []

@@ -69,6 +69,8 @@ def test_killed_worker_resumes_from_latest_checkpoint(ray_cluster, tmp_path):
     # Resumed from the checkpoint registered when the worker died (or a later one that
     # registered in the moment before the group stopped), never from scratch or an older one.
     assert registered <= resumed[-1] <= last_step_at_kill, (registered, resumed, last_step_at_kill)
+    # At most one checkpoint interval redone (--checkpoint-every 10).
+    assert last_step_at_kill - resumed[-1] <= 10, (resumed, last_step_at_kill)
     s = summary_of(text)
     assert s["steps"] == 40
 
@@ -83,8 +85,10 @@ def test_killed_worker_resumes_from_latest_checkpoint(ray_cluster, tmp_path):
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     reference = summary_of(clean.stdout)
     assert reference["step"] == 40 and reference["world_size"] == 2
-    # Same seed, resumed model/optimizer/RNG/data position: the curves meet again.
-    assert s["final_loss"] == pytest.approx(reference["loss"], abs=0.1)
+    # Same seed, resumed model/optimizer/RNG/data position: the same final loss as the run
+    # that was never interrupted (a resume that lost the optimizer's moments, the RNG or the
+    # data position lands elsewhere).
+    assert s["final_loss"] == pytest.approx(reference["loss"], abs=2e-3), (s, reference)
 
 
 # -- helpers for faults 2, 4, 5 ------------------------------------------------------------
@@ -199,9 +203,10 @@ def test_killed_job_driver_resubmitted_resumes_from_storage(ray_cluster, tmp_pat
     assert Path(resumed.group(2)).name >= registered  # that checkpoint or a later one
     assert f"[rayfleet] resumed from step {resumed.group(1)}" in out  # the workers did too
     assert summary_of(second.stdout)["steps"] == 60
-    steps = [int(r.split(",")[0]) for r in
-             (tmp_path / name / "metrics.csv").read_text().splitlines()[1:]]
-    assert steps == list(range(10, 61, 10))  # one history: no restart from step 0
+    # No second start: the resubmitted job trained only the steps after its checkpoint (a
+    # restart from 0 would log step 10 again).
+    logged = [int(s) for s in re.findall(r"\[rayfleet\] step (\d+)/60", second.stdout)]
+    assert logged and min(logged) > int(resumed.group(1)), (logged, resumed.group(1))
 
 
 # -- fault 4: storage fails while a checkpoint is written -------------------------------------
@@ -460,4 +465,7 @@ def test_lost_worker_node_fails_naming_the_lost_capacity(two_node_cluster, tmp_p
     assert "could not be placed again" in line and "is DEAD, it had {CPU: 1}" in line, line
     assert "the cluster now fits 1" in line and "--num-workers 1" in line, line
     assert "RAYFLEET_SUMMARY" not in out
-    assert registered  # the checkpoint the advised re-run resumes from (as fault 2 shows)
+    # What the advised re-run would resume from is whole in storage (resuming from it by
+    # resubmission is fault 2's test).
+    marker = tmp_path / "runs" / name / registered / "rayfleet_checkpoint.json"
+    assert json.loads(marker.read_text())["step"] >= 10

@@ -346,9 +346,9 @@ def _allowed(statements: list[dict], action: str) -> bool:
 def test_head_role_allows_what_rays_autoscaler_calls_and_no_more(built):
     # The EC2 calls of the installed Ray's AWS node provider, read from its source so that a
     # Ray upgrade that starts calling something new fails here rather than on a live cluster.
+    # Ray is a hard dependency: its provider missing is a failure, not a skip.
     spec = importlib.util.find_spec("ray.autoscaler._private.aws.node_provider")
-    if spec is None:
-        pytest.skip("ray is not installed")
+    assert spec is not None, "Ray's AWS node provider moved or Ray is not installed"
     source = Path(spec.origin).read_text()
     calls = set(re.findall(r"\.(describe_\w+|\w+_instances|create_tags)\b", source))
     # boto3 resource methods: instances.filter is DescribeInstances, create_instances is

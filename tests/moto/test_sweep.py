@@ -56,12 +56,21 @@ def leftovers(ec2, vpc, stack_sg, ami):
                                        VpcId=vpc_id)["GroupId"]
     ec2.create_key_pair(KeyName="leftover-key", TagSpecifications=[
         {"ResourceType": "key-pair", "Tags": _tags()}])
-    # Someone else's cluster: never found.
-    ec2.create_volume(AvailabilityZone="us-east-1a", Size=1, TagSpecifications=[
+    # Someone else's cluster: never found, never removed.
+    other = ec2.create_volume(AvailabilityZone="us-east-1a", Size=1, TagSpecifications=[
         {"ResourceType": "volume", "Tags": [{"Key": "ray-cluster-name", "Value": "other"}]}])
+    OTHER_VOLUMES[:] = [other["VolumeId"]]
     return {"instance": {running["Instances"][0]["InstanceId"], stopped_id},
             "volume": {vol}, "network-interface": {eni}, "security-group": {ray_sg},
             "key-pair": {"leftover-key"}}
+
+
+OTHER_VOLUMES: list[str] = []  # the other cluster's volume, set by the leftovers fixture
+
+
+def _other_cluster_intact(ec2) -> bool:
+    ids = {v["VolumeId"] for v in ec2.describe_volumes()["Volumes"]}
+    return bool(OTHER_VOLUMES) and set(OTHER_VOLUMES) <= ids
 
 
 def _found(ec2) -> dict[str, set[str]]:
@@ -73,17 +82,22 @@ def _found(ec2) -> dict[str, set[str]]:
 
 def test_lists_every_leftover_but_not_the_stack_or_other_clusters(ec2, leftovers, stack_sg):
     found = _found(ec2)
-    # Instances launched with a volume show their root volumes too; ours must all be there.
-    for kind, ids in leftovers.items():
-        assert ids <= found.get(kind, set()), kind
+    # Exactly our leftovers: nothing of the stack, nothing of another cluster. (The instances'
+    # root volumes carry no cluster tag here; they go with their instances.)
+    assert found == leftovers
     assert stack_sg not in found["security-group"]
+    assert not set(OTHER_VOLUMES) & found["volume"]
 
 
 def test_without_delete_nothing_is_removed(ec2, leftovers, capsys):
     assert cli.main(["sweep", "--cluster-name", CLUSTER, "--region", "us-east-1"]) == 1
     out = capsys.readouterr().out
     assert "--delete" in out and "stopped" in out
-    assert _found(ec2) != {}
+    # Every leftover is still there, volumes included.
+    found = _found(ec2)
+    for kind, ids in leftovers.items():
+        assert ids <= found.get(kind, set()), kind
+    assert _other_cluster_intact(ec2)
 
 
 def test_delete_removes_everything_and_leaves_the_stack(ec2, leftovers, stack_sg, capsys):
@@ -92,6 +106,7 @@ def test_delete_removes_everything_and_leaves_the_stack(ec2, leftovers, stack_sg
     assert _found(ec2) == {}
     groups = {g["GroupId"] for g in ec2.describe_security_groups()["SecurityGroups"]}
     assert stack_sg in groups
+    assert _other_cluster_intact(ec2)  # another cluster's volume is not ours to delete
     assert cli.main(["sweep", "--cluster-name", CLUSTER, "--region", "us-east-1"]) == 0
     assert "nothing tagged" in capsys.readouterr().out
 

@@ -32,8 +32,12 @@ def rules(findings, severity=lint.ERROR) -> set[int]:
 
 
 def ray_aws_configs() -> list[Path]:
-    found = sorted(RAY_AWS.glob("example-*.yaml")) + [RAY_AWS / "defaults.yaml"]
-    return [p for p in found if p.exists()]
+    # Ray 2.60 ships defaults.yaml (what `ray up` fills a YAML in from) with its AWS provider,
+    # and example-*.yaml in some releases. If a Ray upgrade moves defaults.yaml, this must fail
+    # rather than quietly check nothing.
+    defaults = RAY_AWS / "defaults.yaml"
+    assert defaults.exists(), f"Ray's AWS defaults.yaml moved: {defaults}"
+    return sorted(RAY_AWS.glob("example-*.yaml")) + [defaults]
 
 
 @pytest.mark.parametrize("path", ray_aws_configs(), ids=lambda p: p.name)

@@ -341,8 +341,6 @@ def read_marker(storage, index: int) -> dict | None:
 
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    require({"ray.data": "ray[data]", "pyarrow": "pyarrow", "pandas": "pandas"},
-            "workloads.data")
     defaults = SMOKE if args.smoke_test else DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -364,6 +362,9 @@ def run(argv: list[str] | None) -> int:
     if inputs.fmt != "text":  # encoding and schema errors before Ray or any write
         check_first_file(inputs, args.column)
 
+    # What the pipeline imports, checked on this node before anything is written or started.
+    require({"ray.data": "ray[data]", "pyarrow": "pyarrow", "pandas": "pandas"},
+            "workloads.data")
     from workloads.common.storage import resolve
 
     created = args.output if not args.output.startswith("s3://") and \

@@ -223,8 +223,6 @@ def run(argv: list[str] | None) -> int:
     if args.smoke_test:
         args.max_docs = args.max_docs or SMOKE_DOCS
     _check(args)
-    require({"ray.data": "ray[data]", "pyarrow": "pyarrow", "torch": "torch",
-             "sentence_transformers": "sentence-transformers"}, "workloads.embed")
     path = model_path(args.model)                    # bad input fails here, before Ray
 
     from workloads.data import pipeline as data
@@ -242,6 +240,9 @@ def run(argv: list[str] | None) -> int:
     if not shards:
         raise ConfigError("--input", f"{args.input} holds no documents")
 
+    # What the actors import, checked on this node before Ray starts (inputs are good by now).
+    require({"ray.data": "ray[data]", "pyarrow": "pyarrow", "torch": "torch",
+             "sentence_transformers": "sentence-transformers"}, "workloads.embed")
     import ray
     from ray.data import ActorPoolStrategy, DataContext
 

@@ -316,12 +316,6 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     model = validate_args(args)
     env_vars = parse_env_pairs(args.env)
-    # Everything this run will import, on this node, before anything is trained: the summary's
-    # PNG (matplotlib) would otherwise fail after the last step, DeepSpeed only in a worker.
-    require({"ray.train": "ray[train]", "torch": "torch", "pyarrow": "pyarrow",
-             "matplotlib": "matplotlib",
-             **({"deepspeed": "deepspeed"} if args.strategy == "deepspeed" else {})},
-            f"workloads.train --strategy {args.strategy}")
     check_dataset(args.dataset)
     from workloads.common import storage as st
     from workloads.train import runinfo
@@ -333,6 +327,13 @@ def _main(argv: list[str] | None) -> int:
     # worker starts and before anything in storage is overwritten.
     runinfo.check_latest_checkpoint(storage, name, args.strategy)
 
+    # Everything this run will import, on this node, once the inputs are known good and before
+    # anything is trained: the summary's PNG (matplotlib) would otherwise fail after the last
+    # step, DeepSpeed only inside a worker.
+    require({"ray.train": "ray[train]", "torch": "torch", "pyarrow": "pyarrow",
+             "matplotlib": "matplotlib",
+             **({"deepspeed": "deepspeed"} if args.strategy == "deepspeed" else {})},
+            f"workloads.train --strategy {args.strategy}")
     # Imported late: `--help` and bad flags answer without paying for Ray.
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
