@@ -53,6 +53,9 @@ def load(pyproject: Path = PYPROJECT) -> NodeEnv:
 
     from rayfleet.errors import RayfleetError
 
+    if pyproject == PYPROJECT and not pyproject.exists():
+        # The kit installed from a wheel, not a checkout: its metadata is pyproject's.
+        return _from_metadata()
     try:
         project = tomllib.loads(pyproject.read_text())["project"]
     except (OSError, KeyError, tomllib.TOMLDecodeError) as e:
@@ -60,10 +63,26 @@ def load(pyproject: Path = PYPROJECT) -> NodeEnv:
                             "is declared there") from None
     reqs = tuple(d.strip() for d in project.get("dependencies", []))
     after = tuple(d.strip() for d in project.get("optional-dependencies", {}).get("deepspeed", []))
+    return _checked(reqs, after, str(pyproject))
+
+
+def _from_metadata() -> NodeEnv:
+    from importlib import metadata
+
+    lines = metadata.requires("rayfleet") or []
+    reqs = tuple(r for r in lines if ";" not in r)
+    after = tuple(r.split(";")[0].strip() for r in lines
+                  if ";" in r and re.search(r"extra\s*==\s*['\"]deepspeed['\"]", r))
+    return _checked(reqs, after, "the installed rayfleet's metadata")
+
+
+def _checked(reqs: tuple[str, ...], after: tuple[str, ...], source: str) -> NodeEnv:
+    from rayfleet.errors import RayfleetError
+
     for req in reqs + after:
         m = _REQ.fullmatch(req)
         if not m or not m.group(3):
-            raise RayfleetError(f"{pyproject}: {req!r} is not pinned with ==; every package "
+            raise RayfleetError(f"{source}: {req!r} is not pinned with ==; every package "
                                 "of the node environment is (rule 25: identical nodes)")
     return NodeEnv(reqs, after)
 

@@ -57,6 +57,23 @@ def _ray_serve_deps() -> set[str]:
             if "extra == \"serve\"" in r or "extra == 'serve'" in r}
 
 
+def test_an_installed_kit_without_its_checkout_reads_the_same_environment():
+    """`pip install` of the kit (no pyproject.toml beside it) reads the node environment from
+    the installed metadata: the same pins."""
+    def normal(reqs):
+        out = set()
+        for r in reqs:
+            m = nodeenv._REQ.fullmatch(r)
+            extras = ",".join(sorted(e.strip() for e in (m.group(2) or "[]")[1:-1].split(",")
+                                     if e.strip()))
+            out.add((nodeenv._normal(m.group(1)), extras, m.group(4)))
+        return out
+
+    from_metadata, declared = nodeenv._from_metadata(), nodeenv.load()
+    assert normal(from_metadata.requirements) == normal(declared.requirements)
+    assert normal(from_metadata.after_torch) == normal(declared.after_torch)
+
+
 def test_unpinned_requirement_is_refused(tmp_path):
     fake = tmp_path / "pyproject.toml"
     fake.write_text('[project]\ndependencies = ["ray==2.60.0", "numpy>=1"]\n')
