@@ -94,6 +94,7 @@ def test_missing_names_what_is_absent_or_at_another_version():
     (["workloads.train", "--smoke-test"], ["matplotlib"], "lacks matplotlib"),
     (["workloads.embed", "--smoke-test"], ["sentence_transformers"],
      "lacks sentence-transformers (needed for workloads.embed)"),
+    (["workloads.data", "--smoke-test"], ["pandas"], "lacks pandas (needed for workloads.data)"),
 ])
 def test_a_workload_on_a_node_lacking_a_package_says_so_before_starting(tmp_path, argv,
                                                                          blocked, needle):

@@ -362,14 +362,20 @@ def run(argv: list[str] | None) -> int:
     if inputs.fmt != "text":  # encoding and schema errors before Ray or any write
         check_first_file(inputs, args.column)
 
-    # What the pipeline imports, checked on this node before anything is written or started.
-    require({"ray.data": "ray[data]", "pyarrow": "pyarrow", "pandas": "pandas"},
-            "workloads.data")
     from workloads.common.storage import resolve
 
     created = args.output if not args.output.startswith("s3://") and \
         not os.path.exists(os.path.expanduser(args.output)) else None
     storage = resolve(args.output, endpoint=args.s3_endpoint)
+    # What the pipeline imports, checked on this node before anything is written or started
+    # (the output is checked first: a bad one is the user's first problem).
+    try:
+        require({"ray.data": "ray[data]", "pyarrow": "pyarrow", "pandas": "pandas"},
+                "workloads.data")
+    except RayfleetError:
+        if created:
+            _remove_empty_dirs(os.path.expanduser(created))
+        raise
 
     import ray
     from ray.data import DataContext
