@@ -121,6 +121,7 @@ def _run_loop(root: Path, max_steps: int, strategy: str = "ddp",
 def test_loop_learns_and_resumes_where_it_stopped(tmp_path):
     ctx, first = _run_loop(tmp_path, 10)
     assert first["step"] == 10
+    assert first["compute_dtype"] == "float32"  # no autocast on CPU
     assert ctx.reports[-1]["loss"] < ctx.reports[0]["loss"] < 6.0
     latest = sorted(tmp_path.glob("checkpoint_*"))[-1]
     marker = ckpt.validate(latest)

@@ -26,5 +26,6 @@ def test_torchrun_on_cuda_learns_in_bf16(tmp_path, strategy, compile):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = summary_of(proc.stdout)
     assert s["device"].startswith("cuda")
+    assert s["compute_dtype"] == "bfloat16"  # the logits' dtype, measured in the loop
     assert s["history"][-1]["loss"] < s["history"][0]["loss"]
     assert s["mfu"] > 0  # measured against the GPU's peak bf16 FLOP/s

@@ -97,6 +97,10 @@ class _Engine:
         cuda = ctx.device.type == "cuda"
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda
                          else contextlib.nullcontext())
+        # What the forward pass actually computed in (the logits' dtype), for the summary:
+        # bf16 on GPU is measured, not assumed from the settings.
+        self.compute_dtype = ""
+
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
         self.raw = model
@@ -172,7 +176,8 @@ class _Engine:
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
         if self.strategy == "deepspeed":
             with self.autocast:
-                _, loss = self.model(x, y)
+                logits, loss = self.model(x, y)
+            self.compute_dtype = str(logits.dtype).removeprefix("torch.")
             self.model.backward(loss)
             self.model.step()  # DeepSpeed only steps at accumulation boundaries
             return loss.detach()
@@ -181,7 +186,8 @@ class _Engine:
             sync = self.model.no_sync()  # skip the all-reduce on accumulation micro-steps
         with sync:
             with self.autocast:
-                _, loss = self.model(x, y)
+                logits, loss = self.model(x, y)
+            self.compute_dtype = str(logits.dtype).removeprefix("torch.")
             (loss / self.cfg.grad_accum).backward()
         if last:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
@@ -405,4 +411,4 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
                                  f"epoch {epoch}: the data is smaller than one global batch")
             epoch += 1
             batch_in_epoch = 0
-    return metrics
+    return {**metrics, "compute_dtype": engine.compute_dtype}
