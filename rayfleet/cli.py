@@ -26,8 +26,8 @@ def _local(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--num-gpus", type=int, default=None, help="GPUs Ray may schedule")
     up.add_argument("--object-store-memory", default=None, metavar="SIZE",
                     help="object store size, e.g. 2GB (raise it on ObjectStoreFullError)")
-    up.add_argument("--port", type=int, default=6379, help="GCS port (default 6379)")
-    up.add_argument("--dashboard-port", type=int, default=8265,
+    up.add_argument("--port", type=int, default=None, help="GCS port (default 6379)")
+    up.add_argument("--dashboard-port", type=int, default=None,
                     help="dashboard and Jobs API port on 127.0.0.1 (default 8265)")
     up.add_argument("--python", default=None, metavar="PATH",
                     help="interpreter of the environment Ray and its jobs run in (default: "
@@ -101,12 +101,13 @@ def _ops(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--region", default=None, help="AWS region (default: the AWS config's)")
     p.add_argument("--delete", action="store_true", help="remove what is found")
 
-    p = sub.add_parser("serve-config", help="a Serve config whose code every node can fetch: "
-                                            "the working dir zipped to s3://, then serve deploy")
+    p = sub.add_parser("serve-config", help="a Serve config checked (and, for a remote "
+                                            "cluster, its code packaged) before serve deploy")
     p.add_argument("config", help="Serve config, e.g. cluster-configs/serve/lm.yaml")
-    p.add_argument("--package-to", required=True, metavar="URI",
-                   help="s3://BUCKET/PREFIX every node can read (the stack's bucket), or "
-                        "file:///PATH on storage the nodes share")
+    p.add_argument("--package-to", default=None, metavar="URI",
+                   help="remote cluster: s3://BUCKET/PREFIX every node can read (the stack's "
+                        "bucket), or file:///PATH on storage the nodes share; without it, "
+                        "for a cluster on this machine: the args are checked here instead")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                    help="set an application arg, e.g. checkpoint=s3://... (repeatable)")
     p.add_argument("--working-dir", default=".", help="the code to package (default .)")
@@ -159,8 +160,12 @@ def _run_preflight(args: argparse.Namespace) -> int:
 def _run_serve_config(args: argparse.Namespace) -> int:
     from rayfleet import serve_config
 
-    path = serve_config.serve_config(args.config, args.package_to, working_dir=args.working_dir,
-                                     arg_pairs=args.arg, out=args.out)
+    if args.package_to is None:
+        path = serve_config.checked_config(args.config, arg_pairs=args.arg, out=args.out)
+    else:
+        path = serve_config.serve_config(args.config, args.package_to,
+                                         working_dir=args.working_dir, arg_pairs=args.arg,
+                                         out=args.out)
     print(f"wrote {path}\nNext: serve deploy {path}")
     return 0
 

@@ -93,6 +93,7 @@ class LocalCluster:
     object_store_memory: int | None
     log: str
     started_at: float
+    python: str | None = None   # the interpreter Ray runs from (None: state of an older kit)
 
     @property
     def address(self) -> str:
@@ -213,13 +214,19 @@ def _print_info(cluster: LocalCluster, headline: str, out=sys.stdout) -> None:
 
 
 def up(num_cpus: int | None = None, num_gpus: int | None = None,
-       object_store_memory: str | int | None = None, port: int = DEFAULT_GCS_PORT,
-       dashboard_port: int = DEFAULT_DASHBOARD_PORT, quiet: bool = False,
+       object_store_memory: str | int | None = None, port: int | None = None,
+       dashboard_port: int | None = None, quiet: bool = False,
        python: str | None = None) -> LocalCluster:
     """Start the head (idempotent). Raises RayfleetError with one line on any expected failure.
 
     python: the interpreter whose environment the head, its workers and job drivers run in
-    (default: this one). It must hold the node environment, as every node of a cluster does."""
+    (default: this one). It must hold the node environment, as every node of a cluster does.
+    A cluster that is already up is reused only if every setting given here matches it."""
+    asked = {"--num-cpus": num_cpus, "--num-gpus": num_gpus,
+             "--object-store-memory": object_store_memory, "--port": port,
+             "--dashboard-port": dashboard_port, "--python": python}
+    port = DEFAULT_GCS_PORT if port is None else port
+    dashboard_port = DEFAULT_DASHBOARD_PORT if dashboard_port is None else dashboard_port
     if num_cpus is not None and num_cpus < 1:
         raise ConfigError("--num-cpus", f"must be at least 1, got {num_cpus}")
     if num_gpus is not None and num_gpus < 0:
@@ -237,6 +244,7 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     if existing and _alive(existing.pid):
         token = ensure_token().read_text().strip()
         if jobs_api_ready(existing.dashboard_url, token):
+            _same_settings(existing, {k: v for k, v in asked.items() if v is not None}, store)
             if not quiet:
                 _print_info(existing, "rayfleet local cluster is already up.")
             return existing
@@ -292,7 +300,7 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     cluster = LocalCluster(pid=proc.pid, gcs_port=port, dashboard_port=dashboard_port,
                            client_port=client_port, agent_port=agent_port, num_cpus=num_cpus,
                            num_gpus=num_gpus, object_store_memory=store, log=str(log),
-                           started_at=time.time())
+                           started_at=time.time(), python=python)
     _save_state(cluster)
     secret = token.read_text().strip()
     deadline = time.time() + START_TIMEOUT_S
@@ -314,6 +322,25 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
         time.sleep(0.5)
     _stop(cluster)
     raise ClusterError(f"Ray head did not answer within {START_TIMEOUT_S}s; see {log}")
+
+
+def _same_settings(existing: LocalCluster, asked: dict, store: int | None) -> None:
+    """`up` on a running cluster: settings the user gave that the cluster does not have are
+    refused in one line (answering "already up" would silently ignore them)."""
+    have = {"--num-cpus": existing.num_cpus, "--num-gpus": existing.num_gpus,
+            "--object-store-memory": existing.object_store_memory,
+            "--port": existing.gcs_port, "--dashboard-port": existing.dashboard_port,
+            "--python": existing.python}
+    if "--object-store-memory" in asked:
+        asked["--object-store-memory"] = store
+    if "--python" in asked:
+        asked["--python"] = str(Path(asked["--python"]).expanduser().absolute())
+    differ = [f"{flag} {'default' if have[flag] is None else have[flag]} (asked {value})"
+              for flag, value in asked.items() if have[flag] != value]
+    if differ:
+        raise ClusterError(f"a rayfleet local cluster is already up with other settings: "
+                           f"{', '.join(differ)}; `rayfleet local down` first to restart it "
+                           "with these, or leave the flags out to use it as it is")
 
 
 def _listening(port: int) -> bool:

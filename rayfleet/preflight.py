@@ -91,6 +91,11 @@ class Preflight:
         self.cfg = cfg
         self.region = (cfg.get("provider") or {}).get("region")
         self.session = session or boto3.session.Session(region_name=self.region)
+        if self.session.get_credentials() is None:
+            # Every check below would FAIL for this one reason, each with a misleading fix.
+            raise RayfleetError("no AWS credentials found (environment, AWS_PROFILE, ~/.aws, "
+                                "SSO or an instance role): set them (e.g. `export "
+                                "AWS_PROFILE=...`), then run preflight again")
         self.ec2 = self.session.client("ec2", region_name=self.region)
         self.checks: list[Check] = []
         self._templates: dict[str, dict] = {}

@@ -14,6 +14,14 @@ config with that working_dir and the given args:
 
 Nodes fetch the zip with their instance role (the worker and head roles may read the bucket)
 through smart_open, part of the node environment.
+
+Without --package-to (a cluster on this machine, which imports the kit from this checkout), it
+checks instead what Serve would only find out after `serve deploy` had answered "success": each
+app's args, through the app module's own `check_args` (checkpoints whole, embeddings finished,
+`checkpoint: latest` resolved), and writes the copy with the resolved args:
+
+    rayfleet serve-config cluster-configs/serve/lm.yaml --arg checkpoint=/abs/run/checkpoint_x
+    serve deploy cluster-configs/generated/serve-lm.yaml
 """
 
 from __future__ import annotations
@@ -136,10 +144,42 @@ def upload(zip_path: Path, prefix: str) -> str:
     return uri
 
 
+def _write(dest: Path, header: str, cfg: dict[str, Any]) -> Path:
+    import yaml
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.write_text(header + f"# Next: serve deploy {dest}\n" + yaml.safe_dump(cfg, sort_keys=False))
+    tmp.replace(dest)
+    return dest
+
+
+def checked_config(config: str, arg_pairs: list[str] | None = None,
+                   out: str | None = None) -> Path:
+    """Each app's args checked by the app module's `check_args` and written resolved."""
+    import importlib
+
+    cfg = load_config(config)
+    overrides = parse_args_overrides(arg_pairs)
+    apps = []
+    for app in cfg["applications"]:
+        args = {**(app.get("args") or {}), **overrides}
+        module = importlib.import_module(app["import_path"].partition(":")[0])
+        check = getattr(module, "check_args", None)
+        if check is not None:
+            try:
+                args = check(args)
+            except RayfleetError as e:
+                raise RayfleetError(f"{config}: app {app.get('name', 'app')}: {e}") from None
+        apps.append({**app, "args": args})
+    dest = Path(out) if out else GENERATED / f"serve-{Path(config).stem}.yaml"
+    return _write(dest, f"# Written by `rayfleet serve-config {config}`: args checked.\n",
+                  {**cfg, "applications": apps})
+
+
 def serve_config(config: str, package_to: str, working_dir: str = ".",
                  arg_pairs: list[str] | None = None, out: str | None = None) -> Path:
     """Check everything, then package, upload and write; returns the written config."""
-    import yaml
 
     if not _URI.match(package_to):
         raise ConfigError("--package-to", f"{package_to!r} must be s3://BUCKET/PREFIX (the "
@@ -158,10 +198,5 @@ def serve_config(config: str, package_to: str, working_dir: str = ".",
     finally:
         shutil.rmtree(zip_path.parent, ignore_errors=True)
     result = with_package(cfg, uri, overrides, config)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".tmp")
-    tmp.write_text(f"# Written by `rayfleet serve-config {config}`: its code is {uri}.\n"
-                   f"# Next: serve deploy {dest}\n"
-                   + yaml.safe_dump(result, sort_keys=False))
-    tmp.replace(dest)
-    return dest
+    return _write(dest, f"# Written by `rayfleet serve-config {config}`: its code is {uri}.\n",
+                  result)

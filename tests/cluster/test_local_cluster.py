@@ -79,6 +79,14 @@ def test_up_again_is_idempotent(ray_cluster):
                env=ray_cluster["env"], check=True)
     assert "already up" in proc.stdout
     assert os.path.exists(f"/proc/{ray_cluster['pid']}")
+    # Settings the running cluster does not have are refused, not silently ignored.
+    other = run([str(BIN / "rayfleet"), "local", "up", "--num-cpus", "3",
+                 "--object-store-memory", "1GB"], env=ray_cluster["env"])
+    assert other.returncode == 2 and other.stderr.strip().splitlines() == [
+        "rayfleet: error: a rayfleet local cluster is already up with other settings: "
+        "--num-cpus 4 (asked 3); `rayfleet local down` first to restart it with these, or "
+        "leave the flags out to use it as it is"], other.stderr
+    assert os.path.exists(f"/proc/{ray_cluster['pid']}")
 
 
 def test_cluster_keeps_its_own_ray_session_folder(ray_cluster, monkeypatch):

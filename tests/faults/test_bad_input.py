@@ -104,6 +104,21 @@ def _truncate(path: Path, keep: int | None = None) -> None:
     path.write_bytes(data[: len(data) // 2 if keep is None else keep])
 
 
+def _previous_smoke_run(tmp: Path) -> None:
+    """A finished `--smoke-test` run (default name smoke-ddp, built-in corpus, 10 steps) in
+    {tmp}/runs, with the run file the driver records beside Ray's snapshot."""
+    from workloads.train.model import PRESETS
+    from workloads.train.runinfo import RUN_FILE, run_identity
+
+    run_dir = tmp / "runs" / "smoke-ddp"
+    run_dir.mkdir(parents=True)
+    d = _checkpoint(run_dir, "checkpoint_2025-01-01_00-00-00.000000")
+    (run_dir / "checkpoint_manager_snapshot.json").write_text(json.dumps(
+        {"latest_checkpoint_result": {"checkpoint_dir_name": d.name}}))
+    (run_dir / RUN_FILE).write_text(json.dumps(run_identity(PRESETS["tiny"].to_dict(), "ddp",
+                                                            2, None)))
+
+
 def _damaged_checkpoint(how: str) -> Callable[[Path], None]:
     def setup(tmp: Path) -> None:
         d = _checkpoint(tmp)
@@ -176,10 +191,11 @@ def _load_weights(tmp: Path):
 
 def _serve_app(**args) -> Callable[[Path], object]:
     def call(tmp: Path):
-        # The Serve config's import_path: what `serve deploy` runs before any replica exists.
-        from workloads.serve.lm import app_builder
+        # What the Serve config's builder (`serve deploy`) and `rayfleet serve-config` check
+        # before any replica exists.
+        from workloads.serve.lm import check_args
 
-        return app_builder({"checkpoint": str(tmp / "ckpt"), **args})
+        return check_args({"checkpoint": str(tmp / "ckpt"), **args})
     return call
 
 
@@ -321,6 +337,15 @@ CASES = [
          "no-such-data does not exist; give 'stdlib' or the --output folder of workloads.data"),
     Case("train-dataset-without-tokens", "workloads.train", ["--dataset", "{tmp}/ds", *TRAIN],
          "has no 'tokens' column (columns: text)", _parquet_without_tokens),
+    # The same --name again with another model or dataset: never a silent "resume".
+    Case("train-same-name-other-model", "workloads.train",
+         ["--smoke-test", "--seq-len", "32", "--storage-path", "{tmp}/runs"],
+         "--name: run 'smoke-ddp' in {tmp}/runs has a model of another shape: model.seq_len 64 "
+         "(this run: 32)", _previous_smoke_run),
+    Case("train-same-name-other-dataset", "workloads.train",
+         ["--smoke-test", "--dataset", "stdlib", "--storage-path", "{tmp}/runs"],
+         "exists with other settings: dataset built-in corpus (this run: stdlib); the same "
+         "--name resumes it: give a new --name, or --allow-changes", _previous_smoke_run),
     Case("train-resume-truncated-checkpoint", "workloads.train",
          ["--name", "gpt", *TRAIN], "is corrupt: model.pt is",
          _previous_run_with_truncated_checkpoint),
@@ -508,6 +533,25 @@ def test_bad_input_is_one_line_no_aws_no_ray_nothing_written(case, tmp_path, gua
     assert guarded == [], f"AWS API calls made: {guarded}"
     assert trap.hits == [], "something connected to the AWS endpoint"
     assert snapshot(tmp_path) == before, "a file was created, changed or removed"
+
+
+def test_a_finished_run_says_so_and_trains_nothing(tmp_path, monkeypatch, capsys):
+    """Re-running a finished run's command answers that it is finished: no Ray, no summary
+    that looks like a fresh run, nothing in storage changed."""
+    from workloads.train.driver import main
+
+    _previous_smoke_run(tmp_path)
+    for name in [m for m in sys.modules if m == "ray" or m.startswith("ray.")] or ["ray"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    before = snapshot(tmp_path)
+    rc = main(["--smoke-test", "--max-steps", "10", "--storage-path", str(tmp_path / "runs")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines() == [
+        f"[rayfleet] run 'smoke-ddp' already finished at step 10 (--max-steps 10; checkpoint "
+        f"{tmp_path}/runs/smoke-ddp/checkpoint_2025-01-01_00-00-00.000000); nothing to train: "
+        "a new --name starts a new run, a larger --max-steps continues this one"]
+    assert snapshot(tmp_path) == before
 
 
 def test_the_guards_see_an_aws_call(tmp_path, guarded, trap, capsys):

@@ -94,3 +94,21 @@ def test_bad_input_one_line_no_aws_call(mutate, argv, expected, rendered, aws_ca
     err = capsys.readouterr().err
     assert expected in err and len(err.strip().splitlines()) == 1
     assert aws_calls == []
+
+
+def test_no_credentials_is_one_line_not_a_table_of_failures(rendered, aws_calls, capsys,
+                                                             monkeypatch, tmp_path):
+    # Without credentials every AWS row would FAIL, each with a misleading fix. (The
+    # instance-metadata provider is switched off: nothing may leave this machine.)
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    aws_calls.clear()
+    assert cli.main(["preflight", str(rendered)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip().splitlines() == [
+        "rayfleet: error: no AWS credentials found (environment, AWS_PROFILE, ~/.aws, SSO or an "
+        "instance role): set them (e.g. `export AWS_PROFILE=...`), then run preflight again"]
+    assert aws_calls == []

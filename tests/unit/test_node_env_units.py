@@ -126,7 +126,8 @@ def _serve_config(tmp_path, *args, env=None):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["cluster-configs/serve/lm.yaml", "--package-to", "s3://bucket/p"],
+    (["cluster-configs/serve/lm.yaml", "--package-to", "s3://bucket/p", "--arg",
+      "checkpoint=runs/demo/checkpoint_000002"],
      "lm.args.checkpoint: 'runs/demo/checkpoint_000002' is relative to this folder"),
     (["cluster-configs/serve/lm.yaml", "--package-to", "/tmp/x"],
      "--package-to: '/tmp/x' must be s3://BUCKET/PREFIX"),

@@ -5,6 +5,7 @@ and the builder's one-line refusal of a missing or corrupt checkpoint."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import urllib.error
 import urllib.request
@@ -136,22 +137,29 @@ def test_serve_config_files_are_valid_and_point_at_the_builders():
     assert auto["min_replicas"] <= auto["max_replicas"]
 
 
-def test_builder_refuses_missing_and_corrupt_checkpoints(tmp_path, lm_checkpoint):
-    from rayfleet.errors import CheckpointError, ConfigError
+def test_builder_refuses_bad_args_in_one_line(tmp_path, lm_checkpoint, monkeypatch):
+    # Serve shows a RayServeException's message as it is in `serve status` (any other
+    # exception from a builder becomes a whole traceback there).
+    from ray.serve.exceptions import RayServeException
+
     from workloads.serve.lm import app_builder
 
-    with pytest.raises(CheckpointError, match="does not exist"):
-        app_builder({"checkpoint": str(tmp_path / "nope")})
-    with pytest.raises(ConfigError, match="no checkpoint given"):
-        app_builder({})
-    with pytest.raises(ConfigError, match="args.max_batch_size: must be a number, got 'eight'"):
-        app_builder({"checkpoint": lm_checkpoint, "max_batch_size": "eight"})
-    with pytest.raises(ConfigError, match="args.batch_wait_timeout_s: must be at least 0"):
-        app_builder({"checkpoint": lm_checkpoint, "batch_wait_timeout_s": "nan"})
+    monkeypatch.setenv("RAYFLEET_STORAGE", str(tmp_path / "empty-storage"))
     broken = tmp_path / "broken"
     shutil.copytree(lm_checkpoint, broken)
     with open(broken / "model.pt", "ab") as f:
         f.write(b"junk")
-    with pytest.raises(CheckpointError, match="corrupt") as e:
-        app_builder({"checkpoint": str(broken)})
-    assert "\n" not in str(e.value)
+    for args, message in [
+            ({"checkpoint": str(tmp_path / "nope")}, "does not exist"),
+            ({}, "'latest': no finished workloads.train run under " + str(tmp_path)),
+            ({"checkpoint": "runs/demo/checkpoint_000002"},
+             "args.checkpoint: runs/demo/checkpoint_000002 is a relative path"),
+            ({"checkpoint": lm_checkpoint, "max_batch_size": "eight"},
+             "args.max_batch_size: must be a number, got 'eight'"),
+            ({"checkpoint": lm_checkpoint, "batch_wait_timeout_s": "nan"},
+             "args.batch_wait_timeout_s: must be at least 0"),
+            ({"checkpoint": str(broken)}, "corrupt")]:
+        with pytest.raises(RayServeException, match=re.escape(message)) as e:
+            app_builder(args)
+        assert str(e.value).startswith("lm app: ") and "\n" not in str(e.value)
+    assert not (tmp_path / "empty-storage").exists()   # looked for, not created

@@ -15,10 +15,48 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from rayfleet.errors import StorageError
+from rayfleet.errors import ConfigError, StorageError
 
 # S3 bucket naming rules (3-63 chars, lowercase letters, digits, dots, hyphens).
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+def default_root() -> str:
+    """Where runs, datasets and embeddings go when no path is given: $RAYFLEET_STORAGE, else
+    ~/rayfleet-runs (on the node that runs the job: the head, for a cluster's jobs)."""
+    return os.environ.get("RAYFLEET_STORAGE") or os.path.expanduser("~/rayfleet-runs")
+
+
+def job_package_dir(cwd: str | None = None) -> str | None:
+    """The folder Ray unpacked `--working-dir` into, when this process runs inside it (a Ray
+    job's driver does: <temp>/.../runtime_resources/working_dir_files/_ray_pkg_<hash>)."""
+    parts = Path(cwd or os.getcwd()).parts
+    for i, part in enumerate(parts):
+        if part.startswith("_ray_pkg_") and i and parts[i - 1] == "working_dir_files":
+            return str(Path(*parts[:i + 1]))
+    return None
+
+
+def user_path(value: str, flag: str, *, output: bool) -> str:
+    """A local path or s3:// URI from the command line, made absolute. Inside a Ray job, a
+    relative path is relative to Ray's temporary copy of the working directory: an input that
+    was uploaded with it is read from there, but an output would be written there and lost
+    with it (and a later job would not find it), so a relative output, or an input that is not
+    in the upload, is refused in one line that says what to give instead."""
+    if value.startswith("s3://"):
+        return value
+    local = Path(value.removeprefix("file://")).expanduser()
+    if local.is_absolute():
+        return str(local)
+    package = job_package_dir()
+    if package and (output or not local.exists()):
+        what = ("what is written there is lost with it" if output else
+                "it is not there (only files uploaded with --working-dir are)")
+        raise ConfigError(flag, f"{value} is a relative path, and this job runs in Ray's "
+                                f"temporary copy of the working directory ({package}): {what}; "
+                                f"give an absolute path (on a local cluster: "
+                                f"\"$PWD/{value}\") or s3://bucket/prefix")
+    return str(local.resolve())
 
 
 @dataclass(frozen=True)
@@ -72,14 +110,16 @@ def s3_filesystem(endpoint: str | None = None) -> pafs.S3FileSystem:
     return pafs.S3FileSystem(**kwargs)
 
 
-def resolve(uri: str, *, endpoint: str | None = None, check_writable: bool = True) -> Storage:
-    """Parse and check a storage location. Raises StorageError with one line."""
+def resolve(uri: str, *, endpoint: str | None = None, check_writable: bool = True,
+            create: bool = True) -> Storage:
+    """Parse and check a storage location. Raises StorageError with one line.
+    create=False: a local folder that does not exist is an error, not made (for reading)."""
     if not uri:
         raise StorageError("storage path is empty; give a folder or s3://bucket/prefix")
     if uri.startswith("s3://"):
         rest = uri[len("s3://"):].strip("/")
         bucket, _, prefix = rest.partition("/")
-        if not _BUCKET.match(bucket) or ".." in bucket:
+        if not BUCKET_NAME.match(bucket) or ".." in bucket:
             raise StorageError(f"{uri}: {bucket!r} is not a valid S3 bucket name "
                                "(3-63 lowercase letters, digits, dots, hyphens)")
         fs = s3_filesystem(endpoint)
@@ -94,6 +134,8 @@ def resolve(uri: str, *, endpoint: str | None = None, check_writable: bool = Tru
         storage = Storage(uri=f"s3://{rest}", path=rest, filesystem=fs)
     else:
         local = Path(uri.removeprefix("file://")).expanduser().resolve()
+        if not create and not local.exists():
+            raise StorageError(f"{uri}: does not exist")
         try:
             local.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -109,6 +151,13 @@ def resolve(uri: str, *, endpoint: str | None = None, check_writable: bool = Tru
     return storage
 
 
-def _first_line(e: BaseException) -> str:
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    """The first line of an error, shortened at a word boundary (never mid-word)."""
     text = str(e).strip().splitlines()
-    return text[0][:200] if text else type(e).__name__
+    if not text:
+        return type(e).__name__
+    line = text[0]
+    if len(line) <= limit:
+        return line
+    cut = line[:limit].rsplit(" ", 1)[0].rstrip(",;:")
+    return cut + " ..."

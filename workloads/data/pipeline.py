@@ -31,6 +31,7 @@ import numpy as np
 from rayfleet.errors import ConfigError, RayfleetError
 from workloads.common.cli import ArgumentParser, run_main
 from workloads.common.deps import require
+from workloads.common.storage import default_root, user_path
 
 PROG = "workloads.data"
 TEXT_EXT = (".txt", ".md", ".py", ".rst")
@@ -52,9 +53,9 @@ def build_parser() -> ArgumentParser:
                         "folder / file / s3:// prefix of .txt/.py/.md, .jsonl or .parquet")
     p.add_argument("--format", default="auto", help="auto (by extension), text, jsonl, parquet")
     p.add_argument("--column", default="text", help="text column of JSONL / Parquet input")
-    p.add_argument("--output", default=os.path.join(
-        os.environ.get("RAYFLEET_STORAGE", os.path.expanduser("~/rayfleet-runs")), "data"),
-        help="folder or s3:// prefix for the Parquet shards")
+    p.add_argument("--output", default=os.path.join(default_root(), "data"),
+                   help="folder or s3:// prefix for the Parquet shards (default under "
+                        "$RAYFLEET_STORAGE, else ~/rayfleet-runs)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="model context; each row holds seq_len + 1 tokens (match the model)")
     p.add_argument("--max-bytes", type=int, default=None, help="stop listing input after this")
@@ -353,6 +354,9 @@ def run(argv: list[str] | None) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')}", "must be 0 or more")
     if not 0 < args.tokenizer_cpus < float("inf"):  # NaN fails every comparison
         raise ConfigError("--tokenizer-cpus", "must be more than 0")
+    if args.input != "stdlib":
+        args.input = user_path(args.input, "--input", output=False)
+    args.output = user_path(args.output, "--output", output=True)
 
     inputs = list_inputs(args)                   # bad input fails here, before any write
     if sum(s for _, s in inputs.files) <= args.seq_len:

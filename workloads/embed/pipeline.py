@@ -32,6 +32,7 @@ from pathlib import Path
 from rayfleet.errors import ConfigError, RayfleetError
 from workloads.common.cli import ArgumentParser, run_main
 from workloads.common.deps import require
+from workloads.common.storage import default_root, user_path
 
 PROG = "workloads.embed"
 PACKAGED_MODEL = "all-MiniLM-L6-v2"
@@ -50,9 +51,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--format", default="auto", help="auto (by extension), text, jsonl, parquet")
     p.add_argument("--column", default="text", help="text column of JSONL / Parquet input")
     p.add_argument("--id-column", default="id", help="id column of JSONL / Parquet input")
-    p.add_argument("--output", default=os.path.join(
-        os.environ.get("RAYFLEET_STORAGE", os.path.expanduser("~/rayfleet-runs")), "embeddings"),
-        help="folder or s3:// prefix for the Parquet shards")
+    p.add_argument("--output", default=os.path.join(default_root(), "embeddings"),
+                   help="folder or s3:// prefix for the Parquet shards (default under "
+                        "$RAYFLEET_STORAGE, else ~/rayfleet-runs)")
     p.add_argument("--model", default=PACKAGED_MODEL,
                    help=f"'{PACKAGED_MODEL}' (the packaged copy) or a local sentence-"
                         "transformers folder")
@@ -223,6 +224,11 @@ def run(argv: list[str] | None) -> int:
     if args.smoke_test:
         args.max_docs = args.max_docs or SMOKE_DOCS
     _check(args)
+    if args.input != STDLIB_DOCS:
+        args.input = user_path(args.input, "--input", output=False)
+    args.output = user_path(args.output, "--output", output=True)
+    if args.model != PACKAGED_MODEL:
+        args.model = user_path(args.model, "--model", output=False)
     path = model_path(args.model)                    # bad input fails here, before Ray
 
     from workloads.data import pipeline as data

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from ray import serve
 
-from rayfleet.errors import CheckpointError, ConfigError
+from rayfleet.errors import CheckpointError, ConfigError, RayfleetError
 
 DEFAULT_MODEL_NAME = "rayfleet-lm"
 MAX_BODY_BYTES = 1 << 20      # a request body over 1 MiB is refused before it is parsed
@@ -91,6 +91,62 @@ def check_checkpoint(path: str) -> dict:
         raise CheckpointError(f"checkpoint {path} holds no full weights (model.pt); serve the "
                               "run's final checkpoint")
     return marker
+
+
+LATEST = "latest"
+
+
+def app_path(args: dict, key: str, default: str) -> str:
+    """An app argument naming a folder or s3:// prefix. Replicas run in Ray's own folders, not
+    in the one `serve deploy` was typed in, so a relative path is refused in one line."""
+    value = str(args.get(key) or default).strip()
+    if value.startswith("s3://") or value == LATEST:
+        return value
+    if not Path(value.removeprefix("file://")).expanduser().is_absolute():
+        raise ConfigError(f"args.{key}", f"{value} is a relative path, and Serve replicas do not "
+                                         "run in your folder: give an absolute path or "
+                                         "s3://bucket/prefix")
+    return str(Path(value.removeprefix("file://")).expanduser())
+
+
+def resolve_checkpoint(args: dict) -> str:
+    """args.checkpoint, or `latest` (the default): the final checkpoint of the newest finished
+    run under the cluster's default storage, where workloads.train writes without
+    --storage-path ($RAYFLEET_STORAGE, else ~/rayfleet-runs)."""
+    from workloads.common.storage import default_root, resolve
+    from workloads.train.runinfo import latest_finished_checkpoint
+
+    value = app_path(args, "checkpoint", LATEST)
+    if value != LATEST:
+        return value
+    root = default_root()
+    try:
+        found = latest_finished_checkpoint(resolve(root, check_writable=False, create=False))
+    except RayfleetError:
+        found = None
+    if found is None:
+        raise ConfigError("args.checkpoint", f"'latest': no finished workloads.train run under "
+                                             f"{root} (the default storage); train one first or "
+                                             "set args.checkpoint to a run's final checkpoint")
+    return found
+
+
+def builder_errors(app: str):
+    """App builders raise one line: Serve shows a RayServeException's message as it is in
+    `serve status`, where any other exception becomes a whole traceback."""
+    import functools
+
+    from ray.serve.exceptions import RayServeException
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(args):
+            try:
+                return fn(args)
+            except RayfleetError as e:
+                raise RayServeException(f"{app} app: {e}") from None
+        return inner
+    return wrap
 
 
 def load_checkpoint(path: str) -> tuple[dict, dict]:
@@ -484,22 +540,32 @@ def _number(args: dict, key: str, default, kind, minimum):
     return value
 
 
-def app_builder(args: dict) -> serve.Application:
-    """Serve config entry point (`import_path: workloads.serve.lm:app_builder`).
-
-    args: checkpoint (required: folder or s3:// path of a finished workloads.train
-    checkpoint), model_name, max_batch_size, batch_wait_timeout_s, num_threads.
-    """
+def check_args(args: dict | None) -> dict:
+    """The app's arguments checked, with the checkpoint resolved and validated.
+    One line (RayfleetError) on anything wrong; `rayfleet serve-config` calls it before a
+    deploy, the builder when Serve builds the app."""
     args = dict(args or {})
     known = {"checkpoint", "model_name", "max_batch_size", "batch_wait_timeout_s", "num_threads"}
     unknown = sorted(set(args) - known)
     if unknown:
         raise ConfigError(f"args.{unknown[0]}", "unknown argument for the lm app", sorted(known),
                           unknown[0])
-    checkpoint = str(args.pop("checkpoint", "") or "")
+    checkpoint = resolve_checkpoint(args)
     check_checkpoint(checkpoint)
-    kwargs = {"model_name": str(args.get("model_name", DEFAULT_MODEL_NAME)),
-              "max_batch_size": _number(args, "max_batch_size", 8, int, 1),
-              "batch_wait_timeout_s": _number(args, "batch_wait_timeout_s", 0.05, float, 0),
-              "num_threads": _number(args, "num_threads", 1, int, 1)}
-    return LMServer.bind(checkpoint, **kwargs)
+    return {"checkpoint": checkpoint,
+            "model_name": str(args.get("model_name", DEFAULT_MODEL_NAME)),
+            "max_batch_size": _number(args, "max_batch_size", 8, int, 1),
+            "batch_wait_timeout_s": _number(args, "batch_wait_timeout_s", 0.05, float, 0),
+            "num_threads": _number(args, "num_threads", 1, int, 1)}
+
+
+@builder_errors("lm")
+def app_builder(args: dict) -> serve.Application:
+    """Serve config entry point (`import_path: workloads.serve.lm:app_builder`).
+
+    args: checkpoint (a folder or s3:// path of a finished workloads.train checkpoint;
+    default `latest`, see resolve_checkpoint), model_name, max_batch_size,
+    batch_wait_timeout_s, num_threads.
+    """
+    kwargs = check_args(args)
+    return LMServer.bind(kwargs.pop("checkpoint"), **kwargs)

@@ -18,6 +18,7 @@ go into its prompt. On GPU clusters point the same retriever at the `llm` app in
 
 # No `from __future__ import annotations`: FastAPI reads the request models as classes.
 import asyncio
+import os
 import time
 import uuid
 
@@ -30,8 +31,11 @@ from workloads.serve.lm import (
     APIError,
     ChatRequest,
     LMGenerator,
+    app_path,
+    builder_errors,
     check_checkpoint,
     openai_app,
+    resolve_checkpoint,
 )
 
 DEFAULT_MODEL_NAME = "rayfleet-rag"
@@ -49,7 +53,7 @@ def check_index(uri: str):
 
     from workloads.common.storage import resolve
 
-    storage = resolve(uri, check_writable=False)
+    storage = resolve(uri, check_writable=False, create=False)
     try:
         manifest = json.loads(storage.read_bytes(storage.join("_manifest.json")))
     except (FileNotFoundError, OSError, ValueError) as e:
@@ -211,26 +215,34 @@ class RAGServer:
                              "prompt": prompt}}
 
 
-def app_builder(args: dict) -> serve.Application:
-    """Serve config entry point (`import_path: workloads.serve.rag:app_builder`).
+def check_args(args: dict | None) -> dict:
+    """The app's arguments checked, paths resolved; or one line (RayfleetError)."""
+    from workloads.common.storage import default_root
 
-    args: embeddings (required: workloads.embed output, folder or s3://), checkpoint
-    (required: the generator's workloads.train checkpoint), model_name, generator_model_name.
-    """
     args = dict(args or {})
     known = {"embeddings", "checkpoint", "model_name", "generator_model_name"}
     unknown = sorted(set(args) - known)
     if unknown:
         raise ConfigError(f"args.{unknown[0]}", "unknown argument for the rag app",
                           sorted(known), unknown[0])
-    embeddings = str(args.get("embeddings") or "")
-    if not embeddings:
-        raise ConfigError("args.embeddings", "no embeddings given (the output folder or s3:// "
-                          "prefix of workloads.embed)")
-    checkpoint = str(args.get("checkpoint") or "")
+    # Defaults: where workloads.embed and workloads.train write when given no path.
+    embeddings = app_path(args, "embeddings", os.path.join(default_root(), "embeddings"))
+    checkpoint = resolve_checkpoint(args)
     check_checkpoint(checkpoint)
     check_index(embeddings)  # a missing or unfinished index fails the deploy, not a replica
-    generator = LMGenerator.bind(checkpoint,
-                                 model_name=str(args.get("generator_model_name", "rayfleet-lm")))
-    return RAGServer.bind(Retriever.bind(embeddings), generator,
-                          model_name=str(args.get("model_name", DEFAULT_MODEL_NAME)))
+    return {"embeddings": embeddings, "checkpoint": checkpoint,
+            "model_name": str(args.get("model_name", DEFAULT_MODEL_NAME)),
+            "generator_model_name": str(args.get("generator_model_name", "rayfleet-lm"))}
+
+
+@builder_errors("rag")
+def app_builder(args: dict) -> serve.Application:
+    """Serve config entry point (`import_path: workloads.serve.rag:app_builder`).
+
+    args: embeddings (workloads.embed output, folder or s3://; default the embed job's
+    default output), checkpoint (the generator's workloads.train checkpoint; default
+    `latest`), model_name, generator_model_name.
+    """
+    a = check_args(args)
+    generator = LMGenerator.bind(a["checkpoint"], model_name=a["generator_model_name"])
+    return RAGServer.bind(Retriever.bind(a["embeddings"]), generator, model_name=a["model_name"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 
@@ -27,6 +28,15 @@ class RayContext:
         self.local_rank = tctx.get_local_rank()
         self.world_size = tctx.get_world_size()
         self.device = ray.train.torch.get_device()
+        # Train V2 logs "Reporting training result N: TrainingReport(...)" at INFO from every
+        # rank at every checkpoint, through a logger named after its own file: the kit prints
+        # its own one-line progress, so keep that one to warnings.
+        try:
+            from ray.train.v2._internal.execution import context as v2_context
+
+            logging.getLogger(v2_context.__file__).setLevel(logging.WARNING)
+        except ImportError:   # another Ray layout: its messages stay, nothing breaks
+            pass
 
     def prepare_ddp(self, model):
         return self._torch.prepare_model(model)  # device placement + DDP when world > 1

@@ -15,7 +15,7 @@ def load_dataset(spec: str, seq_len: int, corpus_bytes: int, s3_endpoint: str | 
         return stdlib_ray_dataset(corpus_bytes, seq_len)
     from workloads.common.storage import resolve
 
-    storage = resolve(spec, endpoint=s3_endpoint, check_writable=False)
+    storage = resolve(spec, endpoint=s3_endpoint, check_writable=False, create=False)
     ds = ray.data.read_parquet(storage.path, filesystem=storage.filesystem)
     if "tokens" not in ds.schema().names:
         raise ConfigError("--dataset", f"{spec} has no 'tokens' column (columns: "

@@ -28,6 +28,7 @@ from rayfleet.errors import (
 )
 from workloads.common.cli import ArgumentParser, parse_env_pairs, run_main
 from workloads.common.deps import require
+from workloads.common.storage import BUCKET_NAME, default_root, user_path
 from workloads.train.loop import STRATEGIES, LoopConfig
 from workloads.train.model import PRESETS, GPTConfig
 
@@ -76,12 +77,14 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--dataset", default=None,
                    help="stream a Ray Data dataset: 'stdlib' or a folder/s3:// of Parquet "
                         "with a 'tokens' column (from workloads.data)")
-    p.add_argument("--storage-path", default=os.environ.get("RAYFLEET_STORAGE",
-                                                              os.path.expanduser("~/rayfleet-runs")),
+    p.add_argument("--storage-path", default=default_root(),
                    help="local folder or s3://bucket/prefix (env RAYFLEET_STORAGE)")
     p.add_argument("--s3-endpoint", default=None,
                    help="S3-compatible endpoint URL (env AWS_ENDPOINT_URL_S3)")
-    p.add_argument("--name", default=None, help="run name; the same name resumes")
+    p.add_argument("--name", default=None, help="run name; the same name resumes (default: "
+                   "smoke-<strategy> for --smoke-test, else gpt-<model>-<strategy>)")
+    p.add_argument("--allow-changes", action="store_true",
+                   help="resume an existing --name although its dataset or strategy differs")
     p.add_argument("--env", action="append", metavar="KEY=VALUE",
                    help="environment variable for every worker (repeatable)")
     p.add_argument("--seed", type=int, default=0)
@@ -172,7 +175,7 @@ def check_dataset(spec: str | None) -> None:
         return
     if spec.startswith("s3://"):
         bucket = spec[len("s3://"):].split("/", 1)[0]
-        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket) or ".." in bucket:
+        if not BUCKET_NAME.fullmatch(bucket) or ".." in bucket:
             raise StorageError(f"--dataset {spec}: {bucket!r} is not a valid S3 bucket name "
                                "(3-63 lowercase letters, digits, dots, hyphens)")
         return
@@ -316,6 +319,9 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     model = validate_args(args)
     env_vars = parse_env_pairs(args.env)
+    if args.dataset not in (None, "stdlib"):
+        args.dataset = user_path(args.dataset, "--dataset", output=False)
+    args.storage_path = user_path(args.storage_path, "--storage-path", output=True)
     check_dataset(args.dataset)
     from workloads.common import storage as st
     from workloads.train import runinfo
@@ -323,9 +329,16 @@ def _main(argv: list[str] | None) -> int:
     storage = st.resolve(args.storage_path, endpoint=args.s3_endpoint)
     name = args.name or (f"smoke-{args.strategy}" if args.smoke_test
                          else f"gpt-{args.model}-{args.strategy}")
-    # A corrupt latest checkpoint stops the run here, before Ray is started, before any
-    # worker starts and before anything in storage is overwritten.
-    runinfo.check_latest_checkpoint(storage, name, args.strategy)
+    # A corrupt latest checkpoint, or one of another run under the same name, stops the run
+    # here, before Ray is started, before any worker starts and before anything in storage is
+    # overwritten; a finished run says so and trains nothing.
+    identity = runinfo.run_identity(model.to_dict(), args.strategy, args.zero_stage,
+                                    args.dataset)
+    try:
+        runinfo.check_run(storage, name, identity, args.max_steps, args.allow_changes)
+    except runinfo.RunFinished as done:
+        print(f"[rayfleet] {done}", flush=True)
+        return 0
 
     # Everything this run will import, on this node, once the inputs are known good and before
     # anything is trained: the summary's PNG (matplotlib) would otherwise fail after the last
@@ -397,6 +410,7 @@ def _main(argv: list[str] | None) -> int:
             logging_config=LoggingConfig(log_level="WARNING")),
         datasets=datasets,
     )
+    runinfo.record_run(storage, name, identity)
     started = time.time()
     try:
         result = trainer.fit()

@@ -105,6 +105,16 @@ class _Engine:
         no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
         self.raw = model
         if self.strategy == "deepspeed":
+            import warnings
+
+            if not cuda:
+                # Said, not guessed: otherwise DeepSpeed warns on every worker that it found no
+                # GPU ("Setting accelerator to CPU. If you have GPU ...").
+                os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            # DeepSpeed 0.19 still calls torch.distributed's deprecated all_gather_into_tensor
+            # name: harmless, but a FutureWarning from every rank reads like a failure.
+            warnings.filterwarnings("ignore", category=FutureWarning,
+                                    message=r".*all_gather_into_tensor.* is deprecated")
             import deepspeed
 
             if not cuda and os.environ.get("RAYFLEET_DS_SHM_COMM") != "1":

@@ -48,22 +48,123 @@ def latest_checkpoint_path(storage: Storage, name: str) -> str | None:
     return storage.join(name, dirname) if dirname else None
 
 
+def latest_finished_checkpoint(storage: Storage) -> str | None:
+    """The final checkpoint of the run under `storage` whose bookkeeping changed last (what
+    the Serve configs' `checkpoint: latest` means), as a path or s3:// URI; None if no run
+    there has finished."""
+    runs = [i for i in storage.fs.get_file_info(pafs.FileSelector(storage.path,
+                                                                   allow_not_found=True))
+            if i.type == pafs.FileType.Directory]
+    snapshots = storage.fs.get_file_info([f"{r.path}/{SNAPSHOT}" for r in runs])
+    for info in sorted((s for s in snapshots if s.type == pafs.FileType.File),
+                       key=lambda s: s.mtime_ns or 0, reverse=True):
+        name = info.path[len(storage.path):].strip("/").split("/")[0]
+        path = latest_checkpoint_path(storage, name)
+        raw = _read(storage.fs, f"{path}/{ckpt.MARKER}") if path else None
+        try:
+            final = raw is not None and json.loads(raw).get("final")
+        except json.JSONDecodeError:
+            final = False
+        if final:
+            return uri(storage, path)
+    return None
+
+
 def check_latest_checkpoint(storage: Storage, name: str, strategy: str) -> dict | None:
     """Validate the checkpoint a re-run would resume from. CheckpointError if it is
     damaged: better to stop now than to crash every worker (or train on garbage)."""
     path = latest_checkpoint_path(storage, name)
     if path is None:
         return None
-    where = path if storage.filesystem is None else f"s3://{path}"
+    where = uri(storage, path)
     listing = _listing(storage.fs, path)
     if not listing:
         raise ckpt.CheckpointError(f"checkpoint {where} recorded by run {name!r} is missing "
                                    "from storage; use a new --name or restore the folder")
     marker = ckpt.parse_marker(where, _read(storage.fs, f"{path}/{ckpt.MARKER}"))
     ckpt.check_listing(where, marker, listing, expect_strategy=strategy)
-    print(f"[rayfleet] run {name!r} exists: resuming from step {marker['step']} ({where})",
-          flush=True)
-    return marker
+    return {**marker, "path": path, "where": where}
+
+
+# What a run is: a re-run of the same --name must be the same model on the same data with the
+# same strategy, or it would resume something else (a model of another shape fails to load in
+# every worker; another dataset or strategy would silently continue the old run).
+RUN_FILE = "rayfleet_run.json"
+
+
+class RunFinished(Exception):
+    """The run's final checkpoint already reached --max-steps: nothing to train."""
+
+
+def run_identity(model: dict, strategy: str, zero_stage: int, dataset: str | None) -> dict:
+    return {"model": model, "strategy": strategy,
+            "zero_stage": zero_stage if strategy == "deepspeed" else None,
+            "dataset": dataset or "built-in corpus"}
+
+
+def _recorded_identity(storage: Storage, name: str, latest: dict) -> dict:
+    raw = _read(storage.fs, storage.join(name, RUN_FILE))
+    if raw is not None:
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            pass
+    # A run from before the run file existed: what its checkpoint says about itself.
+    model = _read(storage.fs, f"{latest['path']}/model_config.json")
+    return {"model": json.loads(model) if model else None, "strategy": latest.get("strategy")}
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    out = []
+    for key, was in old.items():
+        now = new.get(key)
+        if was is None or key not in new or was == now:
+            continue
+        if isinstance(was, dict) and isinstance(now, dict):
+            out += [f"{key}.{k} {was.get(k)} (this run: {now.get(k)})"
+                    for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+        else:
+            out.append(f"{key} {was} (this run: {now})")
+    return out
+
+
+def check_run(storage: Storage, name: str, identity: dict, max_steps: int,
+              allow_changes: bool = False) -> dict | None:
+    """Before Ray starts: the checkpoint this run resumes from (None for a new run), checked
+    whole and checked to belong to the same run. Raises CheckpointError or ConfigError with
+    one line, RunFinished when there is nothing left to train."""
+    from rayfleet.errors import ConfigError
+
+    latest = check_latest_checkpoint(storage, name, identity["strategy"])
+    if latest is not None:
+        recorded = _recorded_identity(storage, name, latest)
+        model_diff = _differences({"model": recorded.get("model")}, identity)
+        if model_diff:
+            raise ConfigError("--name", f"run {name!r} in {uri(storage, storage.path)} has a "
+                                        f"model of another shape: {'; '.join(model_diff)}; its "
+                                        "checkpoints cannot load into this one: give a new "
+                                        "--name")
+        other = _differences({k: v for k, v in recorded.items() if k != "model"}, identity)
+        if other and not allow_changes:
+            raise ConfigError("--name", f"run {name!r} in {uri(storage, storage.path)} exists "
+                                        f"with other settings: {'; '.join(other)}; the same "
+                                        "--name resumes it: give a new --name, or "
+                                        "--allow-changes to continue it with these settings")
+        if latest.get("final") and int(latest.get("step", 0)) >= max_steps:
+            raise RunFinished(f"run {name!r} already finished at step {latest['step']} "
+                              f"(--max-steps {max_steps}; checkpoint {latest['where']}); "
+                              "nothing to train: a new --name starts a new run, a larger "
+                              "--max-steps continues this one")
+        print(f"[rayfleet] run {name!r} exists: resuming from step {latest['step']} "
+              f"({latest['where']})" + (f"; continuing with {'; '.join(other)}"
+                                         if other else ""), flush=True)
+    return latest
+
+
+def record_run(storage: Storage, name: str, identity: dict) -> None:
+    """What this run is, beside its checkpoints, for the next re-run of its --name to check
+    (written once the run is about to train: a refused run leaves nothing behind)."""
+    storage.write_bytes(f"{name}/{RUN_FILE}", json.dumps(identity, indent=1).encode())
 
 
 def _history(storage: Storage, checkpoint_path: str | None) -> list[dict]:
