@@ -36,7 +36,8 @@ from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = REPO / "pyproject.toml"
-GENERATED = REPO / "cluster-configs" / "generated"
+# Relative to where the command runs (the user's checkout), as README shows it.
+GENERATED = Path("cluster-configs") / "generated"
 SCHEMA_VERSION = 1
 
 # Where the token lands on every node, and the venv the setup commands build there.

@@ -36,8 +36,8 @@ from typing import Any
 
 from rayfleet.errors import ConfigError, RayfleetError
 
-REPO = Path(__file__).resolve().parents[1]
-GENERATED = REPO / "cluster-configs" / "generated"
+# Relative to where the command runs (the user's checkout), as README shows it.
+GENERATED = Path("cluster-configs") / "generated"
 # The bucket's name is S3's to judge (a missing or malformed one fails the upload in one line).
 _URI = re.compile(r"^(s3://[^/\s]+(/\S*)?|file:///\S*)$")
 

@@ -67,10 +67,13 @@ def rayfleet_home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(rayfleet_home):
+def ray_cluster(rayfleet_home, tmp_path_factory):
     """A real `rayfleet local up` cluster: 4 logical CPUs on this 2-core machine so two
     train workers plus Ray Data / Serve replicas fit; loopback ports picked free."""
-    env = {**os.environ, "RAYFLEET_HOME": str(rayfleet_home)}
+    # The cluster's default storage (what jobs and Serve apps use when given no path) is the
+    # session's own folder, never the home directory of whoever runs the tests.
+    storage = tmp_path_factory.mktemp("default-storage")
+    env = {**os.environ, "RAYFLEET_HOME": str(rayfleet_home), "RAYFLEET_STORAGE": str(storage)}
     for k in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
         env.pop(k, None)
     gcs, dash = free_port(), free_port()
@@ -82,7 +85,8 @@ def ray_cluster(rayfleet_home):
     exports = run([str(BIN / "rayfleet"), "local", "env"], env=env, check=True).stdout
     client_env = dict(line.removeprefix("export ").split("=", 1)
                       for line in exports.splitlines())
-    info = {"home": rayfleet_home, "env": {**env, **client_env}, "client_env": client_env,
+    info = {"home": rayfleet_home, "storage": storage, "env": {**env, **client_env},
+            "client_env": client_env,
             "gcs_port": gcs, "dashboard_port": dash, "pid": client["pid"],
             "dashboard_url": f"http://127.0.0.1:{dash}", "up_stdout": up.stdout}
     yield info

@@ -206,11 +206,13 @@ def test_stdin_and_pulumi_shape_and_bare_object(tmp_path, outputs):
 
 
 def test_default_output_path_is_generated_stack_yaml(tmp_path, outputs, monkeypatch):
-    monkeypatch.setattr(render, "GENERATED", tmp_path / "generated")
+    # Under the folder the command runs in (the user's checkout), not the installed package's.
+    monkeypatch.chdir(tmp_path)
     src = tmp_path / "o.json"
     src.write_text(json.dumps(outputs))
     path = render.render(str(src), token_file=str(tmp_path / "t"))
-    assert path == tmp_path / "generated" / "dev.yaml"
+    assert (tmp_path / path).resolve() == tmp_path / "cluster-configs" / "generated" / "dev.yaml"
+    assert (tmp_path / "cluster-configs" / "generated" / "dev.yaml").is_file()
 
 
 def _broken(outputs, mutate):

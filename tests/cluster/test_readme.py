@@ -1,0 +1,98 @@
+"""README's examples, run as written, in order, against the session's cluster.
+
+Every fenced ```bash block in README.md is preceded by a marker:
+    <!-- readme-test expect="REGEX" [expect="REGEX" ...] -->   run it; it must exit 0 and
+                                                                 print every REGEX
+    <!-- readme-test skip: why -->                              not runnable here, and why
+The blocks are read from README itself, so an example cannot drift from what is tested. They
+run in a copy of the repository's files (so `$PWD/runs/...` and `cluster-configs/generated/`
+land there), with the session cluster's client environment (what `eval "$(rayfleet local
+env)"` exports) and the venv's bin first on PATH (what `source .venv/bin/activate` does). The
+one change made to them: the committed Serve configs' port 8000 becomes a free port.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BIN, REPO, free_port, run
+from tests.workloads.conftest import serve_shutdown
+
+MARKER = re.compile(r'<!-- readme-test(?P<opts>[^\n]*?)-->\n```bash\n(?P<body>.*?)\n```', re.S)
+EXPECT = re.compile(r'expect="((?:[^"\\]|\\.)*)"')
+FENCE = re.compile(r"^```bash$", re.M)
+
+
+def examples(text: str) -> list[tuple[int, str, list[str] | None]]:
+    """(line, body, expected regexes or None for a skipped block) for each marked block."""
+    out = []
+    for m in MARKER.finditer(text):
+        line = text.count("\n", 0, m.start("body"))
+        opts = m.group("opts").strip()
+        if opts.startswith("skip:"):
+            assert opts[len("skip:"):].strip(), f"README line {line}: skip without a reason"
+            out.append((line, m.group("body"), None))
+        else:
+            expects = [e.replace('\\"', '"') for e in EXPECT.findall(opts)]
+            assert expects, f"README line {line}: a readme-test marker with nothing to expect"
+            out.append((line, m.group("body"), expects))
+    return out
+
+
+def test_every_bash_example_in_readme_is_marked():
+    text = (REPO / "README.md").read_text()
+    found = examples(text)
+    assert len(found) == len(FENCE.findall(text)), "a ```bash block without a readme-test marker"
+    assert sum(e is not None for _, _, e in found) >= 6
+
+
+def _copy_of_repo(dest: Path) -> Path:
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True)
+    if files.returncode == 0:
+        for rel in filter(None, files.stdout.decode().split("\0")):
+            src = REPO / rel
+            if src.is_file():
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dest / rel)
+    else:   # not a git checkout: everything but what .gitignore keeps out of a job's upload
+        shutil.copytree(REPO, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+            ".venv", ".git", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"))
+    return dest
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_readme_examples_run_as_written(ray_cluster, tmp_path):
+    work = _copy_of_repo(tmp_path / "checkout")
+    port = free_port()
+    for cfg in (work / "cluster-configs" / "serve").glob("*.yaml"):
+        cfg.write_text(cfg.read_text().replace("port: 8000", f"port: {port}"))
+    env = {**ray_cluster["env"], "PATH": f"{BIN}:{ray_cluster['env'].get('PATH', '')}"}
+    storage = ray_cluster["storage"]
+    serve_shutdown(ray_cluster)   # Serve's HTTP port is fixed by the first deploy
+    try:
+        for line, body, expects in examples((REPO / "README.md").read_text()):
+            if expects is None:
+                continue
+            body = body.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+            proc = run(["bash", "-e", "-o", "pipefail", "-c", body], env=env, cwd=work,
+                       timeout=420)
+            out = proc.stdout + proc.stderr
+            where = f"README line {line}: exit {proc.returncode}\n{out[-4000:]}"
+            assert proc.returncode == 0, where
+            for pattern in expects:
+                assert re.search(pattern, out), f"{where}\nexpected: {pattern}"
+    finally:
+        serve_shutdown(ray_cluster)
+    # What the examples' text says they leave: outputs where the user asked for them.
+    assert (work / "runs" / "data" / "smoke-seq64" / "_manifest.json").is_file()
+    assert (storage / "smoke-ddp" / "loss.png").is_file()
+    assert (storage / "smoke-streaming" / "metrics.csv").is_file()
+    assert (storage / "embeddings" / "_manifest.json").is_file()
+    assert (work / "llm.yaml").is_file()
+    assert (work / "cluster-configs" / "generated" / "dev.yaml").is_file()
