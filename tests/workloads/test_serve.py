@@ -10,11 +10,12 @@ import shutil
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import BIN, REPO, run
 from tests.workloads.conftest import deploy_lm, serve_shutdown
 
 pytestmark = pytest.mark.ray
@@ -163,3 +164,24 @@ def test_builder_refuses_bad_args_in_one_line(tmp_path, lm_checkpoint, monkeypat
             app_builder(args)
         assert str(e.value).startswith("lm app: ") and "\n" not in str(e.value)
     assert not (tmp_path / "empty-storage").exists()   # looked for, not created
+
+
+def test_serve_config_checks_the_args_before_a_deploy(tmp_path, lm_checkpoint):
+    """Without --package-to (a cluster on this machine), `rayfleet serve-config` runs the
+    app's own argument check and writes the config with the resolved args, or refuses in one
+    line and writes nothing: what `serve deploy` would only show in `serve status`."""
+    out = tmp_path / "lm.yaml"
+    storage = Path(lm_checkpoint).parent.parent     # the fixture run's storage folder
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "RAYFLEET_STORAGE": str(storage)}
+    cmd = [str(BIN / "rayfleet"), "serve-config", str(REPO / "cluster-configs/serve/lm.yaml"),
+           "-o", str(out)]
+    for arg, needle in [("checkpoint=runs/demo/checkpoint_000002", "is a relative path"),
+                        (f"checkpoint={tmp_path}/nope", "does not exist"),
+                        ("max_batch_size=eight", "args.max_batch_size: must be a number")]:
+        proc = run(cmd + ["--arg", arg], env=env, timeout=120)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
+        assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
+    proc = run(cmd, env=env, timeout=120)           # as committed: checkpoint: latest
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    args = yaml.safe_load(out.read_text())["applications"][0]["args"]
+    assert args["checkpoint"] == lm_checkpoint and args["max_batch_size"] == 8
