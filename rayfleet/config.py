@@ -1,4 +1,4 @@
-"""The stack configuration: the one place it is parsed and validated (DESIGN convention 2).
+"""The stack configuration: the one place it is parsed and validated.
 
 Every consumer — the Pulumi program in ``infra/``, and ``rayfleet render / preflight / cost`` —
 gets the same typed, frozen :class:`StackConfig`, built by one of three entry points:
@@ -85,7 +85,7 @@ WORKER_INSTANCE_TYPES: Mapping[str, InstanceSpec] = {
 
 def _cpu_instance_types() -> dict[str, InstanceSpec]:
     # x86 families only: the head boots the same Deep Learning AMI as the workers so that Ray
-    # and Python are identical on every node (DESIGN rule 25); a Graviton head would need an
+    # and Python are identical on every node (rule 25); a Graviton head would need an
     # arm64 image. GiB per vCPU: c=2, m=4, r=8.
     gib_per_vcpu = {"c": 2, "m": 4, "r": 8}
     sizes = {"large": 2, "xlarge": 4, "2xlarge": 8, "4xlarge": 16, "8xlarge": 32,

@@ -95,7 +95,7 @@ _RULES = (
     Rule(25, "One pinned Ray version on client, head and workers",
          "", ("lint", "test")),
     Rule(26, "The head's EC2 read actions listed one by one",
-         "CKV_AWS_355", ("pack",)),
+         "CKV_AWS_355", ("pack", "test")),
     Rule(27, "Access to the checkpoint bucket is logged",
          "CKV_AWS_18, S3.9", ("pack",)),
     Rule(28, "Log groups encrypted with a customer-managed KMS key",
