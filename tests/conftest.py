@@ -1,7 +1,7 @@
 """Shared fixtures: one real local Ray cluster per test session (token auth on, its own
 ports and state folder, so it runs beside a user's cluster), and a real moto S3 server.
 
-Markers (DESIGN): unit (default), ray, moto, slow, faults, gpu, aws_live.
+Markers: unit (default), ray, moto, slow, faults, gpu, aws_live.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def ray_cluster(rayfleet_home):
     client = json.loads((rayfleet_home / "local" / "cluster.json").read_text())
     exports = run([str(BIN / "rayfleet"), "local", "env"], env=env, check=True).stdout
     client_env = dict(line.removeprefix("export ").split("=", 1)
-                      for line in exports.splitlines())
+                      for line in exports.splitlines() if line.startswith("export "))
     info = {"home": rayfleet_home, "env": {**env, **client_env}, "client_env": client_env,
             "gcs_port": gcs, "dashboard_port": dash, "pid": client["pid"],
             "dashboard_url": f"http://127.0.0.1:{dash}", "up_stdout": up.stdout}
