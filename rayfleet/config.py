@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rayfleet.errors import ConfigError, did_you_mean
+from rayfleet.rules import rule
 
 NAMESPACE = "rayfleet"
 
@@ -622,15 +623,17 @@ def _operator_cidrs(values: list[str]) -> tuple[str, ...]:
     out: list[str] = []
     for value in values:
         net = _network("operatorCidrs", value)
+        why = f"rule 24, {rule(24).anchor}"
         if net.prefixlen == 0:
             raise ConfigError(_q("operatorCidrs"), f"{value} opens SSH and the dashboard to "
                                                    "the whole internet; name your VPN or office "
-                                                   "range, or leave the list empty for SSM only")
+                                                   "range, or leave the list empty for SSM only "
+                                                   f"({why})")
         # Broader than a /8 (or an IPv6 /32) is "most of the internet" split in pieces.
         floor = 8 if net.version == 4 else 32
         if net.prefixlen < floor:
             raise ConfigError(_q("operatorCidrs"), f"{value} is broader than /{floor}; name "
-                                                   "a narrower range")
+                                                   f"a narrower range ({why})")
         if str(net) not in out:
             out.append(str(net))
     return tuple(out)

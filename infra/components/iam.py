@@ -20,9 +20,10 @@ from rayfleet.config import RAY_CLUSTER_TAG
 # The EC2 reads Ray 2.60's AWS node provider makes with the head's credentials
 # (ray/autoscaler/_private/aws/node_provider.py): DescribeInstances to list and re-read its
 # nodes, DescribeInstanceTypes to fill in a node type's resources, DescribeImages for its
-# CloudWatch-agent check. Nothing else on the head calls EC2. `ec2:Describe*` would add some
-# 200 more, DescribeInstanceAttribute among them (any instance's user data). The moto chain
-# (tests/moto/test_chain.py) records what the provider calls and checks it against this list.
+# CloudWatch-agent check. Nothing else on the head calls EC2. `ec2:Describe*` would add every
+# other Describe action, DescribeInstanceAttribute among them (any instance's user data).
+# tests/infra/test_program.py compares this list with the provider's source, and the moto
+# chain (tests/moto/test_chain.py) the calls it makes with what the head role grants.
 HEAD_DESCRIBE_ACTIONS = ("ec2:DescribeInstances", "ec2:DescribeInstanceTypes",
                          "ec2:DescribeImages")
 

@@ -503,3 +503,59 @@ def test_first_preview_follows_references_and_never_guesses(built):
     resources, offender = MUTATIONS[11]["no public access block"](b)
     caught = pack.evaluate(policy_resources(first_preview(resources)), [11])
     assert [m for m, _ in caught if f"'{offender}'" in m], caught
+
+
+# ----------------------------------------------------------------------------- as the engine
+
+def test_the_pack_blocks_over_the_engines_own_protocol(built, tmp_path):
+    """infra/policy_pack started as `pulumi preview --policy-pack` starts it (its __main__.py,
+    from its own folder, the stack's config in PULUMI_CONFIG), then asked over gRPC."""
+    import os
+    import subprocess
+    import sys
+
+    import grpc
+    from google.protobuf import empty_pb2, struct_pb2
+    from pulumi.runtime.proto import analyzer_pb2, analyzer_pb2_grpc
+
+    from .harness import ROOT
+
+    b = built["maximal"]
+    env = {**os.environ, "PULUMI_CONFIG": json.dumps(
+        {"rayfleet:operatorCidrs": json.dumps(MAXIMAL["rayfleet:operatorCidrs"])})}
+    pack_dir = ROOT / "infra" / "policy_pack"
+    proc = subprocess.Popen([sys.executable, "-u", str(pack_dir / "__main__.py")], cwd=pack_dir,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        port = int(proc.stdout.readline() or 0)
+        assert port, proc.stderr.read().decode()[-2000:]
+        stub = analyzer_pb2_grpc.AnalyzerStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        info = stub.GetAnalyzerInfo(empty_pb2.Empty(), timeout=30)
+        assert [p.name for p in info.policies] == [pack.policy_name(n) for n in sorted(CHECKS)]
+        assert {p.enforcementLevel for p in info.policies} == {analyzer_pb2.MANDATORY}
+
+        def analyze(resources: list[Resource]) -> list:
+            request = analyzer_pb2.AnalyzeStackRequest(resources=[analyzer_pb2.AnalyzerResource(
+                type=r.type, name=r.name, urn=r.urn, parent=r.parent,
+                properties=_struct({**r.outputs, **r.inputs}),
+                propertyDependencies={k: analyzer_pb2.AnalyzerPropertyDependencies(urns=v)
+                                      for k, v in r.deps.items()}) for r in resources])
+            return list(stub.AnalyzeStack(request, timeout=60).diagnostics)
+
+        def _struct(props: dict) -> struct_pb2.Struct:
+            s = struct_pb2.Struct()
+            s.update(json.loads(json.dumps(props, default=str)))
+            return s
+
+        # The stack as the program asks for it passes, operator ranges included (read from the
+        # stack's config); opening the dashboard to the world is stopped by rules 1 and 4.
+        assert analyze(b.resources) == []
+        resources, offender = add(b, "fleet-max-security-operator-8265-0", "oops-world-8265",
+                                  world())
+        found = analyze(resources)
+        assert {d.policyName for d in found} == {pack.policy_name(1), pack.policy_name(4)}
+        assert all(d.enforcementLevel == analyzer_pb2.MANDATORY and f"'{offender}'" in d.message
+                   and d.urn.endswith(f"::{offender}") for d in found)
+    finally:
+        proc.kill()
+        proc.wait()
