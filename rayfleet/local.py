@@ -458,12 +458,13 @@ def require_running() -> LocalCluster:
 
 
 def env_lines(shell: str = "sh") -> list[str]:
-    # Ray reads a RAY_AUTH_TOKEN from the environment before RAY_AUTH_TOKEN_PATH (which wins
-    # over ~/.ray/auth_token): a token the user's shell already holds would be sent instead.
     env = require_running().client_env()
+    # Ray reads RAY_AUTH_TOKEN before RAY_AUTH_TOKEN_PATH (which wins over ~/.ray/auth_token):
+    # a token the user's shell already exports would be sent instead of the cluster's.
+    stray = "RAY_AUTH_TOKEN" in os.environ
     if shell == "fish":
-        return ["set -e RAY_AUTH_TOKEN;"] + [f"set -gx {k} {v};" for k, v in env.items()]
-    return ["unset RAY_AUTH_TOKEN"] + [f"export {k}={v}" for k, v in env.items()]
+        return ["set -e RAY_AUTH_TOKEN;"] * stray + [f"set -gx {k} {v};" for k, v in env.items()]
+    return ["unset RAY_AUTH_TOKEN"] * stray + [f"export {k}={v}" for k, v in env.items()]
 
 
 def status(out=sys.stdout) -> int:

@@ -81,7 +81,7 @@ def ray_cluster(rayfleet_home):
     client = json.loads((rayfleet_home / "local" / "cluster.json").read_text())
     exports = run([str(BIN / "rayfleet"), "local", "env"], env=env, check=True).stdout
     client_env = dict(line.removeprefix("export ").split("=", 1)
-                      for line in exports.splitlines() if line.startswith("export "))
+                      for line in exports.splitlines())
     info = {"home": rayfleet_home, "env": {**env, **client_env}, "client_env": client_env,
             "gcs_port": gcs, "dashboard_port": dash, "pid": client["pid"],
             "dashboard_url": f"http://127.0.0.1:{dash}", "up_stdout": up.stdout}
