@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/demo.sh
 
-# Everything but `gpu` and `aws_live` (DESIGN: pytest markers).
+# Everything but `gpu` and `aws_live` (the pytest markers in pyproject.toml).
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 

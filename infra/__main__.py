@@ -19,7 +19,7 @@ from rayfleet.errors import RayfleetError
 try:
     outputs = build(load_stack_config(pulumi.Config()))
 except RayfleetError as err:
-    # One line under `pulumi up`, no traceback (DESIGN convention 6); RunError is Pulumi's
+    # One line under `pulumi up`, no traceback (as every rayfleet error); RunError is Pulumi's
     # clean-exit error.
     raise pulumi.RunError(str(err)) from None
 

@@ -1,5 +1,5 @@
 """The `rayfleet` command. Each subcommand exits 0 on success and, on an expected failure,
-prints one line to stderr and exits 2 (DESIGN convention 6)."""
+prints one line to stderr and exits 2, no traceback."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The stack configuration: the one place it is parsed and validated (DESIGN convention 2).
+"""The stack configuration: the one place it is parsed and validated.
 
 Every consumer — the Pulumi program in ``infra/``, and ``rayfleet render / preflight / cost`` —
 gets the same typed, frozen :class:`StackConfig`, built by one of three entry points:
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rayfleet.errors import ConfigError, did_you_mean
+from rayfleet.rules import rule
 
 NAMESPACE = "rayfleet"
 
@@ -85,7 +86,7 @@ WORKER_INSTANCE_TYPES: Mapping[str, InstanceSpec] = {
 
 def _cpu_instance_types() -> dict[str, InstanceSpec]:
     # x86 families only: the head boots the same Deep Learning AMI as the workers so that Ray
-    # and Python are identical on every node (DESIGN rule 25); a Graviton head would need an
+    # and Python are identical on every node (rule 25); a Graviton head would need an
     # arm64 image. GiB per vCPU: c=2, m=4, r=8.
     gib_per_vcpu = {"c": 2, "m": 4, "r": 8}
     sizes = {"large": 2, "xlarge": 4, "2xlarge": 8, "4xlarge": 16, "8xlarge": 32,
@@ -622,15 +623,17 @@ def _operator_cidrs(values: list[str]) -> tuple[str, ...]:
     out: list[str] = []
     for value in values:
         net = _network("operatorCidrs", value)
+        why = f"rule 24, {rule(24).anchor}"
         if net.prefixlen == 0:
             raise ConfigError(_q("operatorCidrs"), f"{value} opens SSH and the dashboard to "
                                                    "the whole internet; name your VPN or office "
-                                                   "range, or leave the list empty for SSM only")
+                                                   "range, or leave the list empty for SSM only "
+                                                   f"({why})")
         # Broader than a /8 (or an IPv6 /32) is "most of the internet" split in pieces.
         floor = 8 if net.version == 4 else 32
         if net.prefixlen < floor:
             raise ConfigError(_q("operatorCidrs"), f"{value} is broader than /{floor}; name "
-                                                   "a narrower range")
+                                                   f"a narrower range ({why})")
         if str(net) not in out:
             out.append(str(net))
     return tuple(out)

@@ -1,4 +1,4 @@
-"""User-facing errors: one actionable line, exit code 2, no traceback (DESIGN convention 6).
+"""User-facing errors: one actionable line, exit code 2, no traceback.
 
 Expected failures (bad input, a port in use, a missing checkpoint) raise a RayfleetError;
 the CLI and every workload entry point print ``str(err)`` on one line and exit with

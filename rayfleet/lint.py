@@ -1,7 +1,8 @@
-"""`rayfleet lint CONFIG`: check any Ray cluster-launcher YAML against the rules of DESIGN.md
-that a cluster YAML can break. Reads the file only: no AWS call, no Ray call.
+"""`rayfleet lint CONFIG`: check any Ray cluster-launcher YAML against the security rules
+(docs/security.md, rayfleet/rules.py) that a cluster YAML can break. Reads the file only: no
+AWS call, no Ray call.
 
-Each finding has a severity (error / warning), the DESIGN rule number and the fix; the command
+Each finding has a severity (error / warning), the rule number and the fix; the command
 exits 1 when any error is found. Keys missing from the YAML are judged by what Ray does when
 they are missing (ray/autoscaler/aws/defaults.yaml): no ``cache_stopped_nodes`` means stop
 instead of terminate; no SecurityGroupIds means Ray creates ``ray-autoscaler-<cluster>`` with
@@ -21,6 +22,7 @@ import yaml
 
 from rayfleet.config import RAY_PORTS
 from rayfleet.errors import RayfleetError
+from rayfleet.rules import RULES
 
 ERROR, WARNING = "error", "warning"
 
@@ -238,6 +240,9 @@ def main(path: str, out=None) -> int:
     for x in findings:
         print(f"{x.severity.upper():7} rule {x.rule:<2} {x.where}: {x.problem}. Fix: {x.fix}",
               file=out)
+    for number in sorted({x.rule for x in findings}):
+        rule = RULES[number]
+        print(f"rule {number}: {rule.title} ({rule.anchor})", file=out)
     warnings = len(findings) - errors
     print(f"{path}: {errors} error(s), {warnings} warning(s)", file=out)
     return 1 if errors else 0

@@ -2,7 +2,7 @@
 
 The head runs as ``ray start --head --block`` in its own process group, so ``down`` stops
 exactly what ``up`` started (``ray stop`` would kill every Ray process on the machine, the
-user's own included). Token authentication (Ray >= 2.52, DESIGN rule 21) is on: the token is
+user's own included). Token authentication (Ray >= 2.52, rule 21) is on: the token is
 generated once into the state folder with mode 0600 and handed to Ray through
 ``RAY_AUTH_TOKEN_PATH``; clients get it the same way from ``rayfleet local env``.
 """
@@ -34,6 +34,9 @@ DEFAULT_DASHBOARD_PORT = 8265
 # (the test suite's, say) can run beside the user's.
 DEFAULT_CLIENT_PORT = 10001
 DEFAULT_AGENT_PORT = 52365
+# The node's Prometheus endpoint (plain HTTP, no token; README, "What listens"): pinned, as
+# Ray otherwise picks a random port on every start.
+DEFAULT_METRICS_PORT = 8080
 # Ray refuses an object store below 75 MiB (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
 MIN_OBJECT_STORE = 75 * 1024 * 1024
 START_TIMEOUT_S = 120
@@ -265,16 +268,21 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     logdir.mkdir(parents=True, exist_ok=True)
     log = logdir / "ray-head.log"
     client_port, agent_port = _pick(DEFAULT_CLIENT_PORT), _pick(DEFAULT_AGENT_PORT)
+    metrics_port = _pick(DEFAULT_METRICS_PORT)
     cmd = [
         _ray_bin(python), "start", "--head", "--block", "--disable-usage-stats",
         f"--port={port}",
         # The dashboard serves the Jobs API (remote code execution by design): loopback only
-        # (CVE-2023-48022; DESIGN rule 22). Remote users reach it through a tunnel.
+        # (CVE-2023-48022; rule 22). Remote users reach it through a tunnel.
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+        # Ray 2.60 turns 127.0.0.1 into the machine's own address
+        # (services.resolve_ip_for_localhost): the GCS, raylet and client server still bind
+        # beyond loopback, behind the token (README, "What listens").
         "--node-ip-address=127.0.0.1",
         f"--temp-dir={ray_temp_dir()}",
         f"--ray-client-server-port={client_port}",
         f"--dashboard-agent-listen-port={agent_port}",
+        f"--metrics-export-port={metrics_port}",
     ]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
@@ -478,14 +486,18 @@ def require_running() -> LocalCluster:
 
 def env_lines(shell: str = "sh") -> list[str]:
     env = require_running().client_env()
+    # Ray reads RAY_AUTH_TOKEN before RAY_AUTH_TOKEN_PATH (which wins over ~/.ray/auth_token):
+    # a token the user's shell already exports would be sent instead of the cluster's.
+    stray = "RAY_AUTH_TOKEN" in os.environ
     if shell == "fish":
-        return [f"set -gx {k} {v};" for k, v in env.items()]
-    return [f"export {k}={v}" for k, v in env.items()]
+        return ["set -e RAY_AUTH_TOKEN;"] * stray + [f"set -gx {k} {v};" for k, v in env.items()]
+    return ["unset RAY_AUTH_TOKEN"] * stray + [f"export {k}={v}" for k, v in env.items()]
 
 
 def status(out=sys.stdout) -> int:
     """Print nodes (ALIVE/DEAD) and free CPUs/GPUs/memory, read from the GCS."""
     cluster = require_running()
+    os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over our token file (env_lines)
     os.environ.update(cluster.client_env())
     # Imported here: `rayfleet --help` and `local env` must not pay for importing Ray.
     import ray

@@ -1,7 +1,7 @@
 """Shared fixtures: one real local Ray cluster per test session (token auth on, its own
 ports and state folder, so it runs beside a user's cluster), and a real moto S3 server.
 
-Markers (DESIGN): unit (default), ray, moto, slow, faults, gpu, aws_live.
+Markers: unit (default), ray, moto, slow, faults, gpu, aws_live.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""rayfleet's infrastructure, one ComponentResource per concern (DESIGN convention 1).
+"""rayfleet's infrastructure, one ComponentResource per concern, each built from a frozen
+args dataclass.
 
 :func:`build` wires them together for a validated :class:`~rayfleet.config.StackConfig` and
 returns the stack outputs; ``infra/__main__.py`` only loads the config, calls it, and exports.
@@ -97,6 +98,8 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
     ), opts)
     storage = Storage(f"{c}-storage", StorageArgs(
         cluster_name=c,
+        region=cfg.region,
+        partition=cfg.partition,
         bucket_prefix=cfg.storage.bucket_prefix,
         encryption=cfg.storage.encryption,
         noncurrent_version_days=cfg.storage.noncurrent_version_days,

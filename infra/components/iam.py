@@ -1,4 +1,4 @@
-"""Node roles: least privilege for what Ray's head and workers actually do (rules 16-19).
+"""Node roles: least privilege for what Ray's head and workers actually do (rules 16-19, 26).
 
 Ray's own launcher attaches AmazonEC2FullAccess and AmazonS3FullAccess to its default roles;
 here the head may launch, tag and terminate only instances carrying the cluster's
@@ -16,6 +16,16 @@ import pulumi
 import pulumi_aws as aws
 
 from rayfleet.config import RAY_CLUSTER_TAG
+
+# The EC2 reads Ray 2.60's AWS node provider makes with the head's credentials
+# (ray/autoscaler/_private/aws/node_provider.py): DescribeInstances to list and re-read its
+# nodes, DescribeInstanceTypes to fill in a node type's resources, DescribeImages for its
+# CloudWatch-agent check. Nothing else on the head calls EC2. `ec2:Describe*` would add every
+# other Describe action, DescribeInstanceAttribute among them (any instance's user data).
+# tests/infra/test_program.py compares this list with the provider's source, and the moto
+# chain (tests/moto/test_chain.py) the calls it makes with what the head role grants.
+HEAD_DESCRIBE_ACTIONS = ("ec2:DescribeInstances", "ec2:DescribeInstanceTypes",
+                         "ec2:DescribeImages")
 
 EC2_TRUST = json.dumps({
     "Version": "2012-10-17",
@@ -176,11 +186,12 @@ def _autoscaler_policy(args: IamArgs, worker_role_arn: pulumi.Output[str]) -> pu
                                                args.cluster_name}},
             },
             {
-                # EC2 Describe* calls support no resource-level permissions or conditions
-                # (https://docs.aws.amazon.com/service-authorization/latest/reference/list_amazonec2.html).
-                "Sid": "DescribeIsAccountWide",
+                # EC2 Describe calls support no resource-level permissions or conditions
+                # (https://docs.aws.amazon.com/service-authorization/latest/reference/list_amazonec2.html),
+                # so they are listed one by one instead (rule 26).
+                "Sid": "DescribeWhatTheNodeProviderReads",
                 "Effect": "Allow",
-                "Action": "ec2:Describe*",
+                "Action": list(HEAD_DESCRIBE_ACTIONS),
                 "Resource": "*",
             },
             {

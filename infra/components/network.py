@@ -15,6 +15,8 @@ import pulumi_aws as aws
 
 from rayfleet.errors import ConfigError
 
+from .storage import key_admin_statement
+
 
 @dataclass(frozen=True)
 class NetworkArgs:
@@ -173,15 +175,46 @@ class Network(pulumi.ComponentResource):
         return zones[:wanted]
 
     def _flow_logs(self, name: str, args: NetworkArgs) -> None:
-        """Flow logs of every ENI in the VPC to CloudWatch, kept for a retention (rule 8)."""
+        """Flow logs of every ENI in the VPC to CloudWatch, kept for a retention (rule 8),
+        encrypted with a key of the stack (rule 28)."""
         child = pulumi.ResourceOptions(parent=self)
-        log_group = aws.cloudwatch.LogGroup(
-            f"{name}-flow-logs",
-            name_prefix=f"/rayfleet/{args.cluster_name}/vpc-flow-logs-",
-            retention_in_days=args.flow_log_retention_days,
+        account = aws.get_caller_identity(opts=pulumi.InvokeOptions(parent=self)).account_id
+        prefix = f"/rayfleet/{args.cluster_name}/vpc-flow-logs-"
+        # CloudWatch Logs encrypts with a customer-managed key only if the key policy lets the
+        # region's Logs service use it, for this account's log groups
+        # (https://docs.aws.amazon.com/AmazonCloudWatch/latest/logs/encrypt-log-data-kms.html).
+        key = aws.kms.Key(
+            f"{name}-flow-logs-key",
+            description=f"rayfleet {args.cluster_name}: VPC flow log group",
+            enable_key_rotation=True,
+            deletion_window_in_days=30,
+            policy=pulumi.Output.json_dumps({
+                "Version": "2012-10-17",
+                "Statement": [
+                    key_admin_statement(args.partition, account),
+                    {
+                        "Sid": "CloudWatchLogsOfThisStack",
+                        "Effect": "Allow",
+                        "Principal": {"Service": f"logs.{args.region}.amazonaws.com"},
+                        "Action": ["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*",
+                                   "kms:GenerateDataKey*", "kms:Describe*"],
+                        "Resource": "*",
+                        "Condition": {"ArnLike": {
+                            "kms:EncryptionContext:aws:logs:arn": pulumi.Output.concat(
+                                f"arn:{args.partition}:logs:{args.region}:", account,
+                                f":log-group:{prefix}*")}},
+                    },
+                ],
+            }),
             opts=child,
         )
-        account = aws.get_caller_identity(opts=pulumi.InvokeOptions(parent=self)).account_id
+        log_group = aws.cloudwatch.LogGroup(
+            f"{name}-flow-logs",
+            name_prefix=prefix,
+            retention_in_days=args.flow_log_retention_days,
+            kms_key_id=key.arn,
+            opts=child,
+        )
         # The service may assume the role only on behalf of this account's flow logs
         # (confused-deputy guard, https://docs.aws.amazon.com/vpc/latest/userguide/flow-logs-iam-role.html).
         trust = {

@@ -1,4 +1,6 @@
-"""The checkpoint and data bucket: private, encrypted, versioned, TLS only (rules 11-15)."""
+"""The checkpoint and data bucket: private, encrypted, versioned, TLS only (rules 11-15); its
+access logged to a log bucket hardened the same way (rule 27); its KMS key with a key policy
+of its own (rule 29)."""
 
 from __future__ import annotations
 
@@ -7,14 +9,37 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
+# Where S3 server access logs of the data bucket land in the log bucket.
+ACCESS_LOG_PREFIX = "s3-access/"
+# KMS permissions that administer a key without using it (encrypt/decrypt are left out).
+KEY_ADMIN_ACTIONS = ["kms:Create*", "kms:Describe*", "kms:Enable*", "kms:List*", "kms:Put*",
+                     "kms:Update*", "kms:Revoke*", "kms:Disable*", "kms:Get*", "kms:Delete*",
+                     "kms:TagResource", "kms:UntagResource", "kms:ScheduleKeyDeletion",
+                     "kms:CancelKeyDeletion"]
+
+
+def key_admin_statement(partition: str, account: pulumi.Input[str]) -> dict:
+    """The account administers the key through IAM; using it needs a statement of its own.
+    Without an explicit policy AWS's default grants the account kms:* (rule 29)."""
+    return {
+        "Sid": "AdministerThroughIam",
+        "Effect": "Allow",
+        "Principal": {"AWS": pulumi.Output.concat(f"arn:{partition}:iam::", account, ":root")},
+        "Action": KEY_ADMIN_ACTIONS,
+        "Resource": "*",
+    }
+
 
 @dataclass(frozen=True)
 class StorageArgs:
     cluster_name: str
+    region: str
+    partition: str
     bucket_prefix: str
     encryption: str  # "kms" (a key of this stack) | "s3" (S3-managed AES256)
     noncurrent_version_days: int
     abort_multipart_days: int
+    access_log_days: int = 365  # how long the log bucket keeps access logs
 
 
 class Storage(pulumi.ComponentResource):
@@ -25,16 +50,36 @@ class Storage(pulumi.ComponentResource):
         super().__init__("rayfleet:infra:Storage", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
 
+        account = aws.get_caller_identity(opts=pulumi.InvokeOptions(parent=self)).account_id
         self.kms_key: aws.kms.Key | None = None
         if args.encryption == "kms":
             # A key of the stack's own: access to data needs both the bucket and the key, and
-            # CloudTrail records every decrypt. The default key policy delegates to IAM, whose
-            # node-role policies grant use only through S3 (kms:ViaService).
+            # CloudTrail records every decrypt. Its policy lets the account administer it and
+            # use it only through S3 in this region; the node roles' IAM policies then say
+            # which roles may (rule 29).
             self.kms_key = aws.kms.Key(
                 f"{name}-key",
                 description=f"rayfleet {args.cluster_name}: checkpoint and data bucket",
                 enable_key_rotation=True,
                 deletion_window_in_days=30,
+                policy=pulumi.Output.json_dumps({
+                    "Version": "2012-10-17",
+                    "Statement": [
+                        key_admin_statement(args.partition, account),
+                        {
+                            "Sid": "UseOnlyThroughS3",
+                            "Effect": "Allow",
+                            "Principal": {"AWS": pulumi.Output.concat(
+                                f"arn:{args.partition}:iam::", account, ":root")},
+                            "Action": ["kms:Decrypt", "kms:GenerateDataKey", "kms:Encrypt",
+                                       "kms:ReEncrypt*", "kms:DescribeKey"],
+                            "Resource": "*",
+                            "Condition": {"StringEquals": {
+                                "kms:ViaService": f"s3.{args.region}.amazonaws.com",
+                                "kms:CallerAccount": account}},
+                        },
+                    ],
+                }),
                 opts=child,
             )
 
@@ -46,8 +91,66 @@ class Storage(pulumi.ComponentResource):
             tags={"Name": f"{args.cluster_name}-data"},
             opts=child,
         )
-        bucket_id = self.bucket.id
+        sse_default = (aws.s3.
+                       BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultArgs)
+        if self.kms_key is not None:
+            default = sse_default(sse_algorithm="aws:kms", kms_master_key_id=self.kms_key.arn)
+        else:
+            default = sse_default(sse_algorithm="AES256")
+        self._harden(name, self.bucket, default, args.noncurrent_version_days,
+                     args.abort_multipart_days)
 
+        # Rule 27 (S3.9): every request to the data bucket is logged (S3 server access logs)
+        # into a bucket of its own, private and TLS-only like the data bucket. S3 delivers
+        # access logs only to a bucket encrypted with S3-managed keys (SSE-KMS targets are
+        # not supported: https://docs.aws.amazon.com/AmazonS3/latest/userguide/enable-server-access-logging.html),
+        # and, ACLs being disabled, the logging service is granted by the bucket policy.
+        self.log_bucket = aws.s3.Bucket(
+            f"{name}-logs-bucket",
+            bucket_prefix=f"{args.bucket_prefix[:33]}log-",
+            force_destroy=False,
+            tags={"Name": f"{args.cluster_name}-access-logs"},
+            opts=child,
+        )
+        log_policy = self._harden(
+            f"{name}-logs", self.log_bucket, sse_default(sse_algorithm="AES256"),
+            args.noncurrent_version_days, args.abort_multipart_days,
+            expire_days=args.access_log_days,
+            allow=[{
+                "Sid": "S3ServerAccessLogsOfTheDataBucket",
+                "Effect": "Allow",
+                "Principal": {"Service": "logging.s3.amazonaws.com"},
+                "Action": "s3:PutObject",
+                "Resource": pulumi.Output.concat(self.log_bucket.arn, f"/{ACCESS_LOG_PREFIX}*"),
+                "Condition": {
+                    "ArnLike": {"aws:SourceArn": self.bucket.arn},
+                    "StringEquals": {"aws:SourceAccount": account},
+                },
+            }])
+        aws.s3.BucketLogging(
+            f"{name}-access-logging",
+            bucket=self.bucket.id,
+            target_bucket=self.log_bucket.id,
+            target_prefix=ACCESS_LOG_PREFIX,
+            # S3 checks the target's policy when logging is turned on.
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[log_policy]),
+        )
+
+        self.kms_key_arn = self.kms_key.arn if self.kms_key is not None else None
+        self.register_outputs({
+            "bucket": self.bucket.bucket,
+            "bucket_arn": self.bucket.arn,
+            "kms_key_arn": self.kms_key_arn,
+            "access_log_bucket": self.log_bucket.bucket,
+        })
+
+    def _harden(self, name: str, bucket: aws.s3.Bucket, default,
+                noncurrent_days: int, abort_days: int, expire_days: int | None = None,
+                allow: list[dict] | None = None) -> aws.s3.BucketPolicy:
+        """Ownership enforced, public access blocked, versioned, encrypted, lifecycle rules,
+        TLS-only policy (rules 11-15) for ``bucket``; children named ``{name}-<what>``."""
+        child = pulumi.ResourceOptions(parent=self)
+        bucket_id = bucket.id
         # ACLs disabled: the bucket owner owns every object and only policies grant access
         # (rule 15, S3.12).
         ownership = aws.s3.BucketOwnershipControls(
@@ -72,12 +175,6 @@ class Storage(pulumi.ComponentResource):
                 status="Enabled"),
             opts=child,
         )
-        sse_default = (aws.s3.
-                       BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultArgs)
-        if self.kms_key is not None:
-            default = sse_default(sse_algorithm="aws:kms", kms_master_key_id=self.kms_key.arn)
-        else:
-            default = sse_default(sse_algorithm="AES256")
         aws.s3.BucketServerSideEncryptionConfiguration(
             f"{name}-encryption",
             bucket=bucket_id,
@@ -85,49 +182,58 @@ class Storage(pulumi.ComponentResource):
                 apply_server_side_encryption_by_default=default,
                 # One data key per bucket instead of one KMS call per object: checkpoints are
                 # many objects, and KMS requests are billed and rate limited.
-                bucket_key_enabled=self.kms_key is not None,
+                bucket_key_enabled=default.sse_algorithm == "aws:kms",
             )],
             opts=child,
         )
 
         every_object = aws.s3.BucketLifecycleConfigurationRuleFilterArgs(prefix="")
+        rules = [
+            # Versioning keeps an overwritten checkpoint recoverable for a while, not
+            # forever.
+            aws.s3.BucketLifecycleConfigurationRuleArgs(
+                id="expire-noncurrent-versions",
+                status="Enabled",
+                filter=every_object,
+                noncurrent_version_expiration=aws.s3
+                .BucketLifecycleConfigurationRuleNoncurrentVersionExpirationArgs(
+                    noncurrent_days=noncurrent_days),
+            ),
+            # A checkpoint upload killed midway leaves parts that bill until aborted.
+            aws.s3.BucketLifecycleConfigurationRuleArgs(
+                id="abort-incomplete-multipart-uploads",
+                status="Enabled",
+                filter=every_object,
+                abort_incomplete_multipart_upload=aws.s3
+                .BucketLifecycleConfigurationRuleAbortIncompleteMultipartUploadArgs(
+                    days_after_initiation=abort_days),
+            ),
+            aws.s3.BucketLifecycleConfigurationRuleArgs(
+                id="remove-expired-delete-markers",
+                status="Enabled",
+                filter=every_object,
+                expiration=aws.s3.BucketLifecycleConfigurationRuleExpirationArgs(
+                    expired_object_delete_marker=True),
+            ),
+        ]
+        if expire_days is not None:
+            rules.append(aws.s3.BucketLifecycleConfigurationRuleArgs(
+                id="expire-after-retention",
+                status="Enabled",
+                filter=every_object,
+                expiration=aws.s3.BucketLifecycleConfigurationRuleExpirationArgs(
+                    days=expire_days),
+            ))
         aws.s3.BucketLifecycleConfiguration(
             f"{name}-lifecycle",
             bucket=bucket_id,
-            rules=[
-                # Versioning keeps an overwritten checkpoint recoverable for a while, not
-                # forever.
-                aws.s3.BucketLifecycleConfigurationRuleArgs(
-                    id="expire-noncurrent-versions",
-                    status="Enabled",
-                    filter=every_object,
-                    noncurrent_version_expiration=aws.s3
-                    .BucketLifecycleConfigurationRuleNoncurrentVersionExpirationArgs(
-                        noncurrent_days=args.noncurrent_version_days),
-                ),
-                # A checkpoint upload killed midway leaves parts that bill until aborted.
-                aws.s3.BucketLifecycleConfigurationRuleArgs(
-                    id="abort-incomplete-multipart-uploads",
-                    status="Enabled",
-                    filter=every_object,
-                    abort_incomplete_multipart_upload=aws.s3
-                    .BucketLifecycleConfigurationRuleAbortIncompleteMultipartUploadArgs(
-                        days_after_initiation=args.abort_multipart_days),
-                ),
-                aws.s3.BucketLifecycleConfigurationRuleArgs(
-                    id="remove-expired-delete-markers",
-                    status="Enabled",
-                    filter=every_object,
-                    expiration=aws.s3.BucketLifecycleConfigurationRuleExpirationArgs(
-                        expired_object_delete_marker=True),
-                ),
-            ],
+            rules=rules,
             # AWS: lifecycle rules on noncurrent versions need versioning to exist first.
             opts=pulumi.ResourceOptions(parent=self, depends_on=[versioning]),
         )
 
-        objects = pulumi.Output.concat(self.bucket.arn, "/*")
-        aws.s3.BucketPolicy(
+        objects = pulumi.Output.concat(bucket.arn, "/*")
+        return aws.s3.BucketPolicy(
             f"{name}-policy",
             bucket=bucket_id,
             policy=pulumi.Output.json_dumps({
@@ -139,7 +245,7 @@ class Storage(pulumi.ComponentResource):
                         "Effect": "Deny",
                         "Principal": "*",
                         "Action": "s3:*",
-                        "Resource": [self.bucket.arn, objects],
+                        "Resource": [bucket.arn, objects],
                         "Condition": {"Bool": {"aws:SecureTransport": "false"}},
                     },
                     {
@@ -147,18 +253,12 @@ class Storage(pulumi.ComponentResource):
                         "Effect": "Deny",
                         "Principal": "*",
                         "Action": "s3:*",
-                        "Resource": [self.bucket.arn, objects],
+                        "Resource": [bucket.arn, objects],
                         "Condition": {"NumericLessThan": {"s3:TlsVersion": "1.2"}},
                     },
+                    *(allow or []),
                 ],
             }),
             # S3 rejects a bucket policy while ownership/public-access settings are in flux.
             opts=pulumi.ResourceOptions(parent=self, depends_on=[ownership, public_block]),
         )
-
-        self.kms_key_arn = self.kms_key.arn if self.kms_key is not None else None
-        self.register_outputs({
-            "bucket": self.bucket.bucket,
-            "bucket_arn": self.bucket.arn,
-            "kms_key_arn": self.kms_key_arn,
-        })

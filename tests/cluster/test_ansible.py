@@ -109,7 +109,7 @@ def _recap(stdout: str) -> dict[str, dict[str, int]]:
 # --- no cluster needed -----------------------------------------------------------------------
 
 def test_role_installs_the_node_environment_pyproject_pins():
-    # DESIGN rule 25: the nodes must run the Ray the clients run; and every package the
+    # Rule 25: the nodes must run the Ray the clients run; and every package the
     # workloads import, at the same pins as the cluster YAML's setup commands.
     from rayfleet import nodeenv
 

@@ -67,6 +67,23 @@ def test_ray_job_submit_without_token_is_refused_and_with_it_runs(ray_cluster, t
     assert "cpus 4.0" in ok.stdout
 
 
+def test_a_token_of_the_users_own_does_not_shadow_the_clusters(ray_cluster, tmp_path):
+    # Ray >= 2.61 makes token auth the default: the user may already hold a token of another
+    # cluster, in ~/.ray/auth_token and in RAY_AUTH_TOKEN (which Ray reads first).
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("0" * 32)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=str(tmp_path), PATH=f"{BIN}:{os.environ['PATH']}", RAY_AUTH_TOKEN="1" * 32,
+               RAYFLEET_HOME=str(ray_cluster["home"]))
+    script = f'eval "$({BIN}/rayfleet local env)" && rayfleet local status && ray job list'
+    ok = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                        timeout=120, cwd=REPO)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "ALIVE" in ok.stdout
+    # Without the eval, `rayfleet local status` itself still uses the cluster's token.
+    assert run([str(BIN / "rayfleet"), "local", "status"], env=env).returncode == 0
+
+
 def test_status_shows_alive_node_and_free_resources(ray_cluster):
     proc = run([str(BIN / "rayfleet"), "local", "status"], env=ray_cluster["env"], check=True)
     assert "ALIVE" in proc.stdout

@@ -1,4 +1,5 @@
-"""DESIGN scenario 7 / issue 6: wrong inputs across the kit, each refused the same way.
+"""The bad-input suite (README, "What survives what"), issue 6: wrong inputs across the kit,
+each refused the same way.
 
 Every case in CASES is a wrong input a user could plausibly type or hand over: a flag of the
 `rayfleet` CLI, a Pulumi stack file, the `pulumi stack output` JSON, a cluster YAML, an option

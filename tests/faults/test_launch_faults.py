@@ -1,4 +1,5 @@
-"""Fault 6 (DESIGN): a launch interrupted half-way leaves nothing `rayfleet sweep` misses.
+"""Fault 6 (README's fault table): a launch interrupted half-way leaves nothing
+`rayfleet sweep` misses.
 
 The example stack is built in moto by infra/ itself (tests/moto/pulumi_moto.py) and rendered.
 Ray's own AWS node provider launches the head; then EC2 answers the A100 worker's

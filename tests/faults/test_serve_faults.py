@@ -1,7 +1,7 @@
-"""Fault 3 (DESIGN): a Serve replica killed while a load generator sends requests. At least
-99% of the requests succeed (for a client that retries as the openai client does: twice, on
-a connection error or a 5xx), Serve replaces the replica, and the app reports healthy with
-its full replica count again."""
+"""Fault 3 (README's fault table): a Serve replica killed while a load generator sends
+requests. At least 99% of the requests succeed (for a client that retries as the openai client
+does: twice, on a connection error or a 5xx), Serve replaces the replica, and the app reports
+healthy with its full replica count again."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 No engine runs: Pulumi's mock monitor hands every resource registration and every invoke
 (get_ami, get_availability_zones, get_caller_identity) to :class:`CaptureMocks`, which answers
 with plausible ids/ARNs and records what the program asked for. What comes back is the
-resource graph ``infra.policy`` checks and the stack outputs the program exported. This
+resource graph the policy pack (infra/policy_pack) checks and the stack outputs the program
+exported. This
 proves what the program *requests*; it does not prove AWS accepts it (see the README).
 """
 
@@ -23,7 +24,10 @@ import pulumi
 from pulumi.runtime import mocks as pulumi_mocks
 from pulumi.runtime import settings as pulumi_settings
 
-from infra.policy import Resource
+from pulumi_policy import PolicyResource, PolicyResourceOptions
+from pulumi_policy.proxy import unknown_checking_proxy
+
+from infra.policy_pack.checks import Resource
 
 # pulumi_aws warns about its own deprecated classes (BucketV2...) when its modules load; the
 # program uses none of them, so load the modules it does use quietly, once.
@@ -135,6 +139,8 @@ class CaptureMonitor(pulumi_mocks.MockMonitor):
                     "type": request.type, "name": request.name, "urn": response.urn,
                     "parent": request.parent, "provider": request.provider,
                     "custom": request.custom,
+                    "deps": {k: tuple(v.urns) for k, v in
+                             request.propertyDependencies.items()},
                 })
         return response
 
@@ -202,9 +208,13 @@ def run_program(config: dict[str, Any], *, stack: str = "dev",
     resources = []
     for reg in monitor.registrations:
         inputs, state, rid = mocks.inputs[(reg["type"], reg["name"])]
+        # What the resource came back with beyond its inputs (ids, ARNs, auto-names): a
+        # mutation that removes an input must not find it again among the outputs.
+        outputs = {k: v for k, v in state.items() if k not in inputs or v != inputs[k]}
         resources.append(Resource(type=reg["type"], name=reg["name"], inputs=inputs,
-                                  outputs={**state, "id": rid}, urn=reg["urn"],
-                                  parent=reg["parent"], provider=reg["provider"]))
+                                  outputs={**outputs, "id": rid}, urn=reg["urn"],
+                                  parent=reg["parent"], provider=reg["provider"],
+                                  deps=reg["deps"]))
     return Built(resources=resources, outputs=resolved, registrations=monitor.registrations,
                  calls=list(mocks.calls))
 
@@ -218,3 +228,18 @@ def _pulumi_string(value: Any) -> str:
     if isinstance(value, (list, tuple, dict)):
         return json.dumps(value)
     return str(value)
+
+
+def policy_resources(resources: list[Resource]) -> list[PolicyResource]:
+    """The graph as the engine hands it to a policy pack's stack policies: each resource's
+    properties (inputs, plus the ids and ARNs it came back with) behind CrossGuard's
+    unknown-checking proxy, and its property dependencies as resource objects."""
+    out = [PolicyResource(r.type, unknown_checking_proxy({**r.outputs, **r.inputs}), r.urn,
+                          r.name, PolicyResourceOptions(False, [], False, [], None, []), None,
+                          None, [], {}) for r in resources]
+    by_urn = {p.urn: p for p in out}
+    for r, p in zip(resources, out, strict=True):
+        p.parent = by_urn.get(r.parent)
+        p.property_dependencies = {k: [by_urn[u] for u in urns if u in by_urn]
+                                   for k, urns in r.deps.items()}
+    return out

@@ -1,9 +1,10 @@
-"""DESIGN.md's infrastructure security rules, read as policies over the built stacks.
+"""The infrastructure security rules (docs/security.md), run as the CrossGuard policy pack
+(infra/policy_pack) over the graph the program asks for under Pulumi's mocks.
 
-For every rule: the three stacks (dev, minimal, maximal) have no violation, and at least one
+For every rule: the three stacks (dev, minimal, maximal) pass the pack, and at least one
 mutation — a resource of the real graph changed the way a careless edit would change it, or
-a resource added — is caught with a message naming the offending resource. A few mutations go
-through the program itself under Pulumi's mocks rather than through the captured graph.
+a resource added — makes the rule's policy report a violation naming the offending resource.
+A few mutations go through the program itself under Pulumi's mocks.
 """
 
 from __future__ import annotations
@@ -12,24 +13,59 @@ import base64
 import copy
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 
 import pulumi_aws as aws
 import pytest
 
-from infra import policy
 from infra.components import gpu_nodes
-from infra.policy import RULES, Resource, check
+from infra.policy_pack import checks as policy
+from infra.policy_pack import pack
+from infra.policy_pack.checks import CHECKS, Resource
+from pulumi_policy.proxy import UNKNOWN_STRING_VALUE
+
+from rayfleet.rules import RULES
 
 from .conftest import MAXIMAL, dev_config
-from .harness import Built, run_program
+from .harness import Built, policy_resources, run_program
 
 pytestmark = pytest.mark.unit
 
 
+@dataclasses.dataclass(frozen=True)
+class Reported:
+    """One violation as the pack reports it to the engine."""
+
+    message: str
+    urn: str | None
+
+    def _part(self, group: int) -> str:
+        m = re.match(r"rule (\d+) \(([^)]*)\): (\S+ '[^']*')", self.message)
+        assert m, f"unexpected policy message: {self.message}"
+        return m.group(group)
+
+    @property
+    def rule(self) -> int:
+        return int(self._part(1))
+
+    @property
+    def resource(self) -> str:
+        return self._part(3)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def check(resources: list[Resource], rules=None, *, operator_cidrs=()) -> list[Reported]:
+    """What the policy pack reports over ``resources``, as `pulumi preview --policy-pack`."""
+    return [Reported(m, u) for m, u in pack.evaluate(policy_resources(resources), rules,
+                                                      operator_cidrs=operator_cidrs)]
+
+
 # ----------------------------------------------------------------------------- no violations
 
-@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("rule", sorted(CHECKS), ids=lambda n: f"rule-{n}")
 def test_rule_holds_on_every_stack(rule, stack):
     _, values, b = stack
     operator_cidrs = values.get("rayfleet:operatorCidrs", [])
@@ -37,10 +73,13 @@ def test_rule_holds_on_every_stack(rule, stack):
     assert not violations, "\n".join(map(str, violations))
 
 
-def test_every_rule_of_design_md_that_concerns_infra_is_checked():
-    assert set(RULES) == {1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20}
-    for number, rule in RULES.items():
-        assert rule.external_id and rule.title, number
+def test_the_pack_has_one_mandatory_policy_per_rule_the_graph_shows():
+    assert set(CHECKS) == {n for n, r in RULES.items() if "pack" in r.enforced}
+    policies = pack.policies([])
+    assert [p.name for p in policies] == [f"rayfleet-rule-{n}" for n in sorted(CHECKS)]
+    for p, n in zip(policies, sorted(CHECKS), strict=True):
+        assert p.enforcement_level == pack.EnforcementLevel.MANDATORY
+        assert RULES[n].title in p.description and f"docs/security.md#rule-{n}" in p.description
 
 
 # ----------------------------------------------------------------------------- mutation kit
@@ -60,7 +99,9 @@ def edit(b: Built, name: str, change: Callable[[dict], object],
     target = _pick(b, name, typ)
     inputs = copy.deepcopy(dict(target.inputs))
     change(inputs)
-    changed = dataclasses.replace(target, inputs=inputs)
+    # A value written in by hand no longer comes from the resource it came from.
+    deps = {k: v for k, v in target.deps.items() if inputs.get(k) == target.inputs.get(k)}
+    changed = dataclasses.replace(target, inputs=inputs, deps=deps)
     return [changed if r is target else r for r in b.resources], name
 
 
@@ -77,7 +118,10 @@ def add(b: Built, like: str, name: str, change: Callable[[dict], object],
     inputs = copy.deepcopy(dict(template.inputs))
     change(inputs)
     extra = dataclasses.replace(template, name=name, inputs=inputs,
-                                outputs={**template.outputs, "id": f"x-{name}"})
+                                outputs={**template.outputs, "id": f"x-{name}"},
+                                urn=template.urn.rsplit("::", 1)[0] + f"::{name}",
+                                deps={k: v for k, v in template.deps.items()
+                                      if inputs.get(k) == template.inputs.get(k)})
     return [*b.resources, extra], name
 
 
@@ -118,7 +162,8 @@ MUTATIONS: dict[int, dict[str, Mutation]] = {
         "legacy SecurityGroupRule on 6379": lambda b: ([*b.resources, Resource(
             policy.SG_RULE, "oops-legacy-gcs", {
                 "type": "ingress", "protocol": "tcp", "fromPort": 6379, "toPort": 6379,
-                "cidrBlocks": ["0.0.0.0/0"], "securityGroupId": "sg-x", "description": "x"})],
+                "cidrBlocks": ["0.0.0.0/0"], "securityGroupId": "sg-x", "description": "x"},
+            urn="urn:pulumi:dev::rayfleet::aws:ec2/securityGroupRule:SecurityGroupRule::oops")],
             "oops-legacy-gcs"),
         "inline ingress on the cluster group": lambda b: edit(
             b, f"{D}-security-cluster", lambda i: i.update(ingress=[{
@@ -302,15 +347,56 @@ MUTATIONS: dict[int, dict[str, Mutation]] = {
             b, f"{D}-nodes-worker-ondemand", lambda i: i.update(userData=b64(
                 "DB_PASSWORD=hunter2hunter2\n"))),
     },
+    26: {
+        "ec2:Describe* back on the head": lambda b: edit(
+            b, f"{D}-iam-head-autoscaler", lambda i: policy_doc(
+                i, lambda st: sid(st, "DescribeWhatTheNodeProviderReads").update(
+                    Action="ec2:Describe*"))),
+        "instance user data readable": lambda b: edit(
+            b, f"{D}-iam-head-autoscaler", lambda i: policy_doc(
+                i, lambda st: sid(st, "DescribeWhatTheNodeProviderReads")["Action"].append(
+                    "ec2:DescribeInstanceAttribute"))),
+    },
+    27: {
+        "access logging removed": lambda b: drop(
+            b, f"{D}-storage-access-logging", f"{D}-storage-bucket"),
+        "access logs sent to a bucket outside the stack": lambda b: edit(
+            b, f"{D}-storage-access-logging",
+            lambda i: i.update(targetBucket="someone-elses-log-bucket")),
+        "log bucket encrypted with KMS (S3 cannot deliver)": lambda b: (edit(
+            b, f"{D}-storage-logs-encryption", lambda i: i["rules"][0][
+                "applyServerSideEncryptionByDefault"].update(sseAlgorithm="aws:kms"))[0],
+            f"{D}-storage-logs-bucket"),
+        "log delivery not granted": lambda b: (edit(
+            b, f"{D}-storage-logs-policy", lambda i: policy_doc(
+                i, lambda st: st.remove(sid(st, "S3ServerAccessLogsOfTheDataBucket"))))[0],
+            f"{D}-storage-logs-bucket"),
+    },
+    28: {
+        "flow logs without a KMS key": lambda b: edit(
+            b, f"{D}-network-flow-logs", lambda i: i.pop("kmsKeyId"), policy.LOG_GROUP),
+        "key policy shuts CloudWatch Logs out": lambda b: edit(
+            b, f"{D}-network-flow-logs-key", lambda i: policy_doc(
+                i, lambda st: st.remove(sid(st, "CloudWatchLogsOfThisStack")))),
+    },
+    29: {
+        "bucket key back on the default policy": lambda b: edit(
+            b, f"{D}-storage-key", lambda i: i.pop("policy")),
+        "flow-log key usable by anyone": lambda b: edit(
+            b, f"{D}-network-flow-logs-key", lambda i: policy_doc(
+                i, lambda st: st.append({"Effect": "Allow", "Principal": "*",
+                                         "Action": "kms:*", "Resource": "*"}))),
+    },
 }
 
 
 def test_every_rule_has_a_mutation():
-    assert set(MUTATIONS) == set(RULES)
+    assert set(MUTATIONS) == set(CHECKS)
 
 
 @pytest.mark.parametrize("rule,mutation", [(r, m) for r in sorted(MUTATIONS)
-                                           for m in MUTATIONS[r]])
+                                           for m in MUTATIONS[r]],
+                         ids=[f"rule-{r}-{m}" for r in sorted(MUTATIONS) for m in MUTATIONS[r]])
 def test_rule_catches_its_mutation_naming_the_resource(rule, mutation, built):
     resources, offender = MUTATIONS[rule][mutation](built["dev"])
     operator_cidrs = dev_config().get("rayfleet:operatorCidrs", [])
@@ -318,8 +404,8 @@ def test_rule_catches_its_mutation_naming_the_resource(rule, mutation, built):
     assert violations, f"rule {rule} missed: {mutation}"
     assert any(f"'{offender}'" in str(v) for v in violations), \
         f"no violation names {offender!r}: " + "; ".join(map(str, violations))
-    assert all(str(v).startswith(f"rule {rule} ({RULES[rule].external_id}): ")
-               for v in violations)
+    assert all(str(v).startswith(f"{RULES[rule].tag}: ") and v.urn for v in violations)
+    assert all(str(v).endswith(f"(see docs/security.md#rule-{rule})") for v in violations)
 
 
 def test_a_mutation_breaks_only_the_rules_it_should(built):
@@ -388,3 +474,88 @@ def test_user_data_is_settings_only(built):
         script = base64.b64decode(lt.inputs["userData"]).decode()
         assert "RAY_AUTH_MODE=token" in script
         assert "RAY_AUTH_TOKEN" not in script
+
+
+# ----------------------------------------------------------------------------- first preview
+
+def first_preview(resources: list[Resource]) -> list[Resource]:
+    """The graph as a stack's first `pulumi preview` hands it to the pack: nothing exists yet,
+    so every id and ARN, and every property that comes from another resource, is unknown."""
+    unknown = UNKNOWN_STRING_VALUE
+    return [dataclasses.replace(
+        r, inputs={k: unknown if r.deps.get(k) else v for k, v in r.inputs.items()},
+        outputs={k: unknown for k in r.outputs}) for r in resources]
+
+
+def test_first_preview_follows_references_and_never_guesses(built):
+    b = built["dev"]
+    cidrs = dev_config().get("rayfleet:operatorCidrs", [])
+    skipped: list[str] = []
+    assert not pack.evaluate(policy_resources(first_preview(b.resources)),
+                             operator_cidrs=cidrs, not_runnable=skipped)
+    # Rules whose references are followed through property dependencies run in full. The
+    # rest read a value that only exists once AWS has made a resource (a policy document
+    # naming an ARN, the KMS key's ARN in the encryption rule, the subnet in a launch
+    # template): the engine reports them as not runnable in this preview, never as passed,
+    # and they run at the next preview or `pulumi up` (docs/security.md says so).
+    assert sorted(skipped) == sorted(pack.policy_name(n)
+                                     for n in (7, 12, 13, 16, 17, 18, 26, 27))
+    resources, offender = MUTATIONS[11]["no public access block"](b)
+    caught = pack.evaluate(policy_resources(first_preview(resources)), [11])
+    assert [m for m, _ in caught if f"'{offender}'" in m], caught
+
+
+# ----------------------------------------------------------------------------- as the engine
+
+def test_the_pack_blocks_over_the_engines_own_protocol(built, tmp_path):
+    """infra/policy_pack started as `pulumi preview --policy-pack` starts it (its __main__.py,
+    from its own folder, the stack's config in PULUMI_CONFIG), then asked over gRPC."""
+    import os
+    import subprocess
+    import sys
+
+    import grpc
+    from google.protobuf import empty_pb2, struct_pb2
+    from pulumi.runtime.proto import analyzer_pb2, analyzer_pb2_grpc
+
+    from .harness import ROOT
+
+    b = built["maximal"]
+    env = {**os.environ, "PULUMI_CONFIG": json.dumps(
+        {"rayfleet:operatorCidrs": json.dumps(MAXIMAL["rayfleet:operatorCidrs"])})}
+    pack_dir = ROOT / "infra" / "policy_pack"
+    proc = subprocess.Popen([sys.executable, "-u", str(pack_dir / "__main__.py")], cwd=pack_dir,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        port = int(proc.stdout.readline() or 0)
+        assert port, proc.stderr.read().decode()[-2000:]
+        stub = analyzer_pb2_grpc.AnalyzerStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        info = stub.GetAnalyzerInfo(empty_pb2.Empty(), timeout=30)
+        assert [p.name for p in info.policies] == [pack.policy_name(n) for n in sorted(CHECKS)]
+        assert {p.enforcementLevel for p in info.policies} == {analyzer_pb2.MANDATORY}
+
+        def analyze(resources: list[Resource]) -> list:
+            request = analyzer_pb2.AnalyzeStackRequest(resources=[analyzer_pb2.AnalyzerResource(
+                type=r.type, name=r.name, urn=r.urn, parent=r.parent,
+                properties=_struct({**r.outputs, **r.inputs}),
+                propertyDependencies={k: analyzer_pb2.AnalyzerPropertyDependencies(urns=v)
+                                      for k, v in r.deps.items()}) for r in resources])
+            return list(stub.AnalyzeStack(request, timeout=60).diagnostics)
+
+        def _struct(props: dict) -> struct_pb2.Struct:
+            s = struct_pb2.Struct()
+            s.update(json.loads(json.dumps(props, default=str)))
+            return s
+
+        # The stack as the program asks for it passes, operator ranges included (read from the
+        # stack's config); opening the dashboard to the world is stopped by rules 1 and 4.
+        assert analyze(b.resources) == []
+        resources, offender = add(b, "fleet-max-security-operator-8265-0", "oops-world-8265",
+                                  world())
+        found = analyze(resources)
+        assert {d.policyName for d in found} == {pack.policy_name(1), pack.policy_name(4)}
+        assert all(d.enforcementLevel == analyzer_pb2.MANDATORY and f"'{offender}'" in d.message
+                   and d.urn.endswith(f"::{offender}") for d in found)
+    finally:
+        proc.kill()
+        proc.wait()

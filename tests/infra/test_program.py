@@ -12,7 +12,7 @@ from pathlib import Path
 import pulumi
 import pytest
 
-from infra import policy
+from infra.policy_pack import checks as policy
 from infra.components import SCHEMA_VERSION
 from rayfleet.config import RAY_CLUSTER_TAG, RAY_PORTS, StackConfig
 
@@ -94,7 +94,7 @@ def test_subnets_span_the_configured_azs_workers_az_first(stack):
 def test_exported_subnets_are_private_and_route_through_nat(stack):
     _, _, b = stack
     out = b.outputs["rayfleet"]
-    public = policy.public_subnet_ids(b.resources)
+    public = {s.outputs["id"] for s in policy.public_subnets(b.resources)}
     assert len(public) == len(out["private_subnet_ids"])
     assert not set(out["private_subnet_ids"]) & public
     assert out["worker_subnet_id"] in out["private_subnet_ids"]
@@ -215,10 +215,11 @@ def test_hop_limit_is_two_only_with_ray_in_docker(built):
 def test_encryption_is_the_stacks_kms_key_or_s3_managed(built):
     for name, algorithm in (("dev", "aws:kms"), ("minimal", "AES256")):
         b = built[name]
-        (sse,) = b.of_type(policy.SSE[0])
+        sse = b.named(f"{b.outputs['rayfleet']['cluster_name']}-storage-encryption")
         default = sse.inputs["rules"][0]["applyServerSideEncryptionByDefault"]
         assert default["sseAlgorithm"] == algorithm
-        keys = b.of_type("aws:kms/key:Key")
+        # The flow-log group's key is every stack's (rule 28); the bucket's, only kms's.
+        keys = [k for k in b.of_type("aws:kms/key:Key") if "-storage-" in k.name]
         if algorithm == "aws:kms":
             (key,) = keys
             assert default["kmsMasterKeyId"] == key.outputs["arn"]
@@ -364,3 +365,7 @@ def test_head_role_allows_what_rays_autoscaler_calls_and_no_more(built):
         assert _allowed(doc["Statement"], action), f"head role cannot {action}"
     for action in deliberately_denied & actions:
         assert not _allowed(doc["Statement"], action), f"head role may {action}"
+    # And no EC2 read beyond what the provider calls (rule 26): listed one by one, equal.
+    granted_reads = {a for s in doc["Statement"] if s.get("Effect") == "Allow"
+                     for a in policy._list(s.get("Action")) if a.startswith("ec2:Describe")}
+    assert granted_reads == {a for a in actions if a.startswith("ec2:Describe")}

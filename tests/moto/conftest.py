@@ -1,4 +1,4 @@
-"""moto fixtures, one resource per fixture, chained (DESIGN convention 7).
+"""moto fixtures, one resource per fixture, chained.
 
 - ``moto_account`` / ``infra_stack`` (tests/moto/pulumi_moto.py): a fresh account on the
   session's moto server, and the example stack built in it by the Pulumi program itself. The

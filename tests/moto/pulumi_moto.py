@@ -10,17 +10,20 @@ what it creates, this follows, because nothing here re-describes the stack.
 Mapped (created in moto, real id returned): VPC (+ DNS attributes), the VPC's default security
 group (adopted: its rules revoked as the program asks), internet gateway, route tables,
 routes, route table associations, Elastic IP, NAT gateway, subnets, S3 gateway endpoint,
-flow-log log group (+ retention), flow log, IAM roles, inline role policies, attachments of
-customer managed policies, instance profiles, security groups, ingress/egress rules, KMS key
-(+ rotation), S3 bucket, ownership controls, public access block, versioning, default
-encryption, lifecycle, launch templates, the budget.
+flow-log log group (+ retention, KMS key), flow log, IAM roles, inline role policies,
+attachments of customer managed policies, instance profiles, security groups, ingress/egress
+rules, KMS keys (+ key policy, rotation), S3 buckets, ownership controls, public access block,
+versioning, default encryption, lifecycle, server access logging, launch templates, the
+budget.
 
 Placeholders (an id is returned, nothing is created): the ``pulumi:providers:aws`` provider
 (its ``defaultTags`` are applied to every resource, as the real provider does), the program's
 own component resources, the cluster placement group (moto has no CreatePlacementGroup; the
 launch templates still name it), attachments of AWS managed policies (the shared moto server
 does not load them; the ARN is checked against moto's copy of AWS's list), and the bucket
-policy (moto would apply its Deny statements without their conditions, refusing everything).
+policies' Deny statements (moto would apply them without their conditions, refusing
+everything; their Allow statements are put, which is what lets moto accept the log bucket as
+a server access logging target).
 
 A resource type this module does not know, or an input it does not apply, fails the program
 run with a line naming it, so infra/ cannot start creating something the moto chain silently
@@ -310,7 +313,8 @@ class MotoMocks(pulumi.runtime.Mocks):
     def _log_group(self, name, i, tags):
         group = i.get("name") or i["namePrefix"] + time.strftime("%Y%m%d%H%M%S") + \
             secrets.token_hex(4)
-        self.logs.create_log_group(logGroupName=group, **({"tags": tags} if tags else {}))
+        self.logs.create_log_group(logGroupName=group, **({"tags": tags} if tags else {}),
+                                   **({"kmsKeyId": i["kmsKeyId"]} if i.get("kmsKeyId") else {}))
         if i.get("retentionInDays"):
             self.logs.put_retention_policy(logGroupName=group,
                                            retentionInDays=i["retentionInDays"])
@@ -385,6 +389,7 @@ class MotoMocks(pulumi.runtime.Mocks):
     def _kms_key(self, name, i, tags):
         key = self.kms.create_key(
             Description=i.get("description") or "",
+            **({"Policy": i["policy"]} if i.get("policy") else {}),
             Tags=[{"TagKey": k, "TagValue": v} for k, v in tags.items()])["KeyMetadata"]
         if i.get("enableKeyRotation"):
             self.kms.enable_key_rotation(KeyId=key["KeyId"])
@@ -456,7 +461,18 @@ class MotoMocks(pulumi.runtime.Mocks):
         if not statements:
             raise NotMapped(f"{name}: an empty bucket policy")
         self.s3.head_bucket(Bucket=i["bucket"])
+        allows = [s for s in statements if s.get("Effect") == "Allow"]
+        if allows:
+            self.s3.put_bucket_policy(Bucket=i["bucket"], Policy=json.dumps(
+                {"Version": "2012-10-17", "Statement": allows}))
         self.placeholders.append(("aws:s3/bucketPolicy:BucketPolicy", name))
+        return i["bucket"], {}
+
+    def _bucket_logging(self, name, i, tags):
+        # moto, like S3, refuses a target whose policy does not let logging.s3.amazonaws.com
+        # put objects under the prefix.
+        self.s3.put_bucket_logging(Bucket=i["bucket"], BucketLoggingStatus={"LoggingEnabled": {
+            "TargetBucket": i["targetBucket"], "TargetPrefix": i["targetPrefix"]}})
         return i["bucket"], {}
 
     # -- IAM
@@ -581,6 +597,7 @@ _HANDLERS = {
         MotoMocks._encryption,
     "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration": MotoMocks._lifecycle,
     "aws:s3/bucketPolicy:BucketPolicy": MotoMocks._bucket_policy,
+    "aws:s3/bucketLogging:BucketLogging": MotoMocks._bucket_logging,
     "aws:iam/role:Role": MotoMocks._role,
     "aws:iam/rolePolicy:RolePolicy": MotoMocks._role_policy,
     "aws:iam/rolePolicyAttachment:RolePolicyAttachment": MotoMocks._role_policy_attachment,

@@ -8,7 +8,10 @@ leaves nothing tagged, and the stack's own resources stay for `pulumi destroy`."
 from __future__ import annotations
 
 import copy
+import fnmatch
+import json
 
+import boto3
 import pytest
 
 from rayfleet import cli, sweep
@@ -67,6 +70,22 @@ def test_infra_stack_renders_launches_and_sweeps_clean(infra_stack, moto_account
     (sse,) = s3.get_bucket_encryption(Bucket=o["bucket"])[
         "ServerSideEncryptionConfiguration"]["Rules"]
     assert sse["ApplyServerSideEncryptionByDefault"]["KMSMasterKeyID"] == o["kms_key_arn"]
+    # Its access logged into a log bucket S3 can deliver to: SSE-S3 and a policy letting the
+    # logging service write (moto refuses the target otherwise) (rule 27). The flow-log group
+    # encrypted with the stack's own key (rule 28); both keys with a policy of their own
+    # (rule 29).
+    target = s3.get_bucket_logging(Bucket=o["bucket"])["LoggingEnabled"]["TargetBucket"]
+    (log_sse,) = s3.get_bucket_encryption(Bucket=target)[
+        "ServerSideEncryptionConfiguration"]["Rules"]
+    assert log_sse["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
+    (group,) = moto_account.client("logs").describe_log_groups(
+        logGroupNamePrefix=f"/rayfleet/{c}/")["logGroups"]
+    kms = moto_account.client("kms")
+    for key in (group["kmsKeyId"], o["kms_key_arn"]):
+        policy = json.loads(kms.get_key_policy(KeyId=key, PolicyName="default")["Policy"])
+        # Not AWS's default policy, which gives the account kms:* (everything to IAM).
+        assert policy["Statement"] and all("kms:*" not in s["Action"]
+                                           for s in policy["Statement"]), key
 
     rendered = tmp_path / "cluster.yaml"
     assert cli.main(["render", str(infra_stack.path), "--out", str(rendered),
@@ -75,12 +94,30 @@ def test_infra_stack_renders_launches_and_sweeps_clean(infra_stack, moto_account
         capsys.readouterr().out
 
     before = account_inventory(moto_account)
-    cfg = ray_launch_config(rendered)
+    # Every EC2 call Ray makes through boto3's default session, by operation name.
+    called: set[str] = set()
+    boto3.setup_default_session()
+    boto3.DEFAULT_SESSION.events.register(
+        "before-call.ec2", lambda model, **_: called.add(f"ec2:{model.name}"))
+    cfg = ray_launch_config(rendered)  # `ray up` on the operator's machine, its credentials
+    called.clear()
     provider = AWSNodeProvider(cfg["provider"], cfg["cluster_name"])
     for node_type in NODE_TYPES:
         kind = "head" if node_type == cfg["head_node_type"] else "worker"
         provider.create_node(copy.deepcopy(cfg["available_node_types"][node_type]["node_config"]),
                              {TAG_RAY_NODE_KIND: kind, TAG_RAY_USER_NODE_TYPE: node_type}, 1)
+    provider.non_terminated_nodes({})  # the autoscaler's poll
+    # What the provider called is what the head role grants (rules 17 and 26: its EC2 reads
+    # are listed one by one). Tag conditions are not evaluated here; tests/infra checks them.
+    iam = moto_account.client("iam")
+    head_role = o["roles"]["head"]["arn"].rsplit("/", 1)[-1]
+    granted = [a for p in iam.list_role_policies(RoleName=head_role)["PolicyNames"]
+               for st in iam.get_role_policy(RoleName=head_role, PolicyName=p)[
+                   "PolicyDocument"]["Statement"] if st["Effect"] == "Allow"
+               for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])]
+    assert {"ec2:RunInstances", "ec2:DescribeInstances"} <= called
+    assert not [c for c in called if not any(fnmatch.fnmatchcase(c, g) for g in granted)], \
+        (called, granted)
 
     # Ray created none of its permissive defaults (rule 3): no ray-autoscaler-* group with SSH
     # from the world, no ray-autoscaler-v1 role with EC2/S3 full access, no key pair.

@@ -1,5 +1,5 @@
 """The benchmark modules import, and the arithmetic behind the ratios BENCHMARKS.md prints is
-right. No timings are asserted (DESIGN convention 10): these check the bookkeeping only."""
+right. No timings are asserted (benchmarks are not tests): these check the bookkeeping only."""
 
 from __future__ import annotations
 

@@ -47,6 +47,9 @@ def test_rays_own_aws_configs_are_flagged(path, capsys):
     assert cli.main(["lint", str(path)]) == 1
     out = capsys.readouterr().out
     assert "rule 23" in out and "Fix:" in out
+    # Each rule found is named with the place that explains it.
+    assert "rule 23: `ray down` terminates nodes (cache_stopped_nodes: false) " \
+           "(docs/security.md#rule-23)" in out
 
 
 def test_rays_minimal_example_as_ray_up_sees_it_is_flagged(tmp_path):

@@ -1,4 +1,5 @@
-"""Entry-point helpers shared by every workload (DESIGN conventions 4 and 6)."""
+"""Entry-point helpers shared by every workload: each is `main(argv) -> int`, and expected
+failures end in one line and exit 2, no traceback."""
 
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ def build(args) -> dict:
             "target_ongoing_requests": args.target_ongoing_requests}},
     }
     return {
-        # Loopback: clients come through the SSM/SSH tunnel (DESIGN rule 22).
+        # Loopback: clients come through the SSM/SSH tunnel (rule 22).
         "http_options": {"host": "127.0.0.1", "port": args.port},
         "applications": [{"name": "llm", "route_prefix": "/",
                           "import_path": "ray.serve.llm:build_openai_app",

@@ -14,7 +14,7 @@ directory and Ray merges them into one folder in storage. Layout:
     model.pt    full weights, also for fsdp/deepspeed on the final checkpoint (for serving)
 
 A checkpoint without a valid marker, or whose files are missing or short, is never resumed
-from (DESIGN fault 4): the marker is the last thing written and records the sizes.
+from (fault 4 of README's fault table): the marker is the last thing written and records the sizes.
 """
 
 from __future__ import annotations

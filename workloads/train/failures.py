@@ -1,4 +1,4 @@
-"""Why a training run stopped, in one line (DESIGN faults 4 and 5).
+"""Why a training run stopped, in one line (faults 4 and 5 of README's fault table).
 
 Ray Train raises `TrainingFailedError`s whose text is a worker's or the controller's whole
 traceback. The two failures a user can act on are turned into one line here:

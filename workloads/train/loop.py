@@ -1,4 +1,5 @@
-"""The per-worker training loop: plain PyTorch behind a small context (DESIGN convention 5).
+"""The per-worker training loop: plain PyTorch behind a small context, so the same loop runs
+under Ray Train and under torchrun.
 
 `train_loop(cfg, ctx)` knows nothing about Ray. The context supplies rank, world size,
 device, data-loader preparation, the latest checkpoint and `report`; `context.RayContext`

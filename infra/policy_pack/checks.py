@@ -1,16 +1,20 @@
-"""DESIGN.md's security rules that concern infrastructure, as code over the resource graph.
+"""The security rules that concern infrastructure, as checks over the resource graph.
 
 Each check is a pure function from a list of :class:`Resource` (type token, logical name, the
-inputs the program gave it, and the outputs — ids and ARNs — it came back with) to the
-:class:`Violation` s it finds; every violation names the offending resource and the rule with
-its external ID (Checkov / AWS Security Hub / tfsec). Property names are Pulumi's camelCase,
-as both the mock monitor and a Pulumi policy pack see them: a stack-validation policy can
-wrap each of ``args.resources`` as ``Resource(type=r.resource_type, name=r.name,
-inputs=r.props, outputs=r.props)`` and call :func:`check`. (``pulumi_policy`` is not installed
-in this project, so no pack ships; the tests are the enforcement.)
+properties Pulumi holds for it, the URNs each property came from) to the :class:`Violation` s
+it finds; every violation names the offending resource and the rule with its external ID
+(Checkov / AWS Security Hub / tfsec). Numbers, titles and IDs come from ``rayfleet.rules``;
+docs/security.md explains each rule. Property names are Pulumi's camelCase.
+
+``pack.py`` turns each check into a mandatory CrossGuard stack policy (``pulumi preview/up
+--policy-pack infra/policy_pack``); the kit's tests run the same policies over the graph the
+program asks for under Pulumi's mocks. During a preview, a property another resource has not
+produced yet (an ARN, an id) is unknown: references between resources are followed through
+Pulumi's property dependencies, and a check that needs an unknown value is reported by
+CrossGuard as not runnable in that preview instead of guessing.
 
 Rules 3, 21, 22, 23 and 25 concern the cluster YAML and the nodes' runtime, not the resource
-graph; ``rayfleet lint`` checks those.
+graph: ``rayfleet lint`` checks those; rule 24 is the stack configuration's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayfleet.config import RAY_CLUSTER_TAG, RAY_PORTS
+from rayfleet.rules import RULES as REGISTRY
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,9 @@ class Resource:
     urn: str = ""
     parent: str = ""
     provider: str = ""
+    # property name -> URNs of the resources its value came from (Pulumi's
+    # propertyDependencies): how a reference is followed while the referenced id is unknown.
+    deps: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -43,9 +51,9 @@ class Resource:
 
     @property
     def refs(self) -> set[str]:
-        """Every value another resource may use to point at this one (id, name, ARN)."""
-        out = {self.outputs.get(k) for k in ("id", "arn", "name", "bucket")}
-        out |= {self.inputs.get(k) for k in ("name", "bucket")}
+        """Every known value another resource may use to point at this one (id, name, ARN)."""
+        out = {_known(self.outputs, k) for k in ("id", "arn", "name", "bucket")}
+        out |= {_known(self.inputs, k) for k in ("name", "bucket")}
         return {str(v) for v in out if v}
 
 
@@ -55,17 +63,10 @@ class Violation:
     external_id: str
     resource: str  # Resource.label
     message: str
+    urn: str = ""  # the offending resource's, for CrossGuard's report
 
     def __str__(self) -> str:
         return f"rule {self.rule} ({self.external_id}): {self.resource} {self.message}"
-
-
-@dataclass(frozen=True)
-class Rule:
-    number: int
-    title: str
-    external_id: str
-    check: Callable[..., Iterator[Violation]]
 
 
 # ----------------------------------------------------------------------------- type tokens
@@ -140,13 +141,44 @@ SECRET_PATTERNS = (
 
 # ----------------------------------------------------------------------------- helpers
 
+UNKNOWN = object()  # a value a preview cannot know yet
+
+
+def _value(props: Mapping[str, Any], key: str) -> Any:
+    """props[key]; None when absent; UNKNOWN where CrossGuard holds it as unknown (a preview,
+    before the resource it comes from exists)."""
+    try:
+        return props.get(key)
+    except Exception as err:  # pulumi_policy's UnknownValueError
+        if type(err).__name__ == "UnknownValueError":
+            return UNKNOWN
+        raise
+
+
+def _known(props: Mapping[str, Any], key: str) -> Any:
+    value = _value(props, key)
+    return None if value is UNKNOWN else value
+
+
+def _points_to(r: Resource, key: str, target: Resource) -> bool:
+    """Whether ``r``'s property ``key`` refers to ``target``: by value (id, name, ARN), or by
+    the property's dependency on ``target`` when the value is not known yet."""
+    value = _value(r.inputs, key)
+    if value is None:
+        return False
+    if value is not UNKNOWN and str(value).removesuffix(":*") in target.refs:
+        return True
+    return bool(target.urn) and target.urn in r.deps.get(key, ())
+
+
 def _all(resources: Iterable[Resource], *types: str) -> list[Resource]:
     return [r for r in resources if r.type in types]
 
 
 def _v(rule: int, r: Resource | str, message: str) -> Violation:
     label = r.label if isinstance(r, Resource) else r
-    return Violation(rule, RULES_META[rule][1], label, message)
+    return Violation(rule, REGISTRY[rule].controls or "rayfleet", label, message,
+                     r.urn if isinstance(r, Resource) else "")
 
 
 def _json(value: Any) -> Any:
@@ -161,7 +193,10 @@ def _json(value: Any) -> Any:
 def _list(value: Any) -> list:
     if value is None:
         return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+    # CrossGuard hands lists over as read-only sequences, not lists.
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return list(value)
+    return [value]
 
 
 def _statements(doc: Any) -> list[dict]:
@@ -223,6 +258,14 @@ class Permission:
         return self.self_ref or (bool(self.groups) and set(self.groups) <= {self.group})
 
 
+def _group_ref(r: Resource, key: str) -> str:
+    """A security group id, or, while it is unknown (a preview), the URN it comes from."""
+    value = _value(r.inputs, key)
+    if value is UNKNOWN:
+        return "|".join(r.deps.get(key, ()))
+    return str(value) if value else ""
+
+
 def permissions(resources: Sequence[Resource]) -> list[Permission]:
     out = []
     for r in resources:
@@ -230,10 +273,10 @@ def permissions(resources: Sequence[Resource]) -> list[Permission]:
         if r.type in (SG_INGRESS, SG_EGRESS):
             out.append(Permission(
                 r, "ingress" if r.type == SG_INGRESS else "egress",
-                str(i.get("securityGroupId", "")), str(i.get("ipProtocol", "")).lower(),
+                _group_ref(r, "securityGroupId"), str(i.get("ipProtocol", "")).lower(),
                 int(i.get("fromPort") or 0), int(i.get("toPort") or 0),
                 tuple(c for c in (i.get("cidrIpv4"), i.get("cidrIpv6")) if c),
-                tuple(g for g in [i.get("referencedSecurityGroupId")] if g),
+                tuple(g for g in [_group_ref(r, "referencedSecurityGroupId")] if g),
                 False, tuple(p for p in [i.get("prefixListId")] if p), i.get("description")))
         elif r.type == SG_RULE:
             out.append(Permission(
@@ -257,22 +300,26 @@ def permissions(resources: Sequence[Resource]) -> list[Permission]:
     return out
 
 
-def public_subnet_ids(resources: Sequence[Resource]) -> set[str]:
+def public_subnets(resources: Sequence[Resource]) -> list[Resource]:
     """Subnets whose route table sends 0.0.0.0/0 to an internet gateway."""
-    igws = {r.outputs.get("id") for r in _all(resources, IGW)}
+    igws = _all(resources, IGW)
 
-    def to_igw(gateway: Any) -> bool:
-        return bool(gateway) and (gateway in igws or str(gateway).startswith("igw-"))
+    def to_igw(holder: Resource, gateway: Any) -> bool:
+        return (str(gateway or "").startswith("igw-")
+                or any(_points_to(holder, "gatewayId", g) for g in igws))
 
-    public_tables = {str(r.inputs.get("routeTableId")) for r in _all(resources, ROUTE)
-                     if r.inputs.get("destinationCidrBlock") == "0.0.0.0/0"
-                     and to_igw(r.inputs.get("gatewayId"))}
-    for table in _all(resources, ROUTE_TABLE):
-        for route in _list(table.inputs.get("routes")):
-            if route.get("cidrBlock") == "0.0.0.0/0" and to_igw(route.get("gatewayId")):
-                public_tables.add(str(table.outputs.get("id")))
-    return {str(a.inputs.get("subnetId")) for a in _all(resources, ROUTE_ASSOC)
-            if str(a.inputs.get("routeTableId")) in public_tables}
+    tables = _all(resources, ROUTE_TABLE)
+    public = [t for t in tables
+              if any(route.get("cidrBlock") == "0.0.0.0/0" and to_igw(t, route.get("gatewayId"))
+                     for route in _list(_known(t.inputs, "routes")))]
+    for r in _all(resources, ROUTE):
+        if _known(r.inputs, "destinationCidrBlock") == "0.0.0.0/0" and \
+                to_igw(r, _known(r.inputs, "gatewayId")):
+            public += [t for t in tables if _points_to(r, "routeTableId", t)]
+    return [s for s in _all(resources, SUBNET)
+            if any(_points_to(a, "subnetId", s) and any(_points_to(a, "routeTableId", t)
+                                                        for t in public)
+                   for a in _all(resources, ROUTE_ASSOC))]
 
 
 def _decoded_user_data(r: Resource) -> str:
@@ -289,10 +336,11 @@ def _decoded_user_data(r: Resource) -> str:
 
 def _node_roles(resources: Sequence[Resource]) -> dict[str, Resource]:
     """Roles nodes run as: attached to an instance profile or tagged rayfleet:node-role."""
-    profiled = {str(p.inputs.get("role")) for p in _all(resources, INSTANCE_PROFILE)}
+    profiles = _all(resources, INSTANCE_PROFILE)
     out = {}
     for r in _all(resources, ROLE):
-        if r.refs & profiled or (r.inputs.get("tags") or {}).get(NODE_ROLE_TAG):
+        if any(_points_to(p, "role", r) for p in profiles) \
+                or (r.inputs.get("tags") or {}).get(NODE_ROLE_TAG):
             out[r.name] = r
     return out
 
@@ -305,7 +353,7 @@ def _inline_policies(resources: Sequence[Resource], role: Resource) -> list[tupl
                                                                                   list[dict]]]:
     """(resource, statements) of every inline policy of ``role``."""
     out = [(p, _statements(p.inputs.get("policy"))) for p in _all(resources, ROLE_POLICY)
-           if str(p.inputs.get("role")) in role.refs]
+           if _points_to(p, "role", role)]
     for inline in _list(role.inputs.get("inlinePolicies")):
         out.append((role, _statements(inline.get("policy"))))
     return out
@@ -373,7 +421,7 @@ def _norm(cidr: str) -> str:
 def rule_5_default_sg_denies_all(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
     defaults = _all(resources, DEFAULT_SG)
     for vpc in _all(resources, VPC):
-        mine = [d for d in defaults if str(d.inputs.get("vpcId")) == str(vpc.outputs.get("id"))]
+        mine = [d for d in defaults if _points_to(d, "vpcId", vpc)]
         if not mine:
             yield _v(5, vpc, "has no DefaultSecurityGroup resource stripping the default "
                              "group's allow-all-from-self rule")
@@ -407,7 +455,8 @@ def rule_6_descriptions(resources: Sequence[Resource], **_: Any) -> Iterator[Vio
 
 
 def rule_7_private_nodes(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
-    public = public_subnet_ids(resources)
+    public = public_subnets(resources)
+    public_ids = {ref for subnet in public for ref in subnet.refs}
     for s in _all(resources, SUBNET):
         if _true(s.inputs.get("mapPublicIpOnLaunch")):
             yield _v(7, s, "gives instances a public IP on launch (mapPublicIpOnLaunch)")
@@ -415,20 +464,23 @@ def rule_7_private_nodes(resources: Sequence[Resource], **_: Any) -> Iterator[Vi
         for nic in _list(lt.inputs.get("networkInterfaces")):
             if _true(nic.get("associatePublicIpAddress")):
                 yield _v(7, lt, "associates a public IP with a network interface")
-            if nic.get("subnetId") and str(nic.get("subnetId")) in public:
+            if nic.get("subnetId") and str(nic.get("subnetId")) in public_ids:
                 yield _v(7, lt, f"puts nodes in public subnet {nic.get('subnetId')}")
+        if not public_ids and any(s.urn in lt.deps.get("networkInterfaces", ())
+                                  for s in public):
+            yield _v(7, lt, "puts nodes in a public subnet")
     for inst in _all(resources, INSTANCE):
         if _true(inst.inputs.get("associatePublicIpAddress")):
             yield _v(7, inst, "has a public IP")
-        if str(inst.inputs.get("subnetId")) in public:
+        if str(inst.inputs.get("subnetId")) in public_ids or \
+                any(_points_to(inst, "subnetId", s) for s in public):
             yield _v(7, inst, f"runs in public subnet {inst.inputs.get('subnetId')}")
 
 
 def rule_8_flow_logs(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
-    groups = {ref: g for g in _all(resources, LOG_GROUP) for ref in g.refs}
+    groups = _all(resources, LOG_GROUP)
     for vpc in _all(resources, VPC):
-        logs = [f for f in _all(resources, FLOW_LOG)
-                if str(f.inputs.get("vpcId")) == str(vpc.outputs.get("id"))]
+        logs = [f for f in _all(resources, FLOW_LOG) if _points_to(f, "vpcId", vpc)]
         if not logs:
             yield _v(8, vpc, "has no flow log")
             continue
@@ -437,9 +489,9 @@ def rule_8_flow_logs(resources: Sequence[Resource], **_: Any) -> Iterator[Violat
                 yield _v(8, f, f"logs only {f.inputs.get('trafficType')} traffic, not ALL")
             if f.inputs.get("logDestinationType", "cloud-watch-logs") != "cloud-watch-logs":
                 continue  # S3 destinations expire through the bucket's lifecycle
-            dest = str(f.inputs.get("logDestination", "")).removesuffix(":*")
-            group = groups.get(dest)
+            group = next((g for g in groups if _points_to(f, "logDestination", g)), None)
             if group is None:
+                dest = str(f.inputs.get("logDestination", "")).removesuffix(":*")
                 yield _v(8, f, f"sends to {dest or 'no destination'}, not a log group of this "
                                "stack")
             elif not int(group.inputs.get("retentionInDays") or 0):
@@ -486,7 +538,7 @@ def rule_10_ebs_encrypted(resources: Sequence[Resource], **_: Any) -> Iterator[V
 
 def _for_bucket(resources: Sequence[Resource], bucket: Resource,
                 *types: str) -> list[Resource]:
-    return [r for r in _all(resources, *types) if str(r.inputs.get("bucket")) in bucket.refs]
+    return [r for r in _all(resources, *types) if _points_to(r, "bucket", bucket)]
 
 
 def rule_11_public_access_block(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
@@ -685,34 +737,95 @@ def rule_20_no_secrets_in_user_data(resources: Sequence[Resource],
                 yield _v(20, r, f"carries {what} in its user data")
 
 
-# number: (title, external IDs as DESIGN.md names them)
-RULES_META: Mapping[int, tuple[str, str]] = {
-    1: ("no 0.0.0.0/0 or ::/0 ingress to Ray's ports", "nearest EC2.18, CKV_AWS_277"),
-    2: ("no SSH from the world; SSM or named CIDRs", "CKV_AWS_24, AWS-0107"),
-    4: ("Ray ports open only from the cluster's own security group", "rayfleet"),
-    5: ("VPC default security group denies all", "CKV2_AWS_12, EC2.2"),
-    6: ("every security group and rule has a description", "CKV_AWS_23"),
-    7: ("nodes in private subnets, no public IP", "CKV_AWS_88, EC2.9"),
-    8: ("VPC flow logs on, with retention", "CKV2_AWS_11, EC2.6"),
-    9: ("IMDSv2 required, hop limit 1 (2 only where containers need it, said why)",
-        "CKV_AWS_79, CKV_AWS_341, EC2.8"),
-    10: ("EBS volumes encrypted", "CKV_AWS_8, EC2.3"),
-    11: ("S3 block public access, all four flags", "CKV_AWS_53-56, S3.8"),
-    12: ("S3 server-side encryption (KMS or S3-managed)", "CKV_AWS_19/145"),
-    13: ("bucket policy denies aws:SecureTransport=false", "S3.5"),
-    14: ("versioning, noncurrent-version lifecycle, abort incomplete multipart",
-         "CKV_AWS_21, CKV_AWS_300"),
-    15: ("bucket ACLs disabled (ownership enforced)", "CKV2_AWS_65, S3.12"),
-    16: ("no AmazonEC2FullAccess / AmazonS3FullAccess / admin policies",
-         "CKV_AWS_274, AWS-0345"),
-    17: ("worker role limited to the bucket prefix; head EC2 actions limited by cluster tag",
-         "CKV_AWS_355, IAM.21"),
-    18: ("iam:PassRole only on the worker role", "AWS-0342"),
-    19: ("role trust allows ec2.amazonaws.com only", "CKV_AWS_60/61"),
-    20: ("no secrets in user data", "CKV_AWS_46"),
-}
+def rule_26_listed_describe_actions(resources: Sequence[Resource],
+                                    **_: Any) -> Iterator[Violation]:
+    docs = [(r, _statements(r.inputs.get("policy"))) for r in _all(resources, ROLE_POLICY,
+                                                                   POLICY)]
+    docs += [(role, _statements(p.get("policy"))) for role in _all(resources, ROLE)
+             for p in _list(role.inputs.get("inlinePolicies"))]
+    for r, statements in docs:
+        for s in statements:
+            if not _allows(s):
+                continue
+            reads = [a for a in _actions(s) if a.lower().startswith("ec2:")
+                     and "*" in a.split(":", 1)[1] and a.lower() != "ec2:*"]
+            if reads:
+                yield _v(26, r, f"allows {', '.join(reads)}; list the EC2 read actions one by "
+                                "one")
+            if any(a.lower() == "ec2:describeinstanceattribute" for a in _actions(s)):
+                yield _v(26, r, "allows ec2:DescribeInstanceAttribute, which reads any "
+                                "instance's user data")
 
-_CHECKS: Mapping[int, Callable[..., Iterator[Violation]]] = {
+
+LOGGING = ("aws:s3/bucketLogging:BucketLogging", "aws:s3/bucketLoggingV2:BucketLoggingV2")
+KMS_KEY = "aws:kms/key:Key"
+S3_LOG_DELIVERY = "logging.s3.amazonaws.com"
+_LOGS_SERVICE = re.compile(r"logs\.[a-z0-9-]+\.amazonaws\.com(\.cn)?")
+
+
+def rule_27_bucket_access_logged(resources: Sequence[Resource],
+                                 **_: Any) -> Iterator[Violation]:
+    buckets = _all(resources, *BUCKETS)
+    loggings = _all(resources, *LOGGING)
+    targets = [b for b in buckets if any(_points_to(g, "targetBucket", b) for g in loggings)]
+    for b in buckets:
+        if b in targets:
+            continue  # a log bucket logging itself would log its own log deliveries forever
+        mine = _for_bucket(resources, b, *LOGGING)
+        if not mine:
+            yield _v(27, b, "has no server access logging (BucketLogging to a log bucket)")
+        for g in mine:
+            target = next((t for t in targets if _points_to(g, "targetBucket", t)), None)
+            if target is None:
+                yield _v(27, g, "sends access logs to a bucket outside this stack")
+    for t in targets:
+        algorithms = [((r.get("applyServerSideEncryptionByDefault") or {})
+                       .get("sseAlgorithm")) for c in _for_bucket(resources, t, *SSE)
+                      for r in _list(c.inputs.get("rules"))]
+        if any(a and a != "AES256" for a in algorithms):
+            yield _v(27, t, f"is a log target encrypted with {algorithms[0]}; S3 delivers "
+                            "access logs only to SSE-S3 (AES256) buckets")
+        granted = any(
+            _allows(s) and S3_LOG_DELIVERY in _list((s.get("Principal") or {}).get("Service"))
+            and "s3:PutObject" in _actions(s)
+            for p in _for_bucket(resources, t, BUCKET_POLICY)
+            for s in _statements(p.inputs.get("policy")))
+        if not granted:
+            yield _v(27, t, f"is a log target whose bucket policy does not let "
+                            f"{S3_LOG_DELIVERY} put objects (ACLs are disabled)")
+
+
+def rule_28_log_groups_cmk(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    keys = _all(resources, KMS_KEY)
+    for g in _all(resources, LOG_GROUP):
+        key = next((k for k in keys if _points_to(g, "kmsKeyId", k)), None)
+        if key is None:
+            yield _v(28, g, "is not encrypted with a customer-managed KMS key of this stack "
+                            "(kmsKeyId)")
+            continue
+        services = {str(x) for s in _statements(key.inputs.get("policy")) if _allows(s)
+                    for x in _list((s.get("Principal") or {}).get("Service")
+                                   if isinstance(s.get("Principal"), dict) else None)}
+        if not any(_LOGS_SERVICE.fullmatch(x) for x in services):
+            yield _v(28, key, f"encrypts log group '{g.name}' but its key policy does not let "
+                              "the region's CloudWatch Logs (logs.<region>.amazonaws.com) "
+                              "use it")
+
+
+def rule_29_explicit_key_policy(resources: Sequence[Resource],
+                                **_: Any) -> Iterator[Violation]:
+    for k in _all(resources, KMS_KEY):
+        statements = _statements(k.inputs.get("policy"))
+        if not statements:
+            yield _v(29, k, "has no key policy of its own (AWS's default gives the account "
+                            "kms:*, delegating everything to IAM)")
+        for s in statements:
+            if _allows(s) and s.get("Principal") in ("*", {"AWS": "*"}) \
+                    and not s.get("Condition"):
+                yield _v(29, k, "lets any principal use the key without a condition")
+
+
+CHECKS: Mapping[int, Callable[..., Iterator[Violation]]] = {
     1: rule_1_no_world_ray_ports, 2: rule_2_no_world_ssh, 4: rule_4_ray_ports_from_cluster_only,
     5: rule_5_default_sg_denies_all, 6: rule_6_descriptions, 7: rule_7_private_nodes,
     8: rule_8_flow_logs, 9: rule_9_imdsv2, 10: rule_10_ebs_encrypted,
@@ -720,22 +833,7 @@ _CHECKS: Mapping[int, Callable[..., Iterator[Violation]]] = {
     14: rule_14_versioning_lifecycle, 15: rule_15_acls_disabled,
     16: rule_16_no_broad_managed_policies, 17: rule_17_scoped_node_roles,
     18: rule_18_pass_role_worker_only, 19: rule_19_ec2_trust_only,
-    20: rule_20_no_secrets_in_user_data,
+    20: rule_20_no_secrets_in_user_data, 26: rule_26_listed_describe_actions,
+    27: rule_27_bucket_access_logged, 28: rule_28_log_groups_cmk,
+    29: rule_29_explicit_key_policy,
 }
-
-RULES: Mapping[int, Rule] = {
-    n: Rule(n, RULES_META[n][0], RULES_META[n][1], _CHECKS[n]) for n in RULES_META
-}
-
-
-def check(resources: Sequence[Resource], rules: Iterable[int] | None = None, *,
-          operator_cidrs: Sequence[str] = ()) -> list[Violation]:
-    """Every violation of ``rules`` (default: all infra rules) in the resource graph.
-
-    ``operator_cidrs`` are the stack's ``rayfleet:operatorCidrs``: rule 4 lets exactly those
-    reach SSH and the dashboard.
-    """
-    out: list[Violation] = []
-    for n in (sorted(RULES) if rules is None else rules):
-        out.extend(RULES[n].check(resources, operator_cidrs=operator_cidrs))
-    return out
