@@ -44,6 +44,14 @@ def summary_of(stdout: str) -> dict:
     return json.loads(lines[-1].split(" ", 1)[1])
 
 
+def pytest_collection_finish(session):
+    # The node-environment tests' venv build starts now, in the background (see there).
+    if any(item.nodeid.startswith("tests/cluster/test_node_env.py") for item in session.items):
+        from tests.cluster import test_node_env
+
+        test_node_env.start_prebuild()
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

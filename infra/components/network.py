@@ -15,7 +15,7 @@ import pulumi_aws as aws
 
 from rayfleet.errors import ConfigError
 
-from .storage import key_admin_statement
+from .storage import stack_key
 
 
 @dataclass(frozen=True)
@@ -183,31 +183,20 @@ class Network(pulumi.ComponentResource):
         # CloudWatch Logs encrypts with a customer-managed key only if the key policy lets the
         # region's Logs service use it, for this account's log groups
         # (https://docs.aws.amazon.com/AmazonCloudWatch/latest/logs/encrypt-log-data-kms.html).
-        key = aws.kms.Key(
-            f"{name}-flow-logs-key",
-            description=f"rayfleet {args.cluster_name}: VPC flow log group",
-            enable_key_rotation=True,
-            deletion_window_in_days=30,
-            policy=pulumi.Output.json_dumps({
-                "Version": "2012-10-17",
-                "Statement": [
-                    key_admin_statement(args.partition, account),
-                    {
-                        "Sid": "CloudWatchLogsOfThisStack",
-                        "Effect": "Allow",
-                        "Principal": {"Service": f"logs.{args.region}.amazonaws.com"},
-                        "Action": ["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*",
-                                   "kms:GenerateDataKey*", "kms:Describe*"],
-                        "Resource": "*",
-                        "Condition": {"ArnLike": {
-                            "kms:EncryptionContext:aws:logs:arn": pulumi.Output.concat(
-                                f"arn:{args.partition}:logs:{args.region}:", account,
-                                f":log-group:{prefix}*")}},
-                    },
-                ],
-            }),
-            opts=child,
-        )
+        key = stack_key(
+            f"{name}-flow-logs-key", f"rayfleet {args.cluster_name}: VPC flow log group",
+            args.partition, account, {
+                "Sid": "CloudWatchLogsOfThisStack",
+                "Effect": "Allow",
+                "Principal": {"Service": f"logs.{args.region}.amazonaws.com"},
+                "Action": ["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*",
+                           "kms:GenerateDataKey*", "kms:Describe*"],
+                "Resource": "*",
+                "Condition": {"ArnLike": {
+                    "kms:EncryptionContext:aws:logs:arn": pulumi.Output.concat(
+                        f"arn:{args.partition}:logs:{args.region}:", account,
+                        f":log-group:{prefix}*")}},
+            }, child)
         log_group = aws.cloudwatch.LogGroup(
             f"{name}-flow-logs",
             name_prefix=prefix,

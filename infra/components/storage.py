@@ -30,6 +30,23 @@ def key_admin_statement(partition: str, account: pulumi.Input[str]) -> dict:
     }
 
 
+def stack_key(resource_name: str, description: str, partition: str,
+              account: pulumi.Input[str], use: dict, opts: pulumi.ResourceOptions) -> aws.kms.Key:
+    """A rotated KMS key of the stack with an explicit policy: the account administers it
+    through IAM, and `use` says who may use it for what (rule 29)."""
+    return aws.kms.Key(
+        resource_name,
+        description=description,
+        enable_key_rotation=True,
+        deletion_window_in_days=30,
+        policy=pulumi.Output.json_dumps({
+            "Version": "2012-10-17",
+            "Statement": [key_admin_statement(partition, account), use],
+        }),
+        opts=opts,
+    )
+
+
 @dataclass(frozen=True)
 class StorageArgs:
     cluster_name: str
@@ -57,31 +74,20 @@ class Storage(pulumi.ComponentResource):
             # CloudTrail records every decrypt. Its policy lets the account administer it and
             # use it only through S3 in this region; the node roles' IAM policies then say
             # which roles may (rule 29).
-            self.kms_key = aws.kms.Key(
-                f"{name}-key",
-                description=f"rayfleet {args.cluster_name}: checkpoint and data bucket",
-                enable_key_rotation=True,
-                deletion_window_in_days=30,
-                policy=pulumi.Output.json_dumps({
-                    "Version": "2012-10-17",
-                    "Statement": [
-                        key_admin_statement(args.partition, account),
-                        {
-                            "Sid": "UseOnlyThroughS3",
-                            "Effect": "Allow",
-                            "Principal": {"AWS": pulumi.Output.concat(
-                                f"arn:{args.partition}:iam::", account, ":root")},
-                            "Action": ["kms:Decrypt", "kms:GenerateDataKey", "kms:Encrypt",
-                                       "kms:ReEncrypt*", "kms:DescribeKey"],
-                            "Resource": "*",
-                            "Condition": {"StringEquals": {
-                                "kms:ViaService": f"s3.{args.region}.amazonaws.com",
-                                "kms:CallerAccount": account}},
-                        },
-                    ],
-                }),
-                opts=child,
-            )
+            self.kms_key = stack_key(
+                f"{name}-key", f"rayfleet {args.cluster_name}: checkpoint and data bucket",
+                args.partition, account, {
+                    "Sid": "UseOnlyThroughS3",
+                    "Effect": "Allow",
+                    "Principal": {"AWS": pulumi.Output.concat(
+                        f"arn:{args.partition}:iam::", account, ":root")},
+                    "Action": ["kms:Decrypt", "kms:GenerateDataKey", "kms:Encrypt",
+                               "kms:ReEncrypt*", "kms:DescribeKey"],
+                    "Resource": "*",
+                    "Condition": {"StringEquals": {
+                        "kms:ViaService": f"s3.{args.region}.amazonaws.com",
+                        "kms:CallerAccount": account}},
+                }, child)
 
         self.bucket = aws.s3.Bucket(
             f"{name}-bucket",

@@ -617,6 +617,16 @@ def rule_15_acls_disabled(resources: Sequence[Resource], **_: Any) -> Iterator[V
             yield _v(15, acl, "sets an ACL on the bucket")
 
 
+
+def _policy_documents(resources: Sequence[Resource]) -> list[tuple[Resource, list[dict]]]:
+    """(resource, statements) of every IAM policy document: policies, role policies and
+    roles' inline policies."""
+    docs = [(r, _statements(r.inputs.get("policy"))) for r in _all(resources, ROLE_POLICY,
+                                                                   POLICY)]
+    docs += [(role, _statements(p.get("policy"))) for role in _all(resources, ROLE)
+             for p in _list(role.inputs.get("inlinePolicies"))]
+    return docs
+
 def rule_16_no_broad_managed_policies(resources: Sequence[Resource],
                                       **_: Any) -> Iterator[Violation]:
     def forbidden(arn: Any) -> str | None:
@@ -632,10 +642,7 @@ def rule_16_no_broad_managed_policies(resources: Sequence[Resource],
         for arn in _list(role.inputs.get("managedPolicyArns")):
             if forbidden(arn):
                 yield _v(16, role, f"attaches {forbidden(arn)}")
-    docs = [(r, _statements(r.inputs.get("policy"))) for r in _all(resources, ROLE_POLICY,
-                                                                   POLICY)]
-    docs += [(role, _statements(p.get("policy"))) for role in _all(resources, ROLE)
-             for p in _list(role.inputs.get("inlinePolicies"))]
+    docs = _policy_documents(resources)
     for r, statements in docs:
         for s in statements:
             if not _allows(s):
@@ -739,10 +746,7 @@ def rule_20_no_secrets_in_user_data(resources: Sequence[Resource],
 
 def rule_26_listed_describe_actions(resources: Sequence[Resource],
                                     **_: Any) -> Iterator[Violation]:
-    docs = [(r, _statements(r.inputs.get("policy"))) for r in _all(resources, ROLE_POLICY,
-                                                                   POLICY)]
-    docs += [(role, _statements(p.get("policy"))) for role in _all(resources, ROLE)
-             for p in _list(role.inputs.get("inlinePolicies"))]
+    docs = _policy_documents(resources)
     for r, statements in docs:
         for s in statements:
             if not _allows(s):

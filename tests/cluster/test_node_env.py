@@ -6,10 +6,10 @@ package is present. This one is built the way `ray up` builds a node: the YAML t
 one with `bash -c` in a scratch HOME holding the YAML's `file_mounts` (the token). A token-auth
 cluster is started from the venv those commands built (`rayfleet local up --python`), and the
 operator reaches it as on AWS: `ray job submit --working-dir .` for data, train (each
-strategy) and embed, and `rayfleet serve-config` + `serve deploy` for the `lm` and `rag` apps
-from the configs as committed, their code fetched by the nodes from S3 (a moto server). The
-embeddings' and `rag`'s own checks ride on these runs (one embed job and one rag deployment in
-the suite), driven by the real `openai` client.
+strategy) and embed, and `rayfleet serve-config` + `serve deploy` for the `lm` app from the
+config as committed, its code fetched by the nodes from S3 (a moto server). The embeddings'
+own checks ride on this module's embed job; `rag`'s run on README's rag example
+(tests/cluster/test_readme.py).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def _pip_passthrough(home: Path) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory, aws_env, s3_client):
-    root = tmp_path_factory.mktemp("node")
+def build_node(root: Path) -> dict:
+    """What `ray up` does to a node before `ray start`: the rendered YAML's file mounts copied
+    into a scratch HOME, then its setup commands run one by one with `bash -c`."""
     token = root / "operator" / "auth_token"
     yaml_path = root / "cluster.yaml"
     rendered = run([str(BIN / "rayfleet"), "render", str(REPO / "cluster-configs" / "examples" /
@@ -70,6 +70,34 @@ def node(tmp_path_factory, aws_env, s3_client):
         proc = subprocess.run(["bash", "-c", cmd], env=env, cwd=home, capture_output=True,
                               text=True, timeout=900)
         assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return {"home": home, "env": env}
+
+
+# The node's venv takes a minute or more of mostly single-threaded pip work: when this module
+# is part of the run, tests/conftest.py starts building it as soon as collection ends, beside
+# the tests that run first (the Ansible role builds its own venv then), and the fixture below
+# waits for it. Run alone, the module builds it itself.
+PREBUILD: dict = {}
+
+
+def start_prebuild() -> None:
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = Path(tempfile.mkdtemp(prefix="rayfleet-node-"))
+    pool = ThreadPoolExecutor(max_workers=1)
+    PREBUILD.update(root=root, future=pool.submit(build_node, root))
+    pool.shutdown(wait=False)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, aws_env, s3_client):
+    if "future" in PREBUILD:
+        root, built = PREBUILD["root"], PREBUILD["future"].result()
+    else:
+        root = tmp_path_factory.mktemp("node")
+        built = build_node(root)
+    home, env = built["home"], built["env"]
     python = home / "rayfleet-venv" / "bin" / "python"
     assert (home / ".rayfleet" / "auth_token").stat().st_mode & 0o777 == 0o600
 
@@ -89,6 +117,8 @@ def node(tmp_path_factory, aws_env, s3_client):
         yield {"python": python, "env": client, "root": root, "setup": env}
     finally:
         down = run([str(BIN / "rayfleet"), "local", "down"], env=up_env, timeout=120)
+        if "future" in PREBUILD:
+            shutil.rmtree(root, ignore_errors=True)
         assert down.returncode == 0, down.stdout + down.stderr
 
 
@@ -287,52 +317,3 @@ def test_serve_lm_from_the_committed_config_and_the_s3_checkpoint(node, ddp_run,
                                                    "max_tokens": 8, "seed": 1})
     assert status == 200, done
     assert done["choices"][0]["text"] and done["usage"]["completion_tokens"] >= 1
-
-
-@pytest.fixture(scope="module")
-def rag_url(node, ddp_run, embeddings, serve_port, tmp_path_factory):
-    # `serve deploy` replaces the cluster's apps: rag after lm, on the same port.
-    return _deploy(node, "rag", tmp_path_factory.mktemp("rag"), serve_port,
-                   checkpoint=ddp_run[0]["checkpoint"], embeddings=str(embeddings[0]))
-
-
-def test_retriever_finds_the_document_that_answers(rag_url):
-    status, body = _post(rag_url + "/v1/retrieve",
-                         {"query": "How do I read and write CSV files?", "k": 3})
-    assert status == 200
-    hits = body["data"]
-    assert [h["id"] for h in hits][0] == "csv"
-    assert hits[0]["score"] > hits[1]["score"] >= hits[2]["score"]
-
-
-def test_rag_answers_through_the_openai_client_with_its_sources(rag_url):
-    import openai
-
-    client = openai.OpenAI(base_url=rag_url + "/v1", api_key="unused", max_retries=0,
-                           timeout=60)
-    assert [m.id for m in client.models.list().data] == ["rayfleet-rag"]
-    r = client.chat.completions.create(
-        model="rayfleet-rag", max_tokens=12, seed=1,
-        messages=[{"role": "user", "content": "bzip2 compression?"}])
-    assert r.choices[0].message.content and r.usage.completion_tokens >= 1
-    extra = r.model_extra["rayfleet"]
-    assert extra["sources"][0]["id"] == "bz2" and extra["generator"] == "rayfleet-lm"
-    # The generator saw the retrieved document (trimmed to its short context).
-    assert extra["prompt"].startswith("# bz2:") and extra["prompt"].endswith("# answer:")
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="gpt-4", messages=[{"role": "user",
-                                                                 "content": "hi"}])
-
-
-def test_rag_refuses_bad_requests_and_a_missing_index(rag_url, tmp_path):
-    from rayfleet.errors import CheckpointError
-    from workloads.serve.rag import check_index
-
-    status, body = _post(rag_url + "/v1/retrieve", {"query": "", "k": 3})
-    assert status == 400 and body["error"]["param"] == "query"
-    status, body = _post(rag_url + "/v1/chat/completions",
-                         {"model": "rayfleet-rag", "k": 500,
-                          "messages": [{"role": "user", "content": "x"}]})
-    assert status == 400 and body["error"]["param"] == "k"
-    with pytest.raises(CheckpointError, match="_manifest.json"):
-        check_index(str(tmp_path))

@@ -13,9 +13,12 @@ one change made to them: the committed Serve configs' port 8000 becomes a free p
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -44,13 +47,6 @@ def examples(text: str) -> list[tuple[int, str, list[str] | None]]:
     return out
 
 
-def test_every_bash_example_in_readme_is_marked():
-    text = (REPO / "README.md").read_text()
-    found = examples(text)
-    assert len(found) == len(FENCE.findall(text)), "a ```bash block without a readme-test marker"
-    assert sum(e is not None for _, _, e in found) >= 6
-
-
 def _copy_of_repo(dest: Path) -> Path:
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True)
     if files.returncode == 0:
@@ -65,15 +61,15 @@ def _copy_of_repo(dest: Path) -> Path:
     return dest
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-def test_readme_examples_run_as_written(ray_cluster, tmp_path):
-    work = _copy_of_repo(tmp_path / "checkout")
+@pytest.fixture(scope="module")
+def readme(ray_cluster, tmp_path_factory):
+    """Every runnable block, in README's order; what they leave (files, and the `rag` app the
+    last Serve example deployed) is what the tests below look at."""
+    work = _copy_of_repo(tmp_path_factory.mktemp("readme") / "checkout")
     port = free_port()
     for cfg in (work / "cluster-configs" / "serve").glob("*.yaml"):
         cfg.write_text(cfg.read_text().replace("port: 8000", f"port: {port}"))
     env = {**ray_cluster["env"], "PATH": f"{BIN}:{ray_cluster['env'].get('PATH', '')}"}
-    storage = ray_cluster["storage"]
     serve_shutdown(ray_cluster)   # Serve's HTTP port is fixed by the first deploy
     try:
         for line, body, expects in examples((REPO / "README.md").read_text()):
@@ -87,12 +83,90 @@ def test_readme_examples_run_as_written(ray_cluster, tmp_path):
             assert proc.returncode == 0, where
             for pattern in expects:
                 assert re.search(pattern, out), f"{where}\nexpected: {pattern}"
+        yield {"work": work, "storage": ray_cluster["storage"],
+               "rag_url": f"http://127.0.0.1:{port}"}
     finally:
         serve_shutdown(ray_cluster)
+
+
+def test_every_bash_example_in_readme_is_marked():
+    text = (REPO / "README.md").read_text()
+    found = examples(text)
+    assert len(found) == len(FENCE.findall(text)), "a ```bash block without a readme-test marker"
+    assert sum(e is not None for _, _, e in found) >= 6
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_readme_examples_run_as_written(readme):
     # What the examples' text says they leave: outputs where the user asked for them.
+    work, storage = readme["work"], readme["storage"]
     assert (work / "runs" / "data" / "smoke-seq64" / "_manifest.json").is_file()
     assert (storage / "smoke-ddp" / "loss.png").is_file()
     assert (storage / "smoke-streaming" / "metrics.csv").is_file()
     assert (storage / "embeddings" / "_manifest.json").is_file()
     assert (work / "llm.yaml").is_file()
     assert (work / "cluster-configs" / "generated" / "dev.yaml").is_file()
+
+
+# ------------------------------------------------- the rag app README's example left deployed
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_retriever_finds_the_document_that_answers(readme):
+    status, body = _post(readme["rag_url"] + "/v1/retrieve",
+                         {"query": "How do I read and write CSV files?", "k": 3})
+    assert status == 200
+    hits = body["data"]
+    assert [h["id"] for h in hits][0] == "csv"
+    assert hits[0]["score"] > hits[1]["score"] >= hits[2]["score"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_rag_answers_through_the_openai_client_with_its_sources(readme):
+    import openai
+
+    client = openai.OpenAI(base_url=readme["rag_url"] + "/v1", api_key="unused",
+                           max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["rayfleet-rag"]
+    r = client.chat.completions.create(
+        model="rayfleet-rag", max_tokens=12, seed=1,
+        messages=[{"role": "user", "content": "bzip2 compression?"}])
+    assert r.choices[0].message.content and r.usage.completion_tokens >= 1
+    extra = r.model_extra["rayfleet"]
+    assert extra["sources"][0]["id"] == "bz2" and extra["generator"] == "rayfleet-lm"
+    # The generator saw the retrieved document (trimmed to its short context).
+    assert extra["prompt"].startswith("# bz2:") and extra["prompt"].endswith("# answer:")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user",
+                                                                 "content": "hi"}])
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_rag_refuses_bad_requests(readme):
+    status, body = _post(readme["rag_url"] + "/v1/retrieve", {"query": "", "k": 3})
+    assert status == 400 and body["error"]["param"] == "query"
+    status, body = _post(readme["rag_url"] + "/v1/chat/completions",
+                         {"model": "rayfleet-rag", "k": 500,
+                          "messages": [{"role": "user", "content": "x"}]})
+    assert status == 400 and body["error"]["param"] == "k"
+
+
+def test_rag_refuses_a_missing_index_before_deploying(tmp_path):
+    from rayfleet.errors import CheckpointError
+    from workloads.serve.rag import check_index
+
+    with pytest.raises(CheckpointError, match="_manifest.json"):
+        check_index(str(tmp_path))
