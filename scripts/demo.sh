@@ -29,9 +29,14 @@ cleanup() {
 }
 trap cleanup EXIT
 
-step "rayfleet local up"
 t=$(now)
-rayfleet local up --num-cpus "${DEMO_CPUS:-4}" --object-store-memory 1GB
+if [ "$started_here" = 1 ]; then
+  step "rayfleet local up"
+  rayfleet local up --num-cpus "${DEMO_CPUS:-4}" --object-store-memory 1GB
+else
+  # A running cluster is used as it is (`up` would refuse other settings than its own).
+  step "using the running rayfleet local cluster"
+fi
 eval "$(rayfleet local env)"
 T_UP=$(( $(now) - t ))
 

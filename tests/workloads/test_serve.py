@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import BIN, REPO, run
+from tests.conftest import REPO
 from tests.workloads.conftest import deploy_lm, serve_shutdown
 
 pytestmark = pytest.mark.ray
@@ -166,22 +166,23 @@ def test_builder_refuses_bad_args_in_one_line(tmp_path, lm_checkpoint, monkeypat
     assert not (tmp_path / "empty-storage").exists()   # looked for, not created
 
 
-def test_serve_config_checks_the_args_before_a_deploy(tmp_path, lm_checkpoint):
+def test_serve_config_checks_the_args_before_a_deploy(tmp_path, lm_checkpoint, monkeypatch,
+                                                    capsys):
     """Without --package-to (a cluster on this machine), `rayfleet serve-config` runs the
     app's own argument check and writes the config with the resolved args, or refuses in one
     line and writes nothing: what `serve deploy` would only show in `serve status`."""
+    from rayfleet.cli import main
+
     out = tmp_path / "lm.yaml"
-    storage = Path(lm_checkpoint).parent.parent     # the fixture run's storage folder
-    env = {"PATH": f"{BIN}:/usr/bin:/bin", "RAYFLEET_STORAGE": str(storage)}
-    cmd = [str(BIN / "rayfleet"), "serve-config", str(REPO / "cluster-configs/serve/lm.yaml"),
-           "-o", str(out)]
+    # The fixture run's storage folder as the default storage: `checkpoint: latest` finds it.
+    monkeypatch.setenv("RAYFLEET_STORAGE", str(Path(lm_checkpoint).parent.parent))
+    cmd = ["serve-config", str(REPO / "cluster-configs/serve/lm.yaml"), "-o", str(out)]
     for arg, needle in [("checkpoint=runs/demo/checkpoint_000002", "is a relative path"),
                         (f"checkpoint={tmp_path}/nope", "does not exist"),
                         ("max_batch_size=eight", "args.max_batch_size: must be a number")]:
-        proc = run(cmd + ["--arg", arg], env=env, timeout=120)
-        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
-        assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
-    proc = run(cmd, env=env, timeout=120)           # as committed: checkpoint: latest
-    assert proc.returncode == 0, proc.stderr[-2000:]
+        assert main(cmd + ["--arg", arg]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1 and not out.exists(), err
+    assert main(cmd) == 0, capsys.readouterr().err     # as committed: checkpoint: latest
     args = yaml.safe_load(out.read_text())["applications"][0]["args"]
     assert args["checkpoint"] == lm_checkpoint and args["max_batch_size"] == 8
