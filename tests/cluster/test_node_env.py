@@ -18,8 +18,6 @@ import json
 import os
 import shutil
 import subprocess
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +26,7 @@ import pytest
 import yaml
 
 from tests.conftest import BIN, REPO, free_port, run, summary_of
-from tests.workloads.conftest import wait_healthy
+from tests.workloads.conftest import post_json, wait_healthy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.moto]
 BUCKET = "rayfleet-node-env"
@@ -300,20 +298,10 @@ def _deploy(node, app: str, config_dir: Path, port: int, **args: str) -> str:
     return wait_healthy({"env": node["env"]}, f"http://127.0.0.1:{port}", app)
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def test_serve_lm_from_the_committed_config_and_the_s3_checkpoint(node, ddp_run, serve_port,
                                                                  tmp_path):
     url = _deploy(node, "lm", tmp_path, serve_port, checkpoint=ddp_run[0]["checkpoint"])
-    status, done = _post(url + "/v1/completions", {"model": "rayfleet-lm", "prompt": "import ",
+    status, done = post_json(url + "/v1/completions", {"model": "rayfleet-lm", "prompt": "import ",
                                                    "max_tokens": 8, "seed": 1})
     assert status == 200, done
     assert done["choices"][0]["text"] and done["usage"]["completion_tokens"] >= 1

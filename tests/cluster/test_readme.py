@@ -13,18 +13,15 @@ one change made to them: the committed Serve configs' port 8000 becomes a free p
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import BIN, REPO, free_port, run
-from tests.workloads.conftest import serve_shutdown
+from tests.workloads.conftest import post_json, serve_shutdown
 
 MARKER = re.compile(r'<!-- readme-test(?P<opts>[^\n]*?)-->\n```bash\n(?P<body>.*?)\n```', re.S)
 EXPECT = re.compile(r'expect="((?:[^"\\]|\\.)*)"')
@@ -111,20 +108,10 @@ def test_readme_examples_run_as_written(readme):
 
 # ------------------------------------------------- the rag app README's example left deployed
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 def test_retriever_finds_the_document_that_answers(readme):
-    status, body = _post(readme["rag_url"] + "/v1/retrieve",
+    status, body = post_json(readme["rag_url"] + "/v1/retrieve",
                          {"query": "How do I read and write CSV files?", "k": 3})
     assert status == 200
     hits = body["data"]
@@ -156,9 +143,9 @@ def test_rag_answers_through_the_openai_client_with_its_sources(readme):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_rag_refuses_bad_requests(readme):
-    status, body = _post(readme["rag_url"] + "/v1/retrieve", {"query": "", "k": 3})
+    status, body = post_json(readme["rag_url"] + "/v1/retrieve", {"query": "", "k": 3})
     assert status == 400 and body["error"]["param"] == "query"
-    status, body = _post(readme["rag_url"] + "/v1/chat/completions",
+    status, body = post_json(readme["rag_url"] + "/v1/chat/completions",
                          {"model": "rayfleet-rag", "k": 500,
                           "messages": [{"role": "user", "content": "x"}]})
     assert status == 400 and body["error"]["param"] == "k"

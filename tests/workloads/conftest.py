@@ -4,7 +4,9 @@ tests/conftest.py."""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -49,3 +51,14 @@ def wait_healthy(ray_cluster, url: str, app: str, timeout: float = 180) -> str:
 def serve_shutdown(ray_cluster) -> None:
     """Remove every Serve app and the proxy, so later tests get the CPUs back."""
     run([str(BIN / "serve"), "shutdown", "-y"], env=ray_cluster["env"], timeout=120)
+
+
+def post_json(url: str, body: dict) -> tuple[int, dict]:
+    """POST a JSON body; (status, JSON answer), error statuses included."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
