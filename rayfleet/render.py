@@ -146,10 +146,6 @@ def load_outputs(source: str, stdin=None) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- versions
 
-def ray_version(pyproject: Path = PYPROJECT) -> str:
-    return nodeenv.load(pyproject).pin("ray").split("==", 1)[1]
-
-
 def setup_commands(env: nodeenv.NodeEnv) -> list[str]:
     """Build the node environment in ~/rayfleet-venv; re-running on a built node changes
     nothing (pip finds every pin satisfied)."""

@@ -108,7 +108,6 @@ POLICY_ATTACHMENTS = ("aws:iam/policyAttachment:PolicyAttachment",
                       "aws:iam/groupPolicyAttachment:GroupPolicyAttachment")
 INSTANCE_PROFILE = "aws:iam/instanceProfile:InstanceProfile"
 
-WORLD = ("0.0.0.0/0", "::/0")
 # Rule 1's ports: Ray's unauthenticated-by-default surfaces and Serve.
 WORLD_FORBIDDEN_PORTS = ((6379, 6379), (8265, 8265), (10001, 10001), (8000, 8000),
                          (9000, 9000), (52365, 52365), (10002, 19999))

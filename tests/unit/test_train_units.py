@@ -198,3 +198,18 @@ def test_workload_import_has_no_side_effects(capsys):
         importlib.reload(importlib.import_module(mod))
     assert capsys.readouterr().out == ""
     assert isinstance(RayfleetError("a\nb").args[0], str) and "\n" not in str(RayfleetError("a\nb"))
+
+
+def test_resources_per_worker_is_validated_also_under_python_O(tmp_path):
+    # `python -O` strips asserts: validation must not be one.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-O", "-m", "workloads.train", "--storage-path",
+                           str(tmp_path), "--resources-per-worker", "[1]"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        'workloads.train: error: --resources-per-worker: must be a JSON object of numbers, e.g. '
+        '{"memory": 4e9}']
+    assert list(tmp_path.iterdir()) == []

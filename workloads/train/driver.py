@@ -143,13 +143,15 @@ def validate_args(args) -> GPTConfig:
         raise ConfigError("--name", f"{args.name!r} must be letters, digits, - _ . (no "
                                     "slashes), starting with a letter or digit")
     if args.resources_per_worker:
+        # Not an `assert`: `python -O` would drop it and let a list or a string through.
         try:
             extra = json.loads(args.resources_per_worker)
-            assert isinstance(extra, dict) and all(
-                isinstance(v, (int, float)) for v in extra.values())
-        except (ValueError, AssertionError):
+        except ValueError:
+            extra = None
+        if not isinstance(extra, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in extra.values()):
             raise ConfigError("--resources-per-worker",
-                              'must be a JSON object of numbers, e.g. {"memory": 4e9}') from None
+                              'must be a JSON object of numbers, e.g. {"memory": 4e9}')
     model = PRESETS[args.model]
     if args.seq_len:
         model = GPTConfig.from_dict({**model.to_dict(), "seq_len": args.seq_len})

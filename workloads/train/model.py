@@ -127,7 +127,3 @@ class GPT(nn.Module):
                 nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
-
-
-def build_model(cfg: GPTConfig) -> GPT:
-    return GPT(cfg)
