@@ -1,0 +1,120 @@
+"""Hugging Face models and tokenizers, from a local folder or an s3:// prefix, through the same
+`from_pretrained` paths a user's model takes (data, train and serve all load them here).
+
+A folder is what `save_pretrained` writes: `config.json` plus weights (`*.safetensors`) for a
+model, `tokenizer.json` / `tokenizer_config.json` for a tokenizer; one folder may hold both.
+An s3:// prefix is copied once per process into a local cache folder first (what
+`ray.serve.llm` and vLLM do with cloud model sources).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from rayfleet.errors import ConfigError, StorageError
+
+BYTE_TOKENIZER = {"name": "byte", "vocab_size": 256, "sha256": "byte"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+MODEL_WEIGHTS = (".safetensors", ".bin")
+
+_fetched: dict[str, Path] = {}
+
+
+def is_hf_spec(spec: str | None) -> bool:
+    """A value that names a folder / s3:// prefix rather than a preset or 'byte'."""
+    return bool(spec) and (spec.startswith(("s3://", "/", "./", "../", "~", "file://"))
+                           or os.sep in spec)
+
+
+def fetch(spec: str, flag: str, endpoint: str | None = None) -> Path:
+    """A local folder holding `spec`'s files: the folder itself, or an s3:// prefix copied
+    into a per-process temporary folder (once)."""
+    if not spec.startswith("s3://"):
+        local = Path(spec.removeprefix("file://")).expanduser()
+        if not local.is_dir():
+            raise ConfigError(flag, f"{spec} is not a folder (give a Hugging Face model or "
+                                    "tokenizer folder, as save_pretrained writes it, or s3://)")
+        return local.resolve()
+    if spec in _fetched and _fetched[spec].is_dir():
+        return _fetched[spec]
+    import pyarrow.fs as pafs
+
+    from workloads.common.storage import resolve
+
+    storage = resolve(spec, endpoint=endpoint, check_writable=False)
+    info = storage.fs.get_file_info(storage.path)
+    if info.type != pafs.FileType.Directory:
+        raise ConfigError(flag, f"{spec} holds nothing (no objects under that prefix)")
+    local = Path(tempfile.mkdtemp(prefix="rayfleet-hf-"))
+    try:
+        pafs.copy_files(storage.path, str(local), source_filesystem=storage.fs,
+                        destination_filesystem=pafs.LocalFileSystem())
+    except OSError as e:
+        raise StorageError(f"{spec}: could not copy it from S3: {str(e).splitlines()[0]}") \
+            from e
+    _fetched[spec] = local
+    return local
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in TOKENIZER_FILES)
+
+
+def has_model(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(
+        p.name.endswith(MODEL_WEIGHTS) for p in folder.iterdir())
+
+
+def load_tokenizer(spec: str, flag: str = "--tokenizer", endpoint: str | None = None):
+    """AutoTokenizer.from_pretrained of a local folder or s3:// prefix; one line if it is not
+    a tokenizer folder. The tokenizer gets a pad token (its EOS) when it has none."""
+    folder = fetch(spec, flag, endpoint)
+    if not has_tokenizer(folder):
+        raise ConfigError(flag, f"{spec} holds no Hugging Face tokenizer (no "
+                                f"{' or '.join(TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises OSError/ValueError/KeyError for bad folders
+        raise ConfigError(flag, f"{spec}: not a loadable tokenizer "
+                                f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from e
+    if not getattr(tok, "is_fast", False):
+        raise ConfigError(flag, f"{spec}: a slow (Python) tokenizer; save a fast one "
+                                "(tokenizer.json)")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def tokenizer_identity(tok, spec: str) -> dict:
+    """What a dataset records about the tokenizer that made it, and what training compares:
+    the vocabulary size and a hash of the tokenizer's full definition (vocab, merges,
+    normalizer, special tokens) and its chat template."""
+    h = hashlib.sha256(tok.backend_tokenizer.to_str().encode())
+    h.update(str(getattr(tok, "chat_template", None) or "").encode())
+    return {"name": spec, "vocab_size": len(tok), "sha256": h.hexdigest()[:16]}
+
+
+def load_config(spec: str, flag: str, endpoint: str | None = None):
+    """AutoConfig of a model folder (or of a folder holding only config.json)."""
+    folder = fetch(spec, flag, endpoint)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(flag, f"{spec} holds no Hugging Face model (no config.json)")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except Exception as e:
+        raise ConfigError(flag, f"{spec}: config.json is not a model config transformers "
+                                f"knows ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:160]})") from e
+
+
+def config_dict(config) -> dict:
+    """A JSON-able dict of a transformers config (what checkpoints and run files record)."""
+    return json.loads(config.to_json_string(use_diff=False))
