@@ -182,3 +182,20 @@ def aws_calls(monkeypatch):
 
     monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", counting)
     return calls
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory) -> Path:
+    """A Hugging Face model folder as a Hub download looks (tokenizer + tiny Llama, saved with
+    save_pretrained), made offline once per session (tests/hf_fixtures.py)."""
+    from tests.hf_fixtures import make_hf_model_dir
+
+    return make_hf_model_dir(tmp_path_factory.mktemp("hf-model") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def sft_jsonl(tmp_path_factory) -> Path:
+    """An instruction dataset (JSON Lines: instruction, response)."""
+    from tests.hf_fixtures import instruction_records, write_jsonl
+
+    return write_jsonl(tmp_path_factory.mktemp("sft") / "train.jsonl", instruction_records())
