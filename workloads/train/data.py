@@ -48,10 +48,36 @@ class ByteBlocks(Dataset):
         return self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1]
 
 
+class ParquetRows(Dataset):
+    """A workloads.data output folder read whole into memory, without Ray Data (the torchrun
+    path): rows {"tokens"} (packed text) or {"tokens", "labels"} (instruction data)."""
+
+    def __init__(self, path: str):
+        import pyarrow.parquet as pq
+
+        files = sorted(p for p in Path(path).rglob("*.parquet")
+                       if not any(part.startswith((".", "_"))
+                                  for part in p.relative_to(path).parts))
+        tables = [pq.read_table(f) for f in files]
+        self.columns = {name: torch.tensor(np.concatenate(
+            [np.stack(t.column(name).to_numpy(zero_copy_only=False)) for t in tables]))
+            for name in ("tokens", "labels") if name in tables[0].column_names}
+
+    def __len__(self) -> int:
+        return len(self.columns["tokens"])
+
+    def __getitem__(self, i: int) -> dict:
+        return {name: col[i] for name, col in self.columns.items()}
+
+
 def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """A DataLoader batch (B, T+1) or a Ray Data batch {"tokens": (B, T+1)} -> (x, y)."""
+    """A DataLoader batch (B, T+1) or a dict batch {"tokens": (B, T+1)[, "labels"]} -> (x, y).
+    With labels (instruction data) the targets are labels[1:]: -100 where the loss ignores a
+    position (prompt and padding)."""
     tokens = batch["tokens"] if isinstance(batch, dict) else batch
     tokens = tokens.long()
+    if isinstance(batch, dict) and "labels" in batch:
+        return tokens[:, :-1], batch["labels"].long()[:, 1:]
     return tokens[:, :-1], tokens[:, 1:]
 
 

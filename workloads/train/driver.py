@@ -28,6 +28,7 @@ from rayfleet.errors import (
 )
 from workloads.common.cli import ArgumentParser, parse_env_pairs, run_main
 from workloads.common.deps import require
+from workloads.common.hf import is_hf_spec
 from workloads.common.storage import BUCKET_NAME, default_root, user_path
 from workloads.train.loop import STRATEGIES, LoopConfig
 from workloads.train.model import PRESETS, GPTConfig
@@ -52,7 +53,22 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--smoke-test", action="store_true",
                    help="tiny model and data, 2 CPU workers, well under a minute")
     p.add_argument("--model", default=None,
-                   help=f"size preset: {', '.join(PRESETS)} (default small; tiny for --smoke-test)")
+                   help=f"size preset of the kit's byte-level GPT: {', '.join(PRESETS)} (default "
+                        "small; tiny for --smoke-test), or a Hugging Face model folder or "
+                        "s3:// prefix (AutoModelForCausalLM; needs --dataset tokenized with "
+                        "its tokenizer)")
+    p.add_argument("--model-config", default=None, metavar="FOLDER",
+                   help="a Hugging Face model config (a folder with config.json, local or "
+                        "s3://): train that architecture from fresh weights")
+    p.add_argument("--tokenizer", default=None,
+                   help="Hugging Face models: the tokenizer saved with the final checkpoint's "
+                        "hf/ export (default: the model folder's, else the dataset's)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="Hugging Face models: recompute activations in backward (less memory)")
+    p.add_argument("--deepspeed-config", default=None, metavar="JSON",
+                   help="DeepSpeed config (file or inline JSON) merged over the kit's defaults")
+    p.add_argument("--offload-params", action="store_true",
+                   help="DeepSpeed ZeRO-3: parameters on the host too (with --offload)")
     p.add_argument("--seq-len", type=int, default=None, help="override the preset's context")
     p.add_argument("--strategy", default="ddp", help="ddp (default), fsdp or deepspeed")
     p.add_argument("--zero-stage", type=int, default=2, help="DeepSpeed ZeRO stage: 2 or 3")
@@ -95,7 +111,13 @@ def build_parser() -> ArgumentParser:
     return p
 
 
-def validate_args(args) -> GPTConfig:
+def validate_args(args) -> GPTConfig | None:
+    """The flags checked; the kit's GPT config, or None for a Hugging Face model (whose config
+    and sequence length come from its folder and the dataset: resolve_hf)."""
+    hf = is_hf_spec(args.model) or args.model_config is not None
+    if args.model_config is not None and args.model is not None:
+        raise ConfigError("--model-config", "give --model (a preset or a model folder) or "
+                                            "--model-config (fresh weights), not both")
     # Flags left unset take the smoke-test values (tiny, seconds on 2 CPUs) or the defaults;
     # flags given explicitly always win, so `--smoke-test --max-steps 3` works.
     defaults = SMOKE if args.smoke_test else DEFAULTS
@@ -107,8 +129,10 @@ def validate_args(args) -> GPTConfig:
     if args.strategy not in STRATEGIES:
         raise ConfigError("--strategy", f"unknown strategy {args.strategy!r}", STRATEGIES,
                           args.strategy)
-    if args.model not in PRESETS:
-        raise ConfigError("--model", f"unknown model size {args.model!r}", PRESETS, args.model)
+    if not hf and args.model not in PRESETS:
+        raise ConfigError("--model", f"unknown model size {args.model!r} (or a Hugging Face "
+                                     "model folder: give its path, e.g. ./my-model)", PRESETS,
+                          args.model)
     if args.num_workers < 1:
         raise ConfigError("--num-workers", f"must be at least 1, got {args.num_workers}")
     if args.compile and args.strategy == "deepspeed":
@@ -116,6 +140,15 @@ def validate_args(args) -> GPTConfig:
                           "model in its own engine, which --compile does not reach")
     if args.zero_stage not in (2, 3):
         raise ConfigError("--zero-stage", f"must be 2 or 3, got {args.zero_stage}")
+    if args.offload_params and not (args.strategy == "deepspeed" and args.zero_stage == 3):
+        raise ConfigError("--offload-params", "needs --strategy deepspeed --zero-stage 3")
+    if args.deepspeed_config and args.strategy != "deepspeed":
+        raise ConfigError("--deepspeed-config", "needs --strategy deepspeed")
+    if not hf:
+        for flag in ("tokenizer", "activation_checkpointing"):
+            if getattr(args, flag):
+                raise ConfigError(f"--{flag.replace('_', '-')}", "is for Hugging Face models "
+                                                                 "(--model <folder>)")
     for flag in ("batch_size", "grad_accum", "max_steps", "checkpoint_every", "log_every",
                  "num_to_keep"):
         if getattr(args, flag) < 1:
@@ -152,6 +185,16 @@ def validate_args(args) -> GPTConfig:
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in extra.values()):
             raise ConfigError("--resources-per-worker",
                               'must be a JSON object of numbers, e.g. {"memory": 4e9}')
+    if hf:
+        if args.dataset in (None, "stdlib"):
+            raise ConfigError("--dataset", "a Hugging Face model trains on a dataset tokenized "
+                                           "with its tokenizer: python -m workloads.data "
+                                           "--tokenizer <model folder> --output <folder>, then "
+                                           "--dataset <folder>")
+        if args.seq_len:
+            raise ConfigError("--seq-len", "comes from the dataset for Hugging Face models "
+                                           "(workloads.data --max-length)")
+        return None
     model = PRESETS[args.model]
     if args.seq_len:
         model = GPTConfig.from_dict({**model.to_dict(), "seq_len": args.seq_len})
@@ -206,6 +249,153 @@ def check_dataset(spec: str | None) -> None:
                                        f"{', '.join(names)}); produce it with workloads.data")
 
 
+MANIFEST = "_manifest.json"
+
+
+def dataset_manifest(spec: str | None, endpoint: str | None = None) -> dict | None:
+    """The `_manifest.json` workloads.data writes beside its shards (what made the dataset:
+    the tokenizer, the sequence length), or None for the built-in corpus or a dataset made
+    some other way."""
+    if spec in (None, "stdlib"):
+        return None
+    if spec.startswith("s3://"):
+        from workloads.common.storage import resolve
+
+        storage = resolve(spec, endpoint=endpoint, check_writable=False)
+        try:
+            raw = storage.read_bytes(storage.join(MANIFEST))
+        except (FileNotFoundError, OSError):
+            return None
+    else:
+        from pathlib import Path
+
+        root = Path(spec.removeprefix("file://")).expanduser()
+        path = (root if root.is_dir() else root.parent) / MANIFEST
+        if not path.is_file():
+            return None
+        raw = path.read_bytes()
+    try:
+        manifest = json.loads(raw)
+    except ValueError:
+        raise ConfigError("--dataset", f"{spec}/{MANIFEST} is not JSON; re-run "
+                                       "workloads.data to rewrite it") from None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def check_byte_dataset(spec: str | None, manifest: dict | None) -> None:
+    """The kit's GPT reads bytes: a dataset tokenized otherwise is refused before Ray starts."""
+    tok = (manifest or {}).get("tokenizer")
+    if tok and tok.get("sha256") != "byte":
+        raise ConfigError("--dataset", f"{spec} was tokenized with {tok.get('name')} "
+                                       f"(vocabulary {tok.get('vocab_size')}), and the kit's "
+                                       "GPT reads bytes: train that tokenizer's model (--model "
+                                       "<Hugging Face folder>) or make the data without "
+                                       "--tokenizer")
+
+
+def resolve_hf(args, manifest: dict | None):
+    """A Hugging Face run checked before Ray starts: the model folder (or config) loads, the
+    dataset was made with this model's tokenizer, fits its vocabulary and its context.
+    Returns (HFSpec, source or None, tokenizer spec)."""
+    from workloads.common import hf
+    from workloads.train.hf_model import HFSpec, count_params
+
+    endpoint = args.s3_endpoint
+    if args.model_config is not None:
+        flag, source = "--model-config", None
+        config = hf.load_config(args.model_config, flag, endpoint)
+        folder = None
+    else:
+        flag, source = "--model", args.model
+        folder = hf.fetch(args.model, flag, endpoint)
+        if not hf.has_model(folder):
+            raise ConfigError(flag, f"{args.model} holds no model (config.json and "
+                                    "*.safetensors weights, as save_pretrained writes them); "
+                                    "give a model folder, a preset, or --model-config for fresh "
+                                    "weights")
+        config = hf.load_config(args.model, flag, endpoint)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(flag, f"model type {config.model_type!r} is not a causal LM "
+                                "transformers knows (AutoModelForCausalLM)")
+    config_d = hf.config_dict(config)
+    data_tok = (manifest or {}).get("tokenizer")
+    if not data_tok or data_tok.get("sha256") == "byte":
+        raise ConfigError("--dataset", f"{args.dataset} was not tokenized with a Hugging Face "
+                                       "tokenizer (no tokenizer in its _manifest.json); make "
+                                       "it with python -m workloads.data --tokenizer "
+                                       f"{source or '<tokenizer folder>'}")
+    tokenizer = args.tokenizer or (source if folder is not None and hf.has_tokenizer(folder)
+                                   else None) or data_tok.get("name")
+    tok = hf.load_tokenizer(tokenizer, "--tokenizer", endpoint)
+    ident = hf.tokenizer_identity(tok, tokenizer)
+    if ident["sha256"] != data_tok.get("sha256"):
+        raise ConfigError("--dataset", f"{args.dataset} was tokenized with another tokenizer "
+                                       f"({data_tok.get('name')}, {data_tok.get('sha256')}) "
+                                       f"than this model's ({tokenizer}, {ident['sha256']}); "
+                                       "re-tokenize it with workloads.data --tokenizer "
+                                       f"{tokenizer}")
+    vocab = int(config_d.get("vocab_size") or 0)
+    if max(ident["vocab_size"], int(data_tok.get("vocab_size") or 0)) > vocab:
+        raise ConfigError(flag, f"the tokenizer has {ident['vocab_size']} tokens but the model's "
+                                f"vocabulary is {vocab}: token ids past it cannot be embedded "
+                                "(resize the model's embeddings, or use its own tokenizer)")
+    seq_len = int((manifest or {}).get("seq_len") or 0)
+    if seq_len < 1:
+        raise ConfigError("--dataset", f"{args.dataset}/{MANIFEST} records no seq_len; re-run "
+                                       "workloads.data")
+    spec = HFSpec(config=config_d, seq_len=seq_len, n_params=count_params(config_d))
+    if spec.max_positions and seq_len > spec.max_positions:
+        raise ConfigError("--dataset", f"rows of {seq_len} tokens are longer than the model's "
+                                       f"context ({spec.max_positions}); re-run workloads.data "
+                                       f"with --max-length {spec.max_positions} or less")
+    return spec, source, tokenizer
+
+
+def run_name(args, hf_source: str | None) -> str:
+    if args.name:
+        return args.name
+    if args.smoke_test and hf_source is None and args.model_config is None:
+        return f"smoke-{args.strategy}"
+    if args.model_config is not None or hf_source is not None:
+        base = (hf_source or args.model_config).rstrip("/").rsplit("/", 1)[-1]
+        base = re.sub(r"[^A-Za-z0-9_.-]", "-", base).strip("-.") or "model"
+        return f"hf-{base}-{args.strategy}"[:128]
+    return f"gpt-{args.model}-{args.strategy}"
+
+
+def loop_config(args, model, hf_source: str | None, tokenizer: str | None, world: int,
+                data_workers: int, ray_dataset: bool) -> LoopConfig:
+    """The per-worker options of a run (the Ray driver's and torchrun's alike)."""
+    from workloads.common.storage import s3_endpoint
+    from workloads.train import ds_config
+
+    return LoopConfig(
+        model=model.to_dict(), strategy=args.strategy, zero_stage=args.zero_stage,
+        offload=args.offload, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        lr=args.lr * world,  # linear LR scaling (Goyal et al. 2017)
+        warmup_steps=args.warmup_steps if args.warmup_steps is not None
+        else max(1, min(100, args.max_steps // 10)),
+        max_steps=args.max_steps, checkpoint_every=args.checkpoint_every,
+        log_every=args.log_every, corpus_bytes=args.corpus_bytes, seed=args.seed,
+        use_ray_dataset=ray_dataset, compile=args.compile, num_workers=data_workers,
+        hf_source=hf_source, tokenizer=tokenizer, s3_endpoint=s3_endpoint(args.s3_endpoint),
+        activation_checkpointing=args.activation_checkpointing,
+        offload_params=args.offload_params,
+        deepspeed_config=ds_config.load(args.deepspeed_config),
+        dataset_path=None if ray_dataset or args.dataset in (None, "stdlib") else args.dataset)
+
+
+def check_deepspeed(args) -> None:
+    if args.strategy == "deepspeed" and args.deepspeed_config:
+        from workloads.train import ds_config
+
+        ds_config.check(ds_config.load(args.deepspeed_config),
+                        {"batch_size": args.batch_size, "grad_accum": args.grad_accum,
+                         "grad_clip": LoopConfig.grad_clip})
+
+
 def worker_bundle(args) -> dict[str, float]:
     bundle = {"CPU": args.cpus_per_worker}
     if args.use_gpu:
@@ -257,7 +447,11 @@ def memory_estimate_bytes(model: GPTConfig, args) -> dict[str, float]:
             p = p / w
         if args.offload:
             o = 0.0  # on the host instead
+        if args.offload_params:
+            p = 0.0
     act = 34.0 * model.seq_len * args.batch_size * model.d_model * model.n_layer
+    if args.activation_checkpointing:
+        act /= 17  # only each layer's input (2·s·b·h) is kept; the rest is recomputed
     if args.use_gpu:
         act /= 2  # bf16 activations
     return {"params": p, "grads": g, "optimizer": o, "activations": act,
@@ -325,17 +519,24 @@ def _main(argv: list[str] | None) -> int:
         args.dataset = user_path(args.dataset, "--dataset", output=False)
     args.storage_path = user_path(args.storage_path, "--storage-path", output=True)
     check_dataset(args.dataset)
+    check_deepspeed(args)
+    manifest = dataset_manifest(args.dataset, args.s3_endpoint)
+    hf_source = tokenizer = None
+    if model is None:
+        model, hf_source, tokenizer = resolve_hf(args, manifest)
+    else:
+        check_byte_dataset(args.dataset, manifest)
     from workloads.common import storage as st
     from workloads.train import runinfo
 
     storage = st.resolve(args.storage_path, endpoint=args.s3_endpoint)
-    name = args.name or (f"smoke-{args.strategy}" if args.smoke_test
-                         else f"gpt-{args.model}-{args.strategy}")
+    name = run_name(args, hf_source)
     # A corrupt latest checkpoint, or one of another run under the same name, stops the run
     # here, before Ray is started, before any worker starts and before anything in storage is
     # overwritten; a finished run says so and trains nothing.
-    identity = runinfo.run_identity(model.to_dict(), args.strategy, args.zero_stage,
-                                    args.dataset)
+    identity = runinfo.run_identity({**model.to_dict(), **({"source": hf_source or "fresh"}
+                                                            if tokenizer else {})},
+                                    args.strategy, args.zero_stage, args.dataset)
     try:
         runinfo.check_run(storage, name, identity, args.max_steps, args.allow_changes)
     except runinfo.RunFinished as done:
@@ -347,6 +548,8 @@ def _main(argv: list[str] | None) -> int:
     # step, DeepSpeed only inside a worker.
     require({"ray.train": "ray[train]", "torch": "torch", "pyarrow": "pyarrow",
              "matplotlib": "matplotlib",
+             **({"transformers": "transformers", "safetensors": "safetensors"}
+                if tokenizer else {}),
              **({"deepspeed": "deepspeed"} if args.strategy == "deepspeed" else {})},
             f"workloads.train --strategy {args.strategy}")
     # Imported late: `--help` and bad flags answer without paying for Ray.
@@ -369,20 +572,14 @@ def _main(argv: list[str] | None) -> int:
         print(f"[rayfleet] {warning}", flush=True)
 
     world = args.num_workers
-    lr = args.lr * world  # linear LR scaling (Goyal et al. 2017)
-    cfg = LoopConfig(
-        model=model.to_dict(), strategy=args.strategy, zero_stage=args.zero_stage,
-        offload=args.offload, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=lr,
-        warmup_steps=args.warmup_steps if args.warmup_steps is not None
-        else max(1, min(100, args.max_steps // 10)),
-        max_steps=args.max_steps, checkpoint_every=args.checkpoint_every,
-        log_every=args.log_every, corpus_bytes=args.corpus_bytes, seed=args.seed,
-        use_ray_dataset=args.dataset is not None, compile=args.compile,
-        # A DataLoader worker process only where the accelerator leaves host cores free
-        # (GPU). On CPU it competes with the training processes for the same cores, and
-        # each batch costs a socket round-trip to receive the worker's shared-memory fds
-        # (bench/: ~3% of every step on 2 cores, and torchrun's loop does not pay it).
-        num_workers=1 if args.use_gpu and not args.smoke_test else 0)
+    # A DataLoader worker process only where the accelerator leaves host cores free (GPU).
+    # On CPU it competes with the training processes for the same cores, and each batch
+    # costs a socket round-trip to receive the worker's shared-memory fds (bench/: ~3% of
+    # every step on 2 cores, and torchrun's loop does not pay it).
+    cfg = loop_config(args, model, hf_source, tokenizer, world,
+                      data_workers=1 if args.use_gpu and not args.smoke_test else 0,
+                      ray_dataset=args.dataset is not None)
+    lr = cfg.lr
     global_batch = args.batch_size * args.grad_accum * world
     print(f"[rayfleet] run {name}: {model.num_params() / 1e6:.2f}M params, strategy "
           f"{args.strategy}, {world} workers x {_fmt(worker_bundle(args))}, global batch "

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from workloads.train import checkpoint as ckpt
-from workloads.train.data import ByteBlocks, split_batch, stdlib_corpus
+from workloads.train import ds_config, hf_model
+from workloads.train.data import ByteBlocks, ParquetRows, split_batch, stdlib_corpus
 from workloads.train.model import GPT, GPTConfig
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
@@ -56,6 +57,15 @@ class LoopConfig:
     use_ray_dataset: bool = False
     num_workers: int = 1              # DataLoader worker processes (0 = in the train process)
     compile: bool = False             # torch.compile in place (ddp, fsdp)
+    # Hugging Face models (model = HFSpec.to_dict()): weights from hf_source, or fresh from
+    # the config when it is None; the tokenizer is exported with the final checkpoint.
+    hf_source: str | None = None
+    tokenizer: str | None = None
+    s3_endpoint: str | None = None
+    activation_checkpointing: bool = False
+    offload_params: bool = False      # DeepSpeed ZeRO-3: parameters on the host
+    deepspeed_config: dict = field(default_factory=dict)   # the user's, merged over the kit's
+    dataset_path: str | None = None   # a local Parquet dataset without Ray Data (torchrun)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -93,7 +103,7 @@ def peak_flops(device: torch.device) -> float | None:
 class _Engine:
     """The strategy-specific parts: wrapping, stepping, saving and loading state."""
 
-    def __init__(self, cfg: LoopConfig, ctx: Context, model: GPT):
+    def __init__(self, cfg: LoopConfig, ctx: Context, model: torch.nn.Module):
         self.cfg, self.ctx, self.strategy = cfg, ctx, cfg.strategy
         cuda = ctx.device.type == "cuda"
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda
@@ -130,24 +140,15 @@ class _Engine:
                 if hasattr(ds_torch_comm, "build_shm_op"):
                     ds_torch_comm.build_shm_op = lambda: None
 
-            ds_config = {
-                "train_micro_batch_size_per_gpu": cfg.batch_size,
-                "gradient_accumulation_steps": cfg.grad_accum,
-                "gradient_clipping": cfg.grad_clip,
-                "zero_optimization": {"stage": cfg.zero_stage},
-                # bf16 only where the hardware has it; the CPU accelerator trains in fp32.
-                "bf16": {"enabled": cuda},
-                # A torch AdamW with ZeRO-Offload: DeepSpeedCPUAdam needs a compiled op.
-                "zero_force_ds_cpu_optimizer": False,
-                "steps_per_print": 10**9,
-            }
-            if cfg.offload:
-                ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+            config = ds_config.merge(ds_config.defaults(
+                batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, grad_clip=cfg.grad_clip,
+                zero_stage=cfg.zero_stage, offload=cfg.offload,
+                offload_params=cfg.offload_params, cuda=cuda), cfg.deepspeed_config)
             groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                       {"params": no_decay, "weight_decay": 0.0}]
             opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
             self.model, self.optimizer, _, _ = deepspeed.initialize(
-                model=model.to(ctx.device), optimizer=opt, config=ds_config,
+                model=model.to(ctx.device), optimizer=opt, config=config,
                 dist_init_required=False)
             return
         if cfg.compile:
@@ -209,9 +210,11 @@ class _Engine:
     # -- checkpoints ---------------------------------------------------------------------
     def save(self, d: Path, final: bool) -> None:
         rank = self.ctx.rank
+        full = None
         if self.strategy == "ddp":
             if rank == 0:
-                torch.save(self.raw.state_dict(), d / "model.pt")
+                full = self.raw.state_dict()
+                torch.save(full, d / "model.pt")
                 torch.save(self.optimizer.state_dict(), d / "optim.pt")
         elif self.strategy == "fsdp":
             import torch.distributed.checkpoint as dcp
@@ -222,15 +225,21 @@ class _Engine:
             # per-rank folders into one checkpoint in storage.
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(d / "dcp"))
             if final:
-                self._save_full(d)
+                full = self._save_full(d)
         else:
             client = {"rayfleet": True}
             self.model.save_checkpoint(str(d / "ds"), tag="ckpt", client_state=client)
             if final:
-                self._save_full(d)
+                full = self._save_full(d)
+        if final and rank == 0 and hf_model.is_hf(self.cfg.model):
+            # The run's result in Hugging Face format, gathered from the shards: what `lm`,
+            # vLLM and from_pretrained load.
+            hf_model.export(full, self.cfg.model["hf"], self.cfg.tokenizer, d / hf_model.HF_DIR,
+                            self.cfg.s3_endpoint)
 
-    def _save_full(self, d: Path) -> None:
-        """Gather full fp32 weights onto rank 0 (a collective: every rank calls it)."""
+    def _save_full(self, d: Path) -> dict | None:
+        """Gather full fp32 weights onto rank 0 (a collective: every rank calls it); rank 0
+        writes model.pt and gets the state dict back."""
         if self.strategy == "fsdp":
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -243,8 +252,11 @@ class _Engine:
             sd = self.model._zero3_consolidated_16bit_state_dict()
         else:
             sd = self.model.module.state_dict()
-        if self.ctx.rank == 0:
-            torch.save({k: v.detach().float().cpu() for k, v in sd.items()}, d / "model.pt")
+        if self.ctx.rank != 0:
+            return None
+        full = {k: v.detach().float().cpu() for k, v in sd.items()}
+        torch.save(full, d / "model.pt")
+        return full
 
     def load(self, d: Path) -> None:
         if self.strategy == "ddp":
@@ -303,8 +315,14 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
     torch.manual_seed(cfg.seed)  # same init on every rank; DDP broadcasts rank 0's anyway
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    model_cfg = GPTConfig.from_dict(cfg.model)
-    engine = _Engine(cfg, ctx, GPT(model_cfg))
+    if hf_model.is_hf(cfg.model):
+        model_cfg = hf_model.HFSpec.from_dict(cfg.model)
+        model = hf_model.build(cfg.hf_source, model_cfg.config, cfg.activation_checkpointing,
+                               cfg.s3_endpoint)
+    else:
+        model_cfg = GPTConfig.from_dict(cfg.model)
+        model = GPT(model_cfg)
+    engine = _Engine(cfg, ctx, model)
 
     step, epoch, batch_in_epoch, history = 0, 0, 0, []
     with ctx.latest_checkpoint() as d:
@@ -331,7 +349,8 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
             # epoch is not replayed on resume (the shard is a stream).
             return shard.iter_torch_batches(batch_size=cfg.batch_size, drop_last=True)
     else:
-        dataset = ByteBlocks(stdlib_corpus(cfg.corpus_bytes), model_cfg.seq_len)
+        dataset = (ParquetRows(cfg.dataset_path) if cfg.dataset_path else
+                   ByteBlocks(stdlib_corpus(cfg.corpus_bytes), model_cfg.seq_len))
         loader = ctx.prepare_data_loader(DataLoader(
             dataset, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
             num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0))

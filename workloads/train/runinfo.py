@@ -183,7 +183,7 @@ def loss_png(history: list[dict], title: str) -> bytes:
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], marker="o", ms=3)
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/byte)")
+    ax.set_ylabel("training loss (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -214,7 +214,10 @@ def summarize(result, storage: Storage, name: str, started: float, global_batch:
            "first_loss": history[0]["loss"] if history else None,
            "tokens_per_s": metrics.get("tokens_per_s"), "mfu": metrics.get("mfu"),
            "global_batch": global_batch, "wall_s": round(time.time() - started, 1),
-           "metrics_csv": None, "loss_png": None}
+           "metrics_csv": None, "loss_png": None, "hf_export": None}
+    if ckpt_path and getattr(cfg, "tokenizer", None):
+        # Hugging Face runs: the final checkpoint's hf/ folder (from_pretrained, lm, vLLM).
+        out["hf_export"] = uri(f"{ckpt_path}/hf")
     if history:
         out["metrics_csv"] = storage.write_bytes(f"{name}/metrics.csv",
                                                  ckpt.history_csv(history).encode())
@@ -235,6 +238,8 @@ def format_summary(s: dict) -> str:
         f"  throughput    {s['tokens_per_s']} tokens/s" + (f", MFU {s['mfu']:.1%}"
                                                            if s.get("mfu") else ""),
         f"  checkpoint    {s['checkpoint']}",
+        *([f"  hf export     {s['hf_export']}  (from_pretrained, lm, vLLM)"]
+          if s.get("hf_export") else []),
         f"  metrics       {s['metrics_csv']}",
         f"  loss curve    {s['loss_png']}",
     ]

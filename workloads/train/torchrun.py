@@ -11,9 +11,19 @@ import os
 import sys
 
 from workloads.common.cli import run_main
-from workloads.train.driver import build_parser, validate_args
+from rayfleet.errors import ConfigError
+from workloads.train.driver import (
+    build_parser,
+    check_byte_dataset,
+    check_dataset,
+    check_deepspeed,
+    dataset_manifest,
+    loop_config,
+    resolve_hf,
+    validate_args,
+)
 from workloads.train.checkpoint import read_history
-from workloads.train.loop import LoopConfig, train_loop
+from workloads.train.loop import train_loop
 
 PROG = "workloads.train.torchrun"
 
@@ -26,19 +36,23 @@ def _main(argv: list[str] | None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args.num_workers = world
     model = validate_args(args)
+    check_deepspeed(args)
+    if args.dataset not in (None, "stdlib") and args.dataset.startswith("s3://"):
+        raise ConfigError("--dataset", "torchrun reads a local dataset folder (Ray Train "
+                                       "streams s3:// ones)")
+    check_dataset(args.dataset)
+    manifest = dataset_manifest(args.dataset)
+    hf_source = tokenizer = None
+    if model is None:
+        model, hf_source, tokenizer = resolve_hf(args, manifest)
+    else:
+        check_byte_dataset(args.dataset, manifest)
     from workloads.train.context import TorchrunContext
 
     ctx = TorchrunContext(args.output, keep=args.num_to_keep)
-    cfg = LoopConfig(model=model.to_dict(), strategy=args.strategy, zero_stage=args.zero_stage,
-                     offload=args.offload, batch_size=args.batch_size,
-                     grad_accum=args.grad_accum, lr=args.lr * world,
-                     warmup_steps=args.warmup_steps if args.warmup_steps is not None
-                     else max(1, min(100, args.max_steps // 10)),
-                     max_steps=args.max_steps, checkpoint_every=args.checkpoint_every,
-                     log_every=args.log_every, corpus_bytes=args.corpus_bytes, seed=args.seed,
-                     compile=args.compile,
-                     # As the Ray driver: a DataLoader process only beside a GPU.
-                     num_workers=1 if ctx.device.type == "cuda" else 0)
+    # As the Ray driver: a DataLoader process only beside a GPU.
+    cfg = loop_config(args, model, hf_source, tokenizer, world,
+                      data_workers=1 if ctx.device.type == "cuda" else 0, ray_dataset=False)
     final = train_loop(cfg, ctx)
     if ctx.rank == 0:
         # Every logged step, from the metrics history the final checkpoint carries.
