@@ -280,11 +280,15 @@ class _Engine:
                 raise ckpt.CheckpointError(f"checkpoint {d} has no DeepSpeed state under ds/")
 
 
-def _batches(loader, epoch: int, skip: int) -> Iterator:
+def _batches(loader, epoch: int, skip: int, seed: int = 0) -> Iterator:
     sampler = getattr(loader, "sampler", None)
     if hasattr(sampler, "set_epoch"):
         # Distributed samplers shuffle by epoch: without this every epoch repeats one order.
         sampler.set_epoch(epoch)
+    elif getattr(sampler, "generator", None) is not None:
+        # One process: the order is a function of (seed, epoch) as well, so a resumed run
+        # skips the batches it already trained on, not some other permutation's.
+        sampler.generator.manual_seed(seed * 1_000_003 + epoch)
     for i, batch in enumerate(loader):
         if i >= skip:
             yield batch
@@ -353,10 +357,11 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
                    ByteBlocks(stdlib_corpus(cfg.corpus_bytes), model_cfg.seq_len))
         loader = ctx.prepare_data_loader(DataLoader(
             dataset, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
-            num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0))
+            generator=torch.Generator(), num_workers=cfg.num_workers,
+            persistent_workers=cfg.num_workers > 0))
 
         def epoch_batches(epoch: int, skip: int):
-            return _batches(loader, epoch, skip)
+            return _batches(loader, epoch, skip, cfg.seed)
 
     tokens_per_step = cfg.batch_size * cfg.grad_accum * model_cfg.seq_len * ctx.world_size
     flops_per_token = model_cfg.flops_per_token()
