@@ -1,7 +1,8 @@
 """GPU benchmark (issue 7, item 4): the LM training loop on one GPU in bf16 under `torchrun`
 (no Ray, by design: the GPU machines carry torch but not Ray), tokens/s and MFU against the
-GPU's dense bf16 peak (workloads/train/loop.py's table) for the 350m and 1b presets, each
-eager and with `--compile` (torch.compile in place) side by side in one run.
+GPU's dense bf16 peak (workloads/train/loop.py's table) for the 350m and 1b presets and a
+1.1B Hugging Face Llama (`--model-config`, fresh weights), each eager and with `--compile`
+(torch.compile in place) side by side in one run.
 
     python -m bench.gpu                  # where CUDA exists; rewrites BENCHMARKS.md's GPU section
 
@@ -43,10 +44,52 @@ def gpu_section_of(text: str) -> str:
     return NO_RUN
 
 
-def run_one(model: str, compiled: bool, steps: int, batch: int, out: Path) -> dict:
+# A TinyLlama-shaped 1.1B Llama (22 layers, d 2048, GQA 32/4 heads, SwiGLU 5632): the
+# Hugging Face path of the real-models work, fresh weights from its config.
+LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+            "num_attention_heads": 32, "num_key_value_heads": 4,
+            "max_position_embeddings": 2048}
+HF_MODELS = {"llama-1b": (LLAMA_1B, 32000, 2048)}
+
+
+def prepare_hf(out: Path, shape: dict, vocab: int, seq_len: int, corpus_bytes: int) -> list[str]:
+    """A config folder (fresh weights), a BPE tokenizer trained on the standard library, and
+    the stdlib corpus tokenized and packed into seq_len + 1 windows with the manifest
+    workloads.data writes: the flags that train it with workloads.train.torchrun."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import LlamaConfig
+
+    from workloads.common.hf import tokenizer_identity
+    from workloads.common.tiny_hf import make_tokenizer
+    from workloads.train.data import stdlib_corpus
+
+    folder = out / "model"
+    tok = make_tokenizer(folder, vocab_size=vocab, corpus_bytes=corpus_bytes)
+    LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                tie_word_embeddings=False, **shape).save_pretrained(str(folder))
+    ids = np.array(tok(stdlib_corpus(corpus_bytes).decode("utf-8", "ignore"))["input_ids"],
+                   dtype=np.int32)
+    n = (len(ids) - 1) // seq_len
+    rows = np.stack([ids[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)])
+    data = out / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"tokens": pa.array(rows.tolist(), pa.list_(pa.int32()))}),
+                   data / "shard-00000-000.parquet")
+    (data / "_manifest.json").write_text(json.dumps({
+        "seq_len": seq_len, "shape": "text", "rows": n,
+        "tokenizer": tokenizer_identity(tok, str(folder))}))
+    return ["--model-config", str(folder), "--dataset", str(data)]
+
+
+def run_one(model: str, compiled: bool, steps: int, batch: int, out: Path,
+            model_flags: list[str] | None = None) -> dict:
     name = f"{model}-{'compile' if compiled else 'eager'}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "1", "-m", "workloads.train.torchrun", "--model", model, "--use-gpu",
+           "1", "-m", "workloads.train.torchrun", *(model_flags or ["--model", model]),
+           "--use-gpu",
            "--max-steps", str(steps), "--log-every", "10", "--checkpoint-every", str(10 * steps),
            "--batch-size", str(batch), "--output", str(out / name), *(["--compile"] * compiled)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
@@ -82,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rayfleet-gpu-") as tmp:
         rows = [run_one(m, c, args.steps, args.batch_size, Path(tmp))
                 for m in ("350m", "1b") for c in (False, True)]
+        shape, vocab, seq_len = HF_MODELS["llama-1b"]
+        # Enough tokens for every step's batch without repeating an epoch.
+        flags = prepare_hf(Path(tmp) / "llama-1b", shape, vocab, seq_len,
+                           corpus_bytes=(args.steps + 2) * args.batch_size * seq_len * 4)
+        rows += [run_one("llama-1b", c, args.steps, args.batch_size, Path(tmp), flags)
+                 for c in (False, True)]
     eager = {r["model"]: r["tokens_per_s"] for r in rows if not r["compile"]}
     table = "\n".join(f"| {r['model']} | {'torch.compile' if r['compile'] else 'eager'} | "
                       f"{r['batch']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
@@ -94,7 +143,7 @@ Last GPU run: {device}; torch {torch.__version__}, Python {platform.python_versi
 `python -m bench.gpu --steps {args.steps} --batch-size {args.batch_size}` (median of the
 logged 10-step intervals after the first; no Ray on that machine, by design).
 
-| preset | mode | batch (seqs) | tokens/s | MFU (dense bf16 peak) | vs eager |
+| model | mode | batch (seqs) | tokens/s | MFU (dense bf16 peak) | vs eager |
 |---|---|---|---|---|---|
 {table}
 

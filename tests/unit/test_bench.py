@@ -127,3 +127,23 @@ def test_gpu_section_survives_a_cpu_bench_and_says_when_no_run_exists(capsys):
     if not torch.cuda.is_available():
         assert gpu.main([]) == 2
         assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_bench_hugging_face_row_trains_on_cpu(tmp_path):
+    """bench.gpu's Llama row end to end on CPU with a tiny shape: the config folder, the
+    tokenizer and the packed data it prepares train under workloads.train.torchrun with the
+    same flags (the GPU run only adds --use-gpu and the 1.1B shape)."""
+    from bench import gpu
+    from tests.conftest import BIN, run, summary_of
+
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    flags = gpu.prepare_hf(tmp_path, tiny, vocab=300, seq_len=32, corpus_bytes=60_000)
+    proc = run([str(BIN / "python"), "-m", "workloads.train.torchrun", *flags, "--max-steps",
+                "4", "--log-every", "2", "--checkpoint-every", "4", "--batch-size", "4",
+                "--lr", "3e-3", "--output", str(tmp_path / "out")], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    s = summary_of(proc.stdout)
+    assert [h["step"] for h in s["history"]] == [2, 4] and s["history"][-1]["loss"] < 6.0
+    assert list((tmp_path / "out").glob("checkpoint_*/hf/model.safetensors"))
+    assert gpu.HF_MODELS["llama-1b"][0]["num_hidden_layers"] == 22

@@ -52,7 +52,10 @@ class HFSpec:
         return self.n_params
 
     def flops_per_token(self) -> float:
-        return 6 * self.n_params + 12 * self.n_layer * self.d_model * self.seq_len
+        """Training FLOPs per token, as GPTConfig's (PaLM appendix B), counting the matmul
+        weights only: an untied input embedding is a lookup, not a matmul."""
+        lookup = 0 if self.config.get("tie_word_embeddings") else self.vocab_size * self.d_model
+        return 6 * (self.n_params - lookup) + 12 * self.n_layer * self.d_model * self.seq_len
 
     def to_dict(self) -> dict:
         return {"hf": self.config, "seq_len": self.seq_len, "n_params": self.n_params}
