@@ -58,10 +58,34 @@ def _copy_of_repo(dest: Path) -> Path:
     return dest
 
 
+def _runnable() -> list[tuple[int, str, list[str]]]:
+    return [(line, body, expects) for line, body, expects
+            in examples((REPO / "README.md").read_text()) if expects is not None]
+
+
+def _split() -> int:
+    """Blocks up to the one that deploys `rag` run first (the rag tests need it deployed);
+    the rest (a later `serve deploy` replaces it) run after those tests."""
+    blocks = _runnable()
+    return next(i for i, (_, body, _) in enumerate(blocks) if "serve/rag.yaml" in body) + 1
+
+
+def _run_blocks(blocks, work: Path, env: dict, port: int) -> None:
+    for line, body, expects in blocks:
+        body = body.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        proc = run(["bash", "-e", "-o", "pipefail", "-c", body], env=env, cwd=work,
+                   timeout=420)
+        out = proc.stdout + proc.stderr
+        where = f"README line {line}: exit {proc.returncode}\n{out[-4000:]}"
+        assert proc.returncode == 0, where
+        for pattern in expects:
+            assert re.search(pattern, out), f"{where}\nexpected: {pattern}"
+
+
 @pytest.fixture(scope="module")
 def readme(ray_cluster, tmp_path_factory):
-    """Every runnable block, in README's order; what they leave (files, and the `rag` app the
-    last Serve example deployed) is what the tests below look at."""
+    """The runnable blocks up to the `rag` deploy, in README's order; what they leave (files,
+    and the `rag` app) is what the tests below look at."""
     work = _copy_of_repo(tmp_path_factory.mktemp("readme") / "checkout")
     port = free_port()
     for cfg in (work / "cluster-configs" / "serve").glob("*.yaml"):
@@ -69,19 +93,21 @@ def readme(ray_cluster, tmp_path_factory):
     env = {**ray_cluster["env"], "PATH": f"{BIN}:{ray_cluster['env'].get('PATH', '')}"}
     serve_shutdown(ray_cluster)   # Serve's HTTP port is fixed by the first deploy
     try:
-        for line, body, expects in examples((REPO / "README.md").read_text()):
-            if expects is None:
-                continue
-            body = body.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-            proc = run(["bash", "-e", "-o", "pipefail", "-c", body], env=env, cwd=work,
-                       timeout=420)
-            out = proc.stdout + proc.stderr
-            where = f"README line {line}: exit {proc.returncode}\n{out[-4000:]}"
-            assert proc.returncode == 0, where
-            for pattern in expects:
-                assert re.search(pattern, out), f"{where}\nexpected: {pattern}"
-        yield {"work": work, "storage": ray_cluster["storage"],
+        _run_blocks(_runnable()[:_split()], work, env, port)
+        yield {"work": work, "storage": ray_cluster["storage"], "env": env, "port": port,
                "rag_url": f"http://127.0.0.1:{port}"}
+    except BaseException:
+        serve_shutdown(ray_cluster)
+        raise
+
+
+@pytest.fixture(scope="module")
+def readme_rest(readme, ray_cluster):
+    """The blocks after the `rag` deploy (the Hugging Face line, the llm config, the cloud
+    steps), once the rag tests are done, in the same checkout and shell state."""
+    try:
+        _run_blocks(_runnable()[_split():], readme["work"], readme["env"], readme["port"])
+        yield readme
     finally:
         serve_shutdown(ray_cluster)
 
@@ -102,8 +128,6 @@ def test_readme_examples_run_as_written(readme):
     assert (storage / "smoke-ddp" / "loss.png").is_file()
     assert (storage / "smoke-streaming" / "metrics.csv").is_file()
     assert (storage / "embeddings" / "_manifest.json").is_file()
-    assert (work / "llm.yaml").is_file()
-    assert (work / "cluster-configs" / "generated" / "dev.yaml").is_file()
 
 
 # ------------------------------------------------- the rag app README's example left deployed
@@ -157,3 +181,21 @@ def test_rag_refuses_a_missing_index_before_deploying(tmp_path):
 
     with pytest.raises(CheckpointError, match="_manifest.json"):
         check_index(str(tmp_path))
+
+
+# ------------------------------------------- after rag: the Hugging Face line and the cloud steps
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_readme_hugging_face_line_and_cloud_steps(readme_rest):
+    work, storage = readme_rest["work"], readme_rest["storage"]
+    assert (work / "llm.yaml").is_file()
+    assert (work / "cluster-configs" / "generated" / "dev.yaml").is_file()
+    run_dir = storage / "sft-tiny-llama"
+    exports = list(run_dir.glob("checkpoint_*/hf/model.safetensors"))
+    assert len(exports) == 1
+    import yaml
+
+    llm = yaml.safe_load((work / "llm-sft.yaml").read_text())
+    source = llm["applications"][0]["args"]["llm_configs"][0]["model_loading_config"]
+    assert source["model_source"] == str(exports[0].parent)
