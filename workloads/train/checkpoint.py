@@ -5,13 +5,16 @@ directory and Ray merges them into one folder in storage. Layout:
 
     rayfleet_checkpoint.json  marker, written last by rank 0: step, strategy, world size,
                               and the size of every file rank 0 wrote
-    model_config.json         GPTConfig (what workloads.serve needs to rebuild the model)
+    model_config.json         GPTConfig (what workloads.serve needs to rebuild the model), or
+                              for a Hugging Face model {"hf": its config, "seq_len", "n_params"}
     trainer_state.json        step, epoch, batch-in-epoch, LR schedule, metrics history
     rng_rank{r}.pt            each rank's RNG state (torch, numpy, python)
     ddp:        model.pt, optim.pt                     (rank 0)
     fsdp:       dcp/  torch.distributed.checkpoint     (each rank its shard, rank 0 .metadata)
     deepspeed:  ds/   DeepSpeed's own layout           (each rank its partition)
     model.pt    full weights, also for fsdp/deepspeed on the final checkpoint (for serving)
+    hf/         Hugging Face models, final checkpoint: save_pretrained (safetensors) of the
+                gathered weights plus the tokenizer (from_pretrained, `lm`, vLLM)
 
 A checkpoint without a valid marker, or whose files are missing or short, is never resumed
 from (fault 4 of README's fault table): the marker is the last thing written and records the sizes.
