@@ -268,7 +268,10 @@ def build_pipeline(inputs: Inputs, paths: list[str], args, tally=None):
     spec = getattr(args, "tokenizer", BYTE)
     shape = getattr(args, "shape", "text")
     endpoint = getattr(args, "s3_endpoint", None)
-    pool = {"compute": ActorPoolStrategy(min_size=1, max_size=args.concurrency),
+    # A Hugging Face tokenizer's actor takes seconds to start (transformers' imports): all of
+    # them start at once, not one by one as the queue grows. Byte actors start in a blink.
+    pool = {"compute": ActorPoolStrategy(min_size=1 if spec == BYTE else args.concurrency,
+                                         max_size=args.concurrency),
             "num_cpus": args.tokenizer_cpus, "batch_size": args.batch_size}
     if shape != "text":
         columns = sft_columns(args)
@@ -488,6 +491,7 @@ def run(argv: list[str] | None) -> int:
                  "seq_len": args.seq_len}
     old_default = {"tokenizer_sha256": "byte", "shape": "text", "seq_len": args.seq_len}
     unit = "rows" if sft else "sequences"
+    tally = None
     for i, paths in enumerate(shards):
         done = read_marker(storage, i)
         if done is not None and done.get("of") == len(shards) and all(
@@ -500,7 +504,8 @@ def run(argv: list[str] | None) -> int:
                 counts[k] += done.get(k, 0)
             continue
         clear_partial(storage, i)
-        tally = ray.remote(num_cpus=0)(Tally).remote() if sft else None
+        if sft and tally is None:   # one per run (an actor is a process): taken per shard
+            tally = ray.remote(num_cpus=0)(Tally).remote()
         try:
             ds = build_pipeline(inputs, paths, args, tally)
             marker = write_shard(ds, storage, i, len(shards), made_with,
@@ -515,9 +520,6 @@ def run(argv: list[str] | None) -> int:
                                              "text; convert it, e.g. iconv -f latin1 -t "
                                              "utf-8") from None
             raise
-        finally:
-            if tally is not None:
-                ray.kill(tally)
         made = (f"{marker['rows']} rows of {args.seq_len + 1} tokens ({marker.get('truncated')}"
                 f" truncated, {marker.get('dropped')} dropped, {marker.get('invalid')} invalid)"
                 if sft else f"{marker['rows']} sequences of {args.seq_len + 1} tokens")
@@ -570,7 +572,7 @@ def run(argv: list[str] | None) -> int:
 def _tally_counts(tally) -> dict:
     import ray
 
-    return ray.get(tally.get.remote())
+    return ray.get(tally.take.remote())
 
 
 def _drop_partial(storage, index: int) -> None:

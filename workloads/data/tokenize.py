@@ -45,14 +45,24 @@ class ByteTokenizer:
         return {"ids": ids}
 
 
+def load_in_actor(spec: str, endpoint: str | None = None):
+    """`load_tokenizer` for one actor of the pool. The pool's actors are the parallelism: the
+    tokenizers library's own threads (one per core, in every actor) are turned off unless
+    TOKENIZERS_PARALLELISM says otherwise."""
+    import os
+
+    from workloads.common.hf import load_tokenizer
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return load_tokenizer(spec, "--tokenizer", endpoint)
+
+
 class HFTokenizer:
     """A Hugging Face fast tokenizer in the actor pool (loaded once per actor, from a folder or
     an s3:// prefix): one batched call per batch, the EOS id after every document."""
 
     def __init__(self, spec: str, endpoint: str | None = None):
-        from workloads.common.hf import load_tokenizer
-
-        self.tok = load_tokenizer(spec, "--tokenizer", endpoint)
+        self.tok = load_in_actor(spec, endpoint)
         self.eos = self.tok.eos_token_id
 
     def __call__(self, batch: dict) -> dict:
@@ -132,9 +142,7 @@ class Encoder:
             self.pad_id, self.bos, self.eos, self.eos_text = 0, [], list(b"\n"), "\n"
             return
         if tok is None:
-            from workloads.common.hf import load_tokenizer
-
-            tok = load_tokenizer(spec, "--tokenizer", endpoint)
+            tok = load_in_actor(spec, endpoint)
         self.tok = tok
         self.pad_id = tok.pad_token_id
         self.bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
@@ -231,7 +239,8 @@ class SFTBuilder:
 
 
 class Tally:
-    """Sums the SFT counts of every batch of one shard (a Ray actor, num_cpus=0)."""
+    """Sums the SFT counts of every batch of a shard (a Ray actor, num_cpus=0); `take`
+    returns them and starts over for the next shard."""
 
     def __init__(self):
         self.counts: dict[str, int] = {}
@@ -240,5 +249,6 @@ class Tally:
         for k, v in counts.items():
             self.counts[k] = self.counts.get(k, 0) + int(v)
 
-    def get(self) -> dict:
-        return dict(self.counts)
+    def take(self) -> dict:
+        counts, self.counts = self.counts, {}
+        return counts
