@@ -178,7 +178,7 @@ def test_text_shape_packs_with_eos_and_a_new_tokenizer_redoes_shards(
     assert list(rows.shape) == [len(expected), 33] and rows.tolist() == expected
     assert rows.max() < len(tok) and (rows == tok.eos_token_id).sum() >= 20
 
-    other = make_tokenizer(tmp_path / "other-tok", vocab_size=300)
+    other = make_tokenizer(tmp_path / "other-tok", vocab_size=300, corpus_bytes=60_000)
     proc = run(DATA + args + ["--tokenizer", str(tmp_path / "other-tok")],
                env=ray_cluster["env"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -200,7 +200,7 @@ def test_bad_hf_inputs_are_one_line_exit_2_nothing_written(ray_cluster, hf_model
     no_tok = tmp_path / "no-tokenizer"
     no_tok.mkdir()
     (no_tok / "config.json").write_text("{}")
-    plain = make_tokenizer(tmp_path / "templated", vocab_size=280)
+    plain = make_tokenizer(tmp_path / "templated", vocab_size=280, corpus_bytes=30_000)
     plain.chat_template = None
     plain.save_pretrained(str(tmp_path / "plain"))
     cfg = json.loads((tmp_path / "plain" / "tokenizer_config.json").read_text())

@@ -572,7 +572,8 @@ def run(argv: list[str] | None) -> int:
 def _tally_counts(tally) -> dict:
     import ray
 
-    return ray.get(tally.take.remote())
+    counts = ray.get(tally.take.remote())
+    return {k: counts.get(k, 0) for k in COUNTS}   # "rows" is what the files hold
 
 
 def _drop_partial(storage, index: int) -> None:
