@@ -57,13 +57,23 @@ def make_bpe_tokenizer(folder: Path, vocab_size: int = 2048, corpus_bytes: int =
     return fast
 
 
-def one_process(paths: list[Path], args) -> tuple[np.ndarray, list[int], np.ndarray]:
+def shipped_tokenizer(folder: str) -> dict:
+    """What `workloads.data` does on its driver before Ray starts: load the tokenizer once and
+    hand its backend to the tokenizer stage (workloads.data.tokenize.ship)."""
+    from workloads.common.hf import load_tokenizer
+    from workloads.data.tokenize import ship
+
+    return ship(load_tokenizer(folder))
+
+
+def one_process(paths: list[Path], args, shipped: dict
+                ) -> tuple[np.ndarray, list[int], np.ndarray]:
     """The pipeline's stage functions in one process, in order (as bench.data_throughput's,
     with the Hugging Face tokenizer stage). Returns (rows, document starts, token stream)."""
     from workloads.data.pipeline import clean, keep, make_packer
     from workloads.data.tokenize import HFTokenizer
 
-    tokenizer, pack = HFTokenizer(args.tokenizer), make_packer(args.seq_len)
+    tokenizer, pack = HFTokenizer(**shipped), make_packer(args.seq_len)
     texts: list[str] = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
@@ -89,6 +99,7 @@ def ray_side(corpus: Path, out: Path, extra: list[str]) -> None:
     from workloads.data.pipeline import Inputs, build_pipeline
 
     args = pipeline_args(extra)
+    shipped = shipped_tokenizer(args.tokenizer)
     paths = sorted(str(p) for p in corpus.glob("*.jsonl"))
     inputs = Inputs("jsonl", [(p, os.path.getsize(p)) for p in paths], None)
     ray.init(logging_level="ERROR", log_to_driver=False)
@@ -97,8 +108,9 @@ def ray_side(corpus: Path, out: Path, extra: list[str]) -> None:
     seconds = []
     for _ in range(2):
         t0 = time.perf_counter()
-        batches = [b["tokens"] for b in build_pipeline(inputs, paths, args).iter_batches(
-            batch_size=None, batch_format="numpy")]
+        batches = [b["tokens"] for b in build_pipeline(inputs, paths, args, shipped=shipped
+                                                       ).iter_batches(batch_size=None,
+                                                                      batch_format="numpy")]
         seconds.append(time.perf_counter() - t0)
     np.save(out / "ray_rows.npy", np.concatenate(batches))
     (out / "ray.json").write_text(json.dumps({"first_s": seconds[0], "seconds": seconds[1]}))
@@ -117,14 +129,14 @@ def summarize(one_s: float, ray_s: float, corpus_bytes: int, threads_s: float | 
     return out
 
 
-def timed_one_process(paths: list[Path], cfg, parallel: bool):
+def timed_one_process(paths: list[Path], cfg, shipped: dict, parallel: bool):
     """Best of two runs of `one_process`, with the tokenizers library's threads on or off
     (it reads TOKENIZERS_PARALLELISM at every batched call)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel else "false"
     best, result = float("inf"), None
     for _ in range(2):
         t0 = time.perf_counter()
-        result = one_process(paths, cfg)
+        result = one_process(paths, cfg, shipped)
         best = min(best, time.perf_counter() - t0)
     return best, result
 
@@ -152,8 +164,9 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
         paths = make_corpus(tmp / "corpus", args.mb)
         corpus_bytes = sum(p.stat().st_size for p in paths)
         cfg = pipeline_args(extra)
-        threads_s, _ = timed_one_process(paths, cfg, parallel=True)
-        one_s, (rows, starts, stream) = timed_one_process(paths, cfg, parallel=False)
+        shipped = shipped_tokenizer(str(folder))
+        threads_s, _ = timed_one_process(paths, cfg, shipped, parallel=True)
+        one_s, (rows, starts, stream) = timed_one_process(paths, cfg, shipped, parallel=False)
         with cluster_env(env) as cenv:
             subprocess.run([str(BIN / "python"), "-m", "bench.data_tokenize",
                             f"--pipeline-args={' '.join(extra)}",

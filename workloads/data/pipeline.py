@@ -13,7 +13,8 @@ Stages (streamed block by block, never the whole corpus in memory):
   clean    `map_batches` (one task per block): normalise newlines, drop undecodable bytes,
            then drop documents too short or binary-ish
   tokenize `map_batches` over an actor pool of stateful tokenizers (workloads/data/tokenize.py):
-           bytes (`--tokenizer byte`) or a Hugging Face tokenizer folder / s3:// prefix
+           bytes (`--tokenizer byte`) or a Hugging Face tokenizer folder / s3:// prefix (loaded
+           on the driver, its Rust backend handed to the actors)
   pack     `map_batches`: concatenate and cut into windows of seq_len + 1 (column `tokens`)
 
 `--shape instruction|chat` (supervised fine-tuning, JSONL / Parquet records) skips clean and
@@ -43,7 +44,7 @@ from workloads.common.cli import ArgumentParser, run_main
 from workloads.common.deps import require
 from workloads.common.storage import default_root, user_path
 from workloads.data.tokenize import (  # noqa: F401  (ByteTokenizer: bench imports it here)
-    BYTE, IGNORE, SHAPES, ByteTokenizer, HFTokenizer, SFTBuilder, Tally)
+    BYTE, IGNORE, SHAPES, ByteTokenizer, HFTokenizer, SFTBuilder, Tally, ship)
 
 PROG = "workloads.data"
 TEXT_EXT = (".txt", ".md", ".py", ".rst")
@@ -260,9 +261,11 @@ def needed_columns(args) -> dict[str, str]:
     return {col: flags[role] for role, col in sft_columns(args).items()}
 
 
-def build_pipeline(inputs: Inputs, paths: list[str], args, tally=None):
+def build_pipeline(inputs: Inputs, paths: list[str], args, tally=None,
+                   shipped: dict | None = None):
     """The dataset of one shard. `args.tokenizer` / `args.shape` default to byte / text;
-    `tally` (a Tally actor) receives the SFT shapes' counts."""
+    `tally` (a Tally actor) receives the SFT shapes' counts; `shipped` (tokenize.ship of the
+    driver's tokenizer) saves every text-shape actor loading transformers."""
     from ray.data import ActorPoolStrategy
 
     spec = getattr(args, "tokenizer", BYTE)
@@ -288,7 +291,8 @@ def build_pipeline(inputs: Inputs, paths: list[str], args, tally=None):
         ds = ds.map_batches(ByteTokenizer, batch_format="numpy", **pool)
     else:
         ds = ds.map_batches(HFTokenizer, batch_format="numpy", **pool,
-                            fn_constructor_kwargs={"spec": spec, "endpoint": endpoint})
+                            fn_constructor_kwargs=shipped or {"spec": spec,
+                                                              "endpoint": endpoint})
     return ds.map_batches(make_packer(args.seq_len), batch_size=args.pack_rows,
                           batch_format="numpy")
 
@@ -357,7 +361,7 @@ def check_tokenizer(args) -> dict:
         if args.shape == "chat":
             raise ConfigError("--shape", "chat needs a Hugging Face tokenizer with a chat "
                                          "template (--tokenizer FOLDER or s3://...), not byte")
-        return {"identity": dict(BYTE_TOKENIZER), "eos_id": None,
+        return {"identity": dict(BYTE_TOKENIZER), "eos_id": None, "shipped": None,
                 "pad_id": 0 if args.shape != "text" else None}
     from workloads.common.hf import load_tokenizer, tokenizer_identity
 
@@ -373,7 +377,10 @@ def check_tokenizer(args) -> dict:
                                      f"template, and {spec} has none (use --shape "
                                      "instruction, or a tokenizer with a chat_template)")
     return {"identity": tokenizer_identity(tok, spec), "eos_id": tok.eos_token_id,
-            "pad_id": tok.pad_token_id if args.shape != "text" else None}
+            "pad_id": tok.pad_token_id if args.shape != "text" else None,
+            # The text shape's actors get the loaded tokenizer (its Rust backend) rather than
+            # loading it again; the SFT shapes' load it (they render chat templates).
+            "shipped": ship(tok) if args.shape == "text" else None}
 
 
 # --------------------------------------------------------------------------- output
@@ -507,7 +514,7 @@ def run(argv: list[str] | None) -> int:
         if sft and tally is None:   # one per run (an actor is a process): taken per shard
             tally = ray.remote(num_cpus=0)(Tally).remote()
         try:
-            ds = build_pipeline(inputs, paths, args, tally)
+            ds = build_pipeline(inputs, paths, args, tally, tok_info["shipped"])
             marker = write_shard(ds, storage, i, len(shards), made_with,
                                  after=None if tally is None else partial(_tally_counts, tally))
         except BaseException as e:

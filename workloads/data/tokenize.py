@@ -57,19 +57,42 @@ def load_in_actor(spec: str, endpoint: str | None = None):
     return load_tokenizer(spec, "--tokenizer", endpoint)
 
 
-class HFTokenizer:
-    """A Hugging Face fast tokenizer in the actor pool (loaded once per actor, from a folder or
-    an s3:// prefix): one batched call per batch, the EOS id after every document."""
+def ship(tok) -> dict:
+    """What HFTokenizer needs of a loaded fast tokenizer for the text shape, as plain values
+    the driver hands every actor: the Rust tokenizer that `tok(texts)` runs (serialized, the
+    very definition `tokenizer_identity` hashes), its EOS id, and its special-token flag."""
+    return {"backend": tok.backend_tokenizer.to_str(), "eos_id": tok.eos_token_id,
+            "split_special_tokens": bool(getattr(tok, "split_special_tokens", False))}
 
-    def __init__(self, spec: str, endpoint: str | None = None):
-        self.tok = load_in_actor(spec, endpoint)
-        self.eos = self.tok.eos_token_id
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer in the actor pool, the EOS id after every document, one
+    batched call per batch. Built from `ship(tok)` of the driver's tokenizer (the backend that
+    `tok(texts, add_special_tokens=False)` calls, so the same ids, and no transformers import:
+    an actor starts in a blink instead of ~3 s of CPU, once per shard), or else loaded here
+    with load_tokenizer from `spec` (a folder or an s3:// prefix)."""
+
+    def __init__(self, spec: str | None = None, endpoint: str | None = None,
+                 backend: str | None = None, eos_id: int | None = None,
+                 split_special_tokens: bool = False):
+        import os
+
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # see load_in_actor
+        if backend is None:
+            tok = load_in_actor(spec, endpoint)
+            backend, eos_id = tok.backend_tokenizer.to_str(), tok.eos_token_id
+            split_special_tokens = bool(getattr(tok, "split_special_tokens", False))
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_str(backend)
+        # What transformers sets on the backend before every call (its split_special_tokens).
+        self.tok.encode_special_tokens = split_special_tokens
+        self.eos = eos_id
 
     def __call__(self, batch: dict) -> dict:
         texts = [str(t) for t in batch["text"]]
-        enc = self.tok(texts, add_special_tokens=False, return_attention_mask=False)[
-            "input_ids"] if texts else []
-        return {"ids": [np.array(e + [self.eos], dtype=np.int32) for e in enc]}
+        enc = self.tok.encode_batch(texts, add_special_tokens=False) if texts else []
+        return {"ids": [np.array(e.ids + [self.eos], dtype=np.int32) for e in enc]}
 
 
 # --------------------------------------------------------------------------- SFT rows
