@@ -16,11 +16,12 @@ Stages (streamed block by block, never the whole corpus in memory):
            bytes (`--tokenizer byte`) or a Hugging Face tokenizer folder / s3:// prefix (loaded
            on the driver, its Rust backend handed to the actors)
   pack     `map_batches`: concatenate and cut into windows of seq_len + 1 (column `tokens`)
+  write    Parquet, one shard per group of input files: `shard-00003-000.parquet`, ...
 
 `--shape instruction|chat` (supervised fine-tuning, JSONL / Parquet records) skips clean and
-pack: the actor pool turns each record into one row of `tokens` (right-padded with the pad
-id) and `labels` (-100 on prompt and padding), max_length + 1 each.
-  write    Parquet, one shard per group of input files: `shard-00003-000.parquet`, ...
+pack: the actor pool (`SFTBuilder`, which loads the tokenizer in each actor) turns each record
+into one row of `tokens` (right-padded with the pad id) and `labels` (-100 on prompt and
+padding), max_length + 1 each; `_manifest.json` counts the truncated and dropped records.
 
 Input files are sorted and grouped into shards by size, so shard i always covers the same
 files. A shard is written to a temporary folder, moved into place, and only then marked done
@@ -465,7 +466,7 @@ def run(argv: list[str] | None) -> int:
     shards = shards_of(inputs.files, args.shard_bytes)
     if inputs.fmt != "text":  # encoding and schema errors before Ray or any write
         check_first_file(inputs, needed_columns(args))
-    tok_info = check_tokenizer(args)             # loaded here once, then in every actor
+    tok_info = check_tokenizer(args)             # one line and exit 2 if not a tokenizer
 
     from workloads.common.storage import resolve
 

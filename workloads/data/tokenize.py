@@ -3,7 +3,8 @@
 
   ByteTokenizer   text shape, `--tokenizer byte`: UTF-8 bytes are the ids (256), "\\n" after
                   each document
-  HFTokenizer     text shape, a Hugging Face tokenizer: batched `tok(texts)`, EOS after each
+  HFTokenizer     text shape, a Hugging Face fast tokenizer: its Rust backend's batched
+                  encode (what `tok(texts, add_special_tokens=False)` runs), EOS after each
                   document (the packer then cuts the stream into seq_len + 1 windows)
   SFTBuilder      instruction / chat shapes: one row per record, `tokens` and `labels` of
                   max_length + 1 each (`sft_row`); no packing
