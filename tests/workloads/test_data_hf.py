@@ -230,3 +230,51 @@ def test_bad_hf_inputs_are_one_line_exit_2_nothing_written(ray_cluster, hf_model
         assert len(lines) == 1, proc.stderr[-2000:]
         assert lines[0].startswith("workloads.data: error:") and needle in lines[0], lines
         assert not out.exists()
+
+
+@pytest.mark.ray
+@pytest.mark.moto
+def test_chat_shape_from_an_s3_tokenizer_learns_only_assistant_turns(
+        ray_cluster, hf_model_dir, tok, s3_client, aws_env, tmp_path):
+    # The tokenizer lives in S3 and only the driver has the keys (the cluster's processes do
+    # not): the actors get its files from the driver.
+    bucket = "rayfleet-test-data-tokenizer"
+    s3_client.create_bucket(Bucket=bucket)
+    for p in hf_model_dir.iterdir():
+        if p.is_file() and not p.name.endswith(".safetensors"):
+            s3_client.upload_file(str(p), bucket, f"tiny-llama/{p.name}")
+    words = ["alpha", "bravo", "charlie", "delta"]
+    chats = [[{"role": "system", "content": "Answer in words."},
+              {"role": "user", "content": f"Say {w}."}, {"role": "assistant", "content": w},
+              {"role": "user", "content": "Twice?"},
+              {"role": "assistant", "content": f"{w} {w}"}] for w in words]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats)
+                    + json.dumps({"messages": "not a conversation"}) + "\n")
+    out, spec = tmp_path / "chat", f"s3://{bucket}/tiny-llama"
+    proc = run(DATA + ["--tokenizer", spec, "--shape", "chat", "--input", str(data),
+                       "--max-length", "128", "--output", str(out), *ONE_ACTOR],
+               env={**ray_cluster["env"], **aws_env}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((out / "_manifest.json").read_text())
+    from workloads.common.hf import tokenizer_identity
+
+    assert manifest["tokenizer"] == tokenizer_identity(tok, spec)
+    assert (manifest["shape"], manifest["rows"], manifest["records"], manifest["invalid"],
+            manifest["truncated"], manifest["dropped"]) == ("chat", 4, 5, 1, 0, 0)
+    rows = read_rows(out)
+    for messages, t, lab in zip(chats, rows["tokens"], rows["labels"], strict=True):
+        assert len(t) == 129
+        real = t != tok.pad_token_id
+        assert tok.decode(t[real]) == tok.apply_chat_template(messages, tokenize=False)
+        assert not real[int(real.sum()):].any() and (lab[~real] == -100).all()
+        spans, cur = [], []
+        for i, lab_i in zip(t, lab, strict=True):
+            if lab_i != -100:
+                assert lab_i == i
+                cur.append(int(i))
+            elif cur:
+                spans.append(tok.decode(cur))
+                cur = []
+        assert spans == [m["content"] + tok.eos_token for m in messages
+                         if m["role"] == "assistant"]

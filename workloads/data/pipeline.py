@@ -14,12 +14,12 @@ Stages (streamed block by block, never the whole corpus in memory):
            then drop documents too short or binary-ish
   tokenize `map_batches` over an actor pool of stateful tokenizers (workloads/data/tokenize.py):
            bytes (`--tokenizer byte`) or a Hugging Face tokenizer folder / s3:// prefix (loaded
-           on the driver, its Rust backend handed to the actors)
+           on the driver, which hands it to the actors: they need no S3 access or shared disk)
   pack     `map_batches`: concatenate and cut into windows of seq_len + 1 (column `tokens`)
   write    Parquet, one shard per group of input files: `shard-00003-000.parquet`, ...
 
 `--shape instruction|chat` (supervised fine-tuning, JSONL / Parquet records) skips clean and
-pack: the actor pool (`SFTBuilder`, which loads the tokenizer in each actor) turns each record
+pack: the actor pool (`SFTBuilder`, which loads the driver's tokenizer files) turns each record
 into one row of `tokens` (right-padded with the pad id) and `labels` (-100 on prompt and
 padding), max_length + 1 each; `_manifest.json` counts the truncated and dropped records.
 
@@ -45,7 +45,7 @@ from workloads.common.cli import ArgumentParser, run_main
 from workloads.common.deps import require
 from workloads.common.storage import default_root, user_path
 from workloads.data.tokenize import (  # noqa: F401  (ByteTokenizer: bench imports it here)
-    BYTE, IGNORE, SHAPES, ByteTokenizer, HFTokenizer, SFTBuilder, Tally, ship)
+    BYTE, IGNORE, SHAPES, ByteTokenizer, HFTokenizer, SFTBuilder, Tally, ship, tokenizer_files)
 
 PROG = "workloads.data"
 TEXT_EXT = (".txt", ".md", ".py", ".rst")
@@ -265,8 +265,9 @@ def needed_columns(args) -> dict[str, str]:
 def build_pipeline(inputs: Inputs, paths: list[str], args, tally=None,
                    shipped: dict | None = None):
     """The dataset of one shard. `args.tokenizer` / `args.shape` default to byte / text;
-    `tally` (a Tally actor) receives the SFT shapes' counts; `shipped` (tokenize.ship of the
-    driver's tokenizer) saves every text-shape actor loading transformers."""
+    `tally` (a Tally actor) receives the SFT shapes' counts; `shipped` is what the driver
+    hands the actors of its loaded tokenizer: tokenize.ship (text shape: no transformers in
+    the actors) or {"files": tokenize.tokenizer_files} (SFT: no S3 or shared folder needed)."""
     from ray.data import ActorPoolStrategy
 
     spec = getattr(args, "tokenizer", BYTE)
@@ -284,7 +285,8 @@ def build_pipeline(inputs: Inputs, paths: list[str], args, tally=None,
                               fn_constructor_kwargs={"spec": spec, "shape": shape,
                                                      "max_length": args.seq_len,
                                                      "columns": columns, "endpoint": endpoint,
-                                                     "tally": tally})
+                                                     "tally": tally, "files": (shipped or {}
+                                                                               ).get("files")})
     ds = read(inputs, paths, args.column)
     ds = ds.map_batches(clean_batch, batch_size=args.batch_size, batch_format="numpy",
                         fn_kwargs={"min_chars": args.min_chars})
@@ -364,10 +366,11 @@ def check_tokenizer(args) -> dict:
                                          "template (--tokenizer FOLDER or s3://...), not byte")
         return {"identity": dict(BYTE_TOKENIZER), "eos_id": None, "shipped": None,
                 "pad_id": 0 if args.shape != "text" else None}
-    from workloads.common.hf import load_tokenizer, tokenizer_identity
+    from workloads.common.hf import fetch, load_tokenizer, tokenizer_identity
 
     spec = args.tokenizer
     tok = load_tokenizer(spec, "--tokenizer", args.s3_endpoint)
+    folder = fetch(spec, "--tokenizer", args.s3_endpoint)   # where it was loaded from
     if not spec.startswith("s3://"):
         args.tokenizer = str(Path(spec.removeprefix("file://")).expanduser().resolve())
     if tok.eos_token_id is None:
@@ -379,9 +382,11 @@ def check_tokenizer(args) -> dict:
                                      "instruction, or a tokenizer with a chat_template)")
     return {"identity": tokenizer_identity(tok, spec), "eos_id": tok.eos_token_id,
             "pad_id": tok.pad_token_id if args.shape != "text" else None,
-            # The text shape's actors get the loaded tokenizer (its Rust backend) rather than
-            # loading it again; the SFT shapes' load it (they render chat templates).
-            "shipped": ship(tok) if args.shape == "text" else None}
+            # The actors get the tokenizer from here, not from the folder or S3 (another node
+            # may see neither): the text shape its Rust backend (no transformers import in
+            # the actors); the SFT shapes its files, loaded in each (chat templates).
+            "shipped": ship(tok) if args.shape == "text" else {
+                "files": tokenizer_files(folder)}}
 
 
 # --------------------------------------------------------------------------- output

@@ -17,6 +17,7 @@ and padding. Training takes x = tokens[:, :-1], y = labels[:, 1:].
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -46,16 +47,41 @@ class ByteTokenizer:
         return {"ids": ids}
 
 
-def load_in_actor(spec: str, endpoint: str | None = None):
-    """`load_tokenizer` for one actor of the pool. The pool's actors are the parallelism: the
+# Not part of a tokenizer: left out of what the driver hands the actors.
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".onnx", ".h5", ".msgpack", ".ckpt")
+MAX_FILE = 64 << 20
+
+
+def tokenizer_files(folder: Path) -> dict[str, bytes]:
+    """The files of a (fetched) tokenizer folder a tokenizer load reads, weights left out: what
+    the driver hands each SFT actor, which may run on a node that sees neither the driver's
+    folder nor its S3 credentials."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())
+            if p.is_file() and not p.name.endswith(WEIGHTS) and p.stat().st_size <= MAX_FILE}
+
+
+def load_in_actor(spec: str, endpoint: str | None = None,
+                  files: dict[str, bytes] | None = None):
+    """`load_tokenizer` for one actor of the pool: of `files` (tokenizer_files) when given,
+    through a temporary folder, else of `spec`. The pool's actors are the parallelism: the
     tokenizers library's own threads (one per core, in every actor) are turned off unless
     TOKENIZERS_PARALLELISM says otherwise."""
     import os
+    import shutil
+    import tempfile
 
     from workloads.common.hf import load_tokenizer
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return load_tokenizer(spec, "--tokenizer", endpoint)
+    if not files:
+        return load_tokenizer(spec, "--tokenizer", endpoint)
+    folder = Path(tempfile.mkdtemp(prefix="rayfleet-tokenizer-"))
+    try:
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+        return load_tokenizer(str(folder), "--tokenizer")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def ship(tok) -> dict:
@@ -160,13 +186,14 @@ class Encoder:
     """What SFT rows need of a tokenizer, for 'byte' or a Hugging Face one: batched encoding
     without special tokens, the pad / BOS / EOS ids, the chat template as a render function."""
 
-    def __init__(self, spec: str = BYTE, endpoint: str | None = None, tok=None):
+    def __init__(self, spec: str = BYTE, endpoint: str | None = None, tok=None,
+                 files: dict[str, bytes] | None = None):
         if spec == BYTE and tok is None:
             self.tok, self.render = None, None
             self.pad_id, self.bos, self.eos, self.eos_text = 0, [], list(b"\n"), "\n"
             return
         if tok is None:
-            tok = load_in_actor(spec, endpoint)
+            tok = load_in_actor(spec, endpoint, files)
         self.tok = tok
         self.pad_id = tok.pad_token_id
         self.bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
@@ -247,8 +274,8 @@ class SFTBuilder:
     the write sees every batch's."""
 
     def __init__(self, spec: str, shape: str, max_length: int, columns: dict[str, str],
-                 endpoint: str | None = None, tally=None):
-        self.enc = Encoder(spec, endpoint)
+                 endpoint: str | None = None, tally=None, files: dict[str, bytes] | None = None):
+        self.enc = Encoder(spec, endpoint, files=files)
         self.shape, self.max_length, self.columns, self.tally = shape, max_length, columns, tally
 
     def __call__(self, batch) -> dict:
