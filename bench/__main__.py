@@ -1,5 +1,5 @@
-"""`make bench`: run benchmarks 1-3 side by side on one throwaway local cluster and write
-BENCHMARKS.md (not tests: nothing asserts these numbers).
+"""`make bench`: run benchmarks 1-3 (2 with the byte and a BPE tokenizer) side by side on one
+throwaway local cluster and write BENCHMARKS.md (not tests: nothing asserts these numbers).
 
     python -m bench [--quick]      # --quick: fewer steps/requests, for a smoke run
 """
@@ -55,6 +55,30 @@ def serve_table(s: dict) -> str:
             rows.append(f"| {b} | {c} | {_cell(r)} | {_cell(rb)} | "
                         f"{s['overhead_p50_ms'].get(f'{b}/c{c}', '-')} ms |")
     return "\n".join(rows)
+
+
+def bpe_section(b: dict | None) -> str:
+    """Benchmark 2 with a BPE tokenizer (bench.data_tokenize), when it ran."""
+    if not b:
+        return ""
+    row = _row("corpus -> packed rows, BPE", f"{b['one_process_s']} s "
+               f"({b['one_process_mb_s']} MiB/s)", f"{b['ray_data_s']} s "
+               f"({b['ray_data_mb_s']} MiB/s); first run {b['ray_data_first_s']} s",
+               f"**{b['speedup']}x**")
+    return f"""
+With a Hugging Face tokenizer (`--tokenizer FOLDER`: a {b['vocab']}-token byte-level BPE
+trained on the standard library, EOS between documents), {b['corpus_mb']} MiB of the same
+kind of corpus ({b['docs']} documents, {b['tokens']:,} tokens), the same stage functions in
+one process, the tokenizers library's own threads off on both sides (Ray: the actor pool is
+the parallelism); with its threads on, the one process takes {b['one_process_threads_s']} s
+({b['speedup_vs_threads']}x). Same-stream check as above ({b['rows_ray']:,} rows).
+
+| | one process | Ray Data, second run | ratio |
+|---|---|---|---|
+{row}
+
+Goal: >= 1.6x on 2 cores — {goal(b['speedup'] >= 1.6, b['load_avg'])}.
+"""
 
 
 def render(t: dict, d: dict, s: dict, quick: bool, minutes: float | None = None) -> str:
@@ -138,7 +162,7 @@ up) {d['data_wait_first_pct']}%.
 
 Goals (issue 7): >= 1.7x on 2 cores — {goal(d['speedup'] >= 1.7, d['load_avg'])}; data wait <= 2% —
 {goal((d['data_wait_median_pct'] or 0) <= 2, d['load_avg'])} (steady state).
-
+{bpe_section(d.get('bpe'))}
 ## 3. Serve `lm` vs the same model behind bare FastAPI/uvicorn
 
 The `lm` app from `cluster-configs/serve/lm.yaml` (one replica, through Serve's HTTP proxy) vs
@@ -219,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="bench")
     ap.add_argument("--quick", action="store_true", help="fewer steps/requests (smoke run)")
     args = ap.parse_args(argv)
-    from bench import data_throughput, gpu, serve_latency, train_overhead
+    from bench import data_throughput, data_tokenize, gpu, serve_latency, train_overhead
     from bench.cluster import local_cluster
 
     t0 = time.perf_counter()
@@ -228,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
                                 ["--steps", "150", "--rounds", "2"], env=env)
         d = data_throughput.main(["--mb", "6", "--train-steps", "30"] if args.quick else
                                  ["--mb", "24", "--train-steps", "60"], env=env)
+        d["bpe"] = data_tokenize.main(["--mb", "2"] if args.quick else [], env=env)
         s = serve_latency.main(["--rounds", "1", "--requests-per-worker", "3"] if args.quick
                                else ["--rounds", "2"], env=env)
     text = render(t, d, s, args.quick, (time.perf_counter() - t0) / 60)

@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from bench import __main__ as bench_main
-from bench import data_throughput, serve_latency, train_overhead
+from bench import data_throughput, data_tokenize, serve_latency, train_overhead
 
 
 def test_percentile_is_nearest_rank():
@@ -42,6 +42,21 @@ def test_data_summary_ratios_and_wait_share():
     # The first interval (stream start-up) is reported apart from the steady state.
     assert s["data_wait_first_pct"] == 50.0
     assert s["data_wait_median_pct"] == 2.0 and s["data_wait_max_pct"] == 3.0
+
+
+def test_bpe_summary_and_its_section_in_benchmarks_md():
+    b = data_tokenize.summarize(one_s=8.0, ray_s=4.0, corpus_bytes=16 * 2**20, threads_s=5.0)
+    assert b == {"one_process_s": 8.0, "ray_data_s": 4.0, "one_process_mb_s": 2.0,
+                 "ray_data_mb_s": 4.0, "speedup": 2.0, "one_process_threads_s": 5.0,
+                 "speedup_vs_threads": 1.25}
+    b.update({"ray_data_first_s": 9.0, "corpus_mb": 16, "vocab": 2048, "docs": 10,
+              "tokens": 1000, "rows_ray": 7, "load_avg": 1.0})
+    text = bench_main.bpe_section(b)
+    assert "| corpus -> packed rows, BPE | 8.0 s (2.0 MiB/s) | 4.0 s (4.0 MiB/s)" in text
+    assert "**2.0x**" in text and ">= 1.6x on 2 cores — met" in text
+    b["speedup"] = 1.5
+    assert ">= 1.6x on 2 cores — **missed**" in bench_main.bpe_section(b)
+    assert bench_main.bpe_section(None) == ""
 
 
 def test_output_check_accepts_regrouped_packing_and_catches_a_changed_token(tmp_path):
@@ -107,6 +122,7 @@ def test_bad_flags_are_one_line_and_exit_2():
 
     for module, flags, says in [("bench.train_overhead", ["--steps", "5"], "at least 20"),
                                 ("bench.data_throughput", ["--mb", "nan"], "at least 0.1"),
+                                ("bench.data_tokenize", ["--vocab", "10"], "at least 300"),
                                 ("bench.serve_latency", ["--rounds", "x"], "expected a number")]:
         proc = subprocess.run([sys.executable, "-m", module, *flags], capture_output=True,
                               text=True, timeout=120)

@@ -1,0 +1,191 @@
+"""Data, BPE: `workloads.data --tokenizer FOLDER` (a byte-level BPE fast tokenizer in the actor
+pool, EOS between documents, packed into seq 128 + 1) under Ray Data vs the same stage
+functions (clean, keep, `HFTokenizer`, pack) in one plain Python process, over the same
+generated JSONL corpus, side by side in one run.
+
+    python -m bench.data_tokenize [--mb 32] [--vocab 2048]
+
+The tokenizer is trained here on this interpreter's standard library the way
+tests/hf_fixtures.make_tokenizer does (nothing is downloaded; bench does not import tests/).
+Hugging Face's tokenizers library threads a batched call over every core unless
+TOKENIZERS_PARALLELISM=false, which the workload's actors set (the pool is the parallelism):
+the ratio is taken with it off on both sides (the same single-threaded stage functions: what
+Ray Data's processes add), and the one process with the library's threads on is reported too
+(`one_process_threads_s`). Same-data check as in
+bench.data_throughput (`check_same_stream`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import ArgumentParser, at_least
+from bench.data_throughput import check_same_stream, make_corpus, pipeline_args
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+
+
+def make_bpe_tokenizer(folder: Path, vocab_size: int = 2048, corpus_bytes: int = 1_000_000):
+    """A byte-level BPE fast tokenizer trained on the standard library, saved_pretrained."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from workloads.train.data import stdlib_corpus
+
+    text = stdlib_corpus(corpus_bytes).decode("utf-8", errors="ignore")
+    tok = Tokenizer(models.BPE(unk_token=SPECIAL["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL.values()),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(text.splitlines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
+    folder.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def shipped_tokenizer(folder: str) -> dict:
+    """What `workloads.data` does on its driver before Ray starts: load the tokenizer once and
+    hand its backend to the tokenizer stage (workloads.data.tokenize.ship)."""
+    from workloads.common.hf import load_tokenizer
+    from workloads.data.tokenize import ship
+
+    return ship(load_tokenizer(folder))
+
+
+def one_process(paths: list[Path], args, shipped: dict
+                ) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """The pipeline's stage functions in one process, in order (as bench.data_throughput's,
+    with the Hugging Face tokenizer stage). Returns (rows, document starts, token stream)."""
+    from workloads.data.pipeline import clean, keep, make_packer
+    from workloads.data.tokenize import HFTokenizer
+
+    tokenizer, pack = HFTokenizer(**shipped), make_packer(args.seq_len)
+    texts: list[str] = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                row = clean({"text": json.loads(line)[args.column]})
+                if keep(row, args.min_chars):
+                    texts.append(row["text"])
+    ids: list[np.ndarray] = []
+    for i in range(0, len(texts), args.batch_size):
+        ids += tokenizer({"text": texts[i:i + args.batch_size]})["ids"]
+    rows = [pack({"ids": ids[i:i + args.pack_rows]})["tokens"]
+            for i in range(0, len(ids), args.pack_rows)]
+    starts = np.cumsum([0] + [len(a) for a in ids])
+    return np.concatenate(rows), starts[:-1].tolist(), np.concatenate(ids)
+
+
+def ray_side(corpus: Path, out: Path, extra: list[str]) -> None:
+    """Runs inside the cluster's environment: the workload's build_pipeline, twice (the first
+    run also starts worker processes and the actor pool, which loads the tokenizer)."""
+    import ray
+    from ray.data import DataContext
+
+    from workloads.data.pipeline import Inputs, build_pipeline
+
+    args = pipeline_args(extra)
+    shipped = shipped_tokenizer(args.tokenizer)
+    paths = sorted(str(p) for p in corpus.glob("*.jsonl"))
+    inputs = Inputs("jsonl", [(p, os.path.getsize(p)) for p in paths], None)
+    ray.init(logging_level="ERROR", log_to_driver=False)
+    DataContext.get_current().execution_options.preserve_order = True  # as the workload
+    DataContext.get_current().enable_progress_bars = False
+    seconds = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        batches = [b["tokens"] for b in build_pipeline(inputs, paths, args, shipped=shipped
+                                                       ).iter_batches(batch_size=None,
+                                                                      batch_format="numpy")]
+        seconds.append(time.perf_counter() - t0)
+    np.save(out / "ray_rows.npy", np.concatenate(batches))
+    (out / "ray.json").write_text(json.dumps({"first_s": seconds[0], "seconds": seconds[1]}))
+
+
+def summarize(one_s: float, ray_s: float, corpus_bytes: int, threads_s: float | None = None
+              ) -> dict:
+    """Throughputs over the corpus' bytes and the ratio one process / Ray Data."""
+    out = {"one_process_s": round(one_s, 2), "ray_data_s": round(ray_s, 2),
+           "one_process_mb_s": round(corpus_bytes / one_s / 2**20, 2),
+           "ray_data_mb_s": round(corpus_bytes / ray_s / 2**20, 2),
+           "speedup": round(one_s / ray_s, 2)}
+    if threads_s is not None:
+        out.update({"one_process_threads_s": round(threads_s, 2),
+                    "speedup_vs_threads": round(threads_s / ray_s, 2)})
+    return out
+
+
+def timed_one_process(paths: list[Path], cfg, shipped: dict, parallel: bool, runs: int = 2):
+    """Best of `runs` runs of `one_process`, with the tokenizers library's threads on or off
+    (it reads TOKENIZERS_PARALLELISM at every batched call)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel else "false"
+    best, result = float("inf"), None
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        result = one_process(paths, cfg, shipped)
+        best = min(best, time.perf_counter() - t0)
+    return best, result
+
+
+def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
+    ap = ArgumentParser(prog="bench.data_tokenize")
+    ap.add_argument("--mb", type=at_least(0.1, float), default=32.0,
+                    help="generated corpus size (Ray's fixed start-up, ~1-2 s, is amortized "
+                         "over it)")
+    ap.add_argument("--vocab", type=at_least(300), default=2048, help="BPE vocabulary size")
+    ap.add_argument("--pipeline-args", default="",
+                    help="extra workloads.data flags for both sides, e.g. '--concurrency 3'")
+    ap.add_argument("--ray-side", nargs=2, metavar=("CORPUS", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    extra = args.pipeline_args.split()
+    if args.ray_side:
+        ray_side(Path(args.ray_side[0]), Path(args.ray_side[1]), extra)
+        return {}
+    from bench.cluster import cluster_env
+
+    with tempfile.TemporaryDirectory(prefix="rayfleet-bench-bpe-") as tmp_s:
+        tmp = Path(tmp_s)
+        folder = tmp / "bpe"
+        make_bpe_tokenizer(folder, args.vocab)
+        extra = ["--tokenizer", str(folder), *extra]
+        paths = make_corpus(tmp / "corpus", args.mb)
+        corpus_bytes = sum(p.stat().st_size for p in paths)
+        cfg = pipeline_args(extra)
+        shipped = shipped_tokenizer(str(folder))
+        threads_s, _ = timed_one_process(paths, cfg, shipped, parallel=True, runs=1)
+        one_s, (rows, starts, stream) = timed_one_process(paths, cfg, shipped, parallel=False)
+        with cluster_env(env) as cenv:
+            subprocess.run([str(BIN / "python"), "-m", "bench.data_tokenize",
+                            f"--pipeline-args={' '.join(extra)}",
+                            "--ray-side", str(tmp / "corpus"), str(tmp)],
+                           cwd=REPO, env=cenv, check=True, capture_output=True, text=True)
+        timing = json.loads((tmp / "ray.json").read_text())
+        ray_rows = np.load(tmp / "ray_rows.npy")
+    problem = check_same_stream(ray_rows, stream, starts)
+    if problem:
+        raise SystemExit(f"bench.data_tokenize: Ray Data and one process disagree: {problem}")
+    out = summarize(one_s, timing["seconds"], corpus_bytes, threads_s)
+    out.update({"ray_data_first_s": round(timing["first_s"], 2), "corpus_mb": args.mb,
+                "vocab": args.vocab, "docs": len(starts), "tokens": int(stream.size),
+                "rows_one_process": int(rows.shape[0]), "rows_ray": int(ray_rows.shape[0]),
+                "nproc": os.cpu_count(), "load_avg": round(os.getloadavg()[0], 1)})
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
