@@ -40,6 +40,9 @@ from rayfleet.errors import ConfigError, RayfleetError
 GENERATED = Path("cluster-configs") / "generated"
 # The bucket's name is S3's to judge (a missing or malformed one fails the upload in one line).
 _URI = re.compile(r"^(s3://[^/\s]+(/\S*)?|file:///\S*)$")
+# Apps whose module cannot be imported here: ray.serve.llm needs vLLM at import time, so the
+# `llm` app's args are checked by the kit's generator of that config.
+CHECKERS = {"ray.serve.llm": "workloads.serve.llm_config"}
 
 
 def parse_args_overrides(pairs: list[str] | None) -> dict[str, Any]:
@@ -164,7 +167,8 @@ def checked_config(config: str, arg_pairs: list[str] | None = None,
     apps = []
     for app in cfg["applications"]:
         args = {**(app.get("args") or {}), **overrides}
-        module = importlib.import_module(app["import_path"].partition(":")[0])
+        name = app["import_path"].partition(":")[0]
+        module = importlib.import_module(CHECKERS.get(name, name))
         check = getattr(module, "check_args", None)
         if check is not None:
             try:

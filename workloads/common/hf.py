@@ -118,3 +118,70 @@ def load_config(spec: str, flag: str, endpoint: str | None = None):
 def config_dict(config) -> dict:
     """A JSON-able dict of a transformers config (what checkpoints and run files record)."""
     return json.loads(config.to_json_string(use_diff=False))
+
+
+def _meta_files(spec: str, flag: str, endpoint: str | None, dest: Path) -> tuple[Path, set[str]]:
+    """(a local folder holding spec's configuration and tokenizer files, the names of all of
+    spec's top-level files). An s3:// prefix is listed and only its small files copied into
+    `dest`: the weights are what a check must not download."""
+    if not spec.startswith("s3://"):
+        folder = fetch(spec, flag, endpoint)
+        return folder, {p.name for p in folder.iterdir() if p.is_file()}
+    import pyarrow.fs as pafs
+
+    from workloads.common.storage import resolve
+
+    storage = resolve(spec, endpoint=endpoint, check_writable=False)
+    try:
+        infos = storage.fs.get_file_info(pafs.FileSelector(storage.path, allow_not_found=True))
+    except OSError as e:
+        raise StorageError(f"{spec}: could not list it: {str(e).splitlines()[0]}") from e
+    names = {i.base_name for i in infos if i.type == pafs.FileType.File}
+    if not names:
+        raise ConfigError(flag, f"{spec} holds nothing (no objects under that prefix)")
+    for name in names:
+        if not name.endswith(MODEL_WEIGHTS):
+            with storage.fs.open_input_stream(f"{storage.path}/{name}") as src:
+                (dest / name).write_bytes(src.read())
+    return dest, names
+
+
+def check_model_folder(spec: str, flag: str, endpoint: str | None = None) -> dict:
+    """Check, without loading (or, for s3://, downloading) weights, that `spec` is a servable
+    Hugging Face causal LM: config.json, weights, a tokenizer whose vocabulary fits the
+    model's embedding. One line (ConfigError) otherwise. Returns what the checks read:
+    model_type, vocab_size, tokenizer_size, max_position_embeddings, chat_template."""
+    import shutil
+
+    tmp = Path(tempfile.mkdtemp(prefix="rayfleet-hf-meta-"))
+    try:
+        folder, names = _meta_files(spec, flag, endpoint, tmp)
+        if "config.json" not in names:
+            raise ConfigError(flag, f"{spec} holds no Hugging Face model (no config.json; "
+                                    "give the folder save_pretrained wrote)")
+        if not any(n.endswith(MODEL_WEIGHTS) for n in names):
+            raise ConfigError(flag, f"{spec} holds a config.json but no weights "
+                                    "(*.safetensors); save the model with save_pretrained")
+        if not any(n in names for n in TOKENIZER_FILES):
+            raise ConfigError(flag, f"{spec} holds a model but no tokenizer (no "
+                                    f"{' or '.join(TOKENIZER_FILES)}); save the tokenizer "
+                                    "into the same folder (tokenizer.save_pretrained)")
+        try:
+            config = load_config(str(folder), flag)
+            tok = load_tokenizer(str(folder), flag)
+        except ConfigError as e:   # name what the user gave, not the temporary copy
+            raise ConfigError(flag, str(e).split(": ", 1)[1].replace(str(folder), spec)) \
+                from None
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        vocab = getattr(text, "vocab_size", None)
+        if vocab and len(tok) > int(vocab):
+            raise ConfigError(flag, f"{spec}: the tokenizer has {len(tok)} tokens but the "
+                                    f"model's vocab_size is {vocab} (a tokenizer from another "
+                                    "model?); ids past the embedding cannot be served")
+        return {"model_type": getattr(config, "model_type", None), "vocab_size": vocab,
+                "tokenizer_size": len(tok),
+                "max_position_embeddings": getattr(text, "max_position_embeddings", None),
+                "chat_template": bool(getattr(tok, "chat_template", None)),
+                "weights": sorted(n for n in names if n.endswith(MODEL_WEIGHTS))}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -7,6 +7,15 @@ validated offline.
         --cluster-config cluster-configs/generated/dev.yaml --output llm.yaml
     serve deploy llm.yaml            # on the GPU cluster (its image needs `pip install '.[llm]'`)
 
+    # a trained run's Hugging Face export (the final checkpoint's hf/, found by itself):
+    python -m workloads.serve.llm_config --model-id my-sft \
+        --model-source s3://BUCKET/rayfleet/runs/my-sft/checkpoint_000100 --max-model-len 2048
+
+A folder source (local, or s3:// reachable with the current credentials) is checked offline:
+config.json, safetensors weights, a tokenizer that fits the model's vocabulary, and
+--max-model-len within its max_position_embeddings. s3:// becomes `model_source: {bucket_uri:
+...}`, Ray 2.60's cloud mirror: each replica downloads the folder and vLLM loads it.
+
 vLLM cannot be imported on CPU machines, and `ray.serve.llm` needs it at import time, so
 nothing here imports either. The result is checked against Serve's own deploy schema
 (`ServeDeploySchema`) and Ray's `LLMConfig` model (pydantic, importable without vLLM), and,
@@ -35,7 +44,9 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description="Generate and validate the vLLM Serve config.")
     p.add_argument("--model-id", required=True, help="the name clients pass as `model`")
     p.add_argument("--model-source", required=True,
-                   help="Hugging Face repo id, or an s3:// / local path holding the weights")
+                   help="Hugging Face repo id, or a model folder (s3:// or an absolute local "
+                        "path every GPU node has): a save_pretrained folder or a workloads.train "
+                        "final checkpoint whose hf/ export is served")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs one copy of each layer is split over (within one node)")
     p.add_argument("--pipeline-parallel-size", type=int, default=1,
@@ -76,6 +87,84 @@ def gpu_capacity(path: str) -> tuple[int, int]:
     return per_node, total
 
 
+def _is_path(source: str) -> bool:
+    """A folder rather than a Hub repo id ("Qwen/Qwen2.5-72B-Instruct" has a slash too)."""
+    return source.startswith(("s3://", "/", "./", "../", "~", "file://")) or \
+        Path(source).expanduser().is_dir()
+
+
+def _s3_reachable(source: str) -> str | None:
+    """Why an s3:// source cannot be checked from here (None when it can): no credentials,
+    or a bucket these credentials cannot reach. The GPU nodes' own role may still read it."""
+    import botocore.session
+
+    from rayfleet.errors import StorageError
+    from workloads.common.storage import resolve, s3_endpoint
+
+    if s3_endpoint() is None and botocore.session.get_session().get_credentials() is None:
+        return "no AWS credentials here"
+    try:
+        resolve(source, check_writable=False)
+    except StorageError as e:
+        return str(e)
+    return None
+
+
+def model_source(source: str, max_model_len: int) -> tuple[str | dict, str | None]:
+    """(the LLMConfig `model_source` value, a note on what was not checked).
+
+    A folder (local, or s3:// reachable with the current credentials) is checked offline: it
+    holds config.json, safetensors weights and a tokenizer, and --max-model-len fits the
+    model's max_position_embeddings; a workloads.train checkpoint is replaced by its `hf/`
+    export. An s3:// folder becomes a cloud mirror (`{bucket_uri: ...}`: Ray 2.60 downloads it
+    on each replica and loads it by `model_id`), a local one its absolute path. A Hub repo id
+    is kept as it is, unchecked."""
+    from workloads.common import hf
+    from workloads.train.checkpoint import MARKER
+
+    if not _is_path(source):
+        return source, None
+    flag = "--model-source"
+    if source.startswith("s3://"):
+        source = "s3://" + source[len("s3://"):].rstrip("/")
+        why = _s3_reachable(source)
+        if why is not None:
+            return {"bucket_uri": source}, f"{source} not checked ({why})"
+        from workloads.common.storage import resolve
+
+        storage = resolve(source, check_writable=False)
+        if storage.fs.get_file_info(storage.join(MARKER)).type.name == "File":
+            source = _export_of(source, storage.fs.get_file_info(storage.join("hf")).type.name
+                                == "Directory")
+    else:
+        local = Path(source.removeprefix("file://")).expanduser().resolve()
+        if not local.is_dir():
+            raise ConfigError(flag, f"{source} is not a folder (give a Hugging Face model "
+                                    "folder, a run's final checkpoint, s3://, or a Hub repo id)")
+        source = str(local)
+        if (local / MARKER).is_file():
+            source = _export_of(source, (local / "hf").is_dir())
+    info = hf.check_model_folder(source, flag)
+    if not any(w.endswith(".safetensors") for w in info["weights"]):
+        raise ConfigError(flag, f"{source} holds {', '.join(info['weights'])} but no "
+                                "*.safetensors weights; save with save_pretrained "
+                                "(safe_serialization, the default)")
+    limit = info["max_position_embeddings"]
+    if limit and max_model_len and max_model_len > int(limit):
+        raise ConfigError("--max-model-len", f"{max_model_len} is more than the model's "
+                                             f"max_position_embeddings {limit} ({source})")
+    return ({"bucket_uri": source} if source.startswith("s3://") else source), None
+
+
+def _export_of(checkpoint: str, has_hf: bool) -> str:
+    if not has_hf:
+        raise ConfigError("--model-source", f"{checkpoint} is a workloads.train checkpoint "
+                                            "without an hf/ export (the kit's byte GPT, which "
+                                            "vLLM cannot load); give a final checkpoint of a "
+                                            "Hugging Face model run")
+    return checkpoint.rstrip("/") + "/hf"
+
+
 def build(args) -> dict:
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     for flag in ("tensor_parallel_size", "pipeline_parallel_size", "max_model_len",
@@ -102,12 +191,15 @@ def build(args) -> dict:
         raise ConfigError("--max-replicas", f"{args.max_replicas} replicas x {tp * pp} GPUs "
                           f"need {args.max_replicas * tp * pp} GPUs; {where} has at most "
                           f"{total}")
+    source, note = model_source(args.model_source, args.max_model_len)
+    if note:
+        print(f"[rayfleet] note: {note}", file=sys.stderr, flush=True)
     engine = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
               "max_model_len": args.max_model_len}
     for key, value in parse_env_pairs(args.engine_kwarg, "--engine-kwarg").items():
         engine[key] = yaml.safe_load(value)
     llm = {
-        "model_loading_config": {"model_id": args.model_id, "model_source": args.model_source},
+        "model_loading_config": {"model_id": args.model_id, "model_source": source},
         "accelerator_type": args.accelerator_type,
         "engine_kwargs": engine,
         # One bundle per vLLM worker. STRICT_PACK keeps a single-node replica on one node
@@ -147,6 +239,42 @@ def validate(config: dict) -> None:
             except Exception as e:
                 raise ConfigError("llm_configs", f"rejected by Ray's LLMConfig: {_first(e)}") \
                     from e
+
+
+def check_args(args: dict | None) -> dict:
+    """The `llm` app's args (as in a Serve config: `llm_configs`) checked like a generated
+    file: each model_source resolved and checked (model_source above; its engine_kwargs
+    max_model_len against the model), then Ray's LLMConfig. `rayfleet serve-config` calls
+    this in place of importing ray.serve.llm, which needs vLLM."""
+    args = dict(args or {})
+    configs = args.get("llm_configs")
+    if not isinstance(configs, list) or not configs or not all(
+            isinstance(c, dict) for c in configs):
+        raise ConfigError("args.llm_configs", "give a list of LLMConfig mappings (python -m "
+                                              f"{PROG} writes one)")
+    out = []
+    for llm in configs:
+        loading = dict(llm.get("model_loading_config") or {})
+        source = loading.get("model_source")
+        mirror = source if isinstance(source, dict) else None
+        given = mirror.get("bucket_uri") if mirror else source
+        if isinstance(given, str) and given:
+            max_len = (llm.get("engine_kwargs") or {}).get("max_model_len")
+            try:
+                resolved, note = model_source(given, int(max_len) if max_len else 0)
+            except (TypeError, ValueError):
+                raise ConfigError("engine_kwargs.max_model_len",
+                                  f"must be a number, got {max_len!r}") from None
+            if note:
+                print(f"[rayfleet] note: {note}", file=sys.stderr, flush=True)
+            if mirror and isinstance(resolved, dict):
+                resolved = {**mirror, **resolved}
+            loading["model_source"] = resolved
+        out.append({**llm, "model_loading_config": loading})
+    args["llm_configs"] = out
+    validate({"applications": [{"name": "llm", "import_path": "ray.serve.llm:build_openai_app",
+                                "args": args}]})
+    return args
 
 
 def _first(e: Exception) -> str:

@@ -1,8 +1,11 @@
-"""`lm`: an OpenAI-compatible API over a checkpoint written by workloads.train.
+"""`lm`: an OpenAI-compatible API over a checkpoint written by workloads.train (the kit's byte
+GPT, or the Hugging Face export in a final checkpoint's `hf/`), or over any Hugging Face causal
+LM folder (config.json + safetensors + tokenizer; local or s3://). Engines: engines.py.
 
     serve run cluster-configs/serve/lm.yaml                       # foreground, local
     serve deploy cluster-configs/serve/lm.yaml                    # onto a running cluster
     serve run workloads.serve.lm:app_builder checkpoint=/path/to/checkpoint_000003
+    serve run workloads.serve.lm:app_builder checkpoint=s3://bucket/models/my-llama
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with
 `stream: true` as server-sent events), GET /health, GET /v1/stats (batch sizes seen).
@@ -16,7 +19,6 @@ Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, so 
 # No `from __future__ import annotations`: FastAPI must see the request models as classes
 # to read them from the body (as strings, through serve.ingress, they become query params).
 import asyncio
-import codecs
 import collections
 import json
 import os
@@ -24,7 +26,6 @@ import shutil
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from pydantic import BaseModel, Field
 from ray import serve
 
 from rayfleet.errors import CheckpointError, ConfigError, RayfleetError
+from workloads.serve.engines import Engine, GenRequest, HFEngine
 
 DEFAULT_MODEL_NAME = "rayfleet-lm"
 MAX_BODY_BYTES = 1 << 20      # a request body over 1 MiB is refused before it is parsed
@@ -68,29 +70,79 @@ def _split_s3(uri: str):
     return storage.fs, storage.path
 
 
+def _files(path: str) -> dict[str, int]:
+    """{relative path: size} of every file under a local folder or s3:// prefix ({} if none)."""
+    from workloads.train.runinfo import _listing
+
+    if path.startswith("s3://"):
+        fs, inner = _split_s3(path)
+        return _listing(fs, inner)
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        return {}
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
 def check_checkpoint(path: str) -> dict:
-    """Validate a checkpoint (local folder or s3://) without loading weights: the builder
-    calls this so `serve run`/`serve deploy` fail with one line, not a crashing replica."""
+    """Validate what `checkpoint` names (local folder or s3://) without loading weights: the
+    builder calls this so `serve run`/`serve deploy` fail with one line, not a crashing replica.
+
+    - a workloads.train final checkpoint: its marker and files; served from its `hf/`
+      Hugging Face export when it has one, else the byte GPT's model.pt;
+    - a Hugging Face model folder (config.json + weights + tokenizer, as save_pretrained
+      writes it).
+    Returns the marker (if any) plus `engine` ("byte" or "hf") and `source`, the folder the
+    replica loads."""
+    from workloads.common import hf
     from workloads.train import checkpoint as ckpt
-    from workloads.train.runinfo import _listing, _read
+    from workloads.train.runinfo import _read
 
     if not path:
         raise ConfigError("checkpoint", "no checkpoint given; pass args.checkpoint "
-                          "(a folder or s3:// path written by workloads.train)")
-    if path.startswith("s3://"):
-        fs, inner = _split_s3(path)
-        listing = _listing(fs, inner)
-        if not listing:
-            raise CheckpointError(f"checkpoint {path} does not exist")
-        raw = _read(fs, f"{inner}/{ckpt.MARKER}")
-        marker = ckpt.check_listing(path, ckpt.parse_marker(path, raw), listing)
-    else:
-        marker = ckpt.validate(Path(path).expanduser())
-        listing = {p.name for p in Path(path).expanduser().iterdir()}
-    if "model.pt" not in listing or "model_config.json" not in listing:
-        raise CheckpointError(f"checkpoint {path} holds no full weights (model.pt); serve the "
-                              "run's final checkpoint")
-    return marker
+                          "(a folder or s3:// path written by workloads.train, or a Hugging "
+                          "Face model folder)")
+    listing = _files(path)
+    if not listing:
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if ckpt.MARKER in listing:
+        if path.startswith("s3://"):
+            fs, inner = _split_s3(path)
+            raw = _read(fs, f"{inner}/{ckpt.MARKER}")
+            marker = ckpt.check_listing(path, ckpt.parse_marker(path, raw), listing)
+        else:
+            marker = ckpt.validate(Path(path).expanduser())
+        if any(k.startswith("hf/") for k in listing):
+            source = path.rstrip("/") + "/hf"
+            return {**marker, "engine": "hf", "source": source,
+                    **hf.check_model_folder(source, "args.checkpoint")}
+        if "model.pt" not in listing or "model_config.json" not in listing:
+            raise CheckpointError(f"checkpoint {path} holds no full weights (model.pt) and no "
+                                  "hf/ export; serve the run's final checkpoint")
+        return {**marker, "engine": "byte", "source": path}
+    if "config.json" in listing or any(k.endswith(hf.MODEL_WEIGHTS) and "/" not in k
+                                       for k in listing):
+        return {"engine": "hf", "source": path,
+                **hf.check_model_folder(path, "args.checkpoint")}
+    if "model.pt" in listing or any(k.startswith("dcp/") for k in listing):
+        ckpt.parse_marker(path, None)   # a workloads.train checkpoint never finished
+    raise CheckpointError(f"checkpoint {path} holds no model: neither a workloads.train "
+                          f"checkpoint ({ckpt.MARKER}) nor a Hugging Face model folder "
+                          "(config.json + *.safetensors + tokenizer)")
+
+
+def hf_source(path: str) -> str | None:
+    """The Hugging Face folder a replica loads for `path` (itself, or a run checkpoint's
+    `hf/` export), or None for a byte GPT checkpoint. Cheap: no validation."""
+    for folder in (path, path.rstrip("/") + "/hf"):
+        if folder.startswith("s3://"):
+            import pyarrow.fs as pafs
+
+            fs, inner = _split_s3(folder)
+            if fs.get_file_info(f"{inner}/config.json").type == pafs.FileType.File:
+                return folder
+        elif (Path(folder).expanduser() / "config.json").is_file():
+            return folder
+    return None
 
 
 LATEST = "latest"
@@ -167,67 +219,13 @@ def load_checkpoint(path: str) -> tuple[dict, dict]:
         shutil.rmtree(local, ignore_errors=True)   # the weights are in memory now
 
 
-# --------------------------------------------------------------------------- engine
-
-@dataclass
-class GenRequest:
-    prompt: bytes
-    max_tokens: int
-    temperature: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-
-
-class Engine:
-    """A GPT from workloads.train decoding several requests at once. Sequences of the same
-    length share one forward pass (the model has no padding mask, and learned positions make
-    left padding change the answer); the common case, equal prompts, is one matmul."""
-
-    def __init__(self, model_config: dict, state_dict: dict):
-        import torch
-
-        from workloads.train.model import GPT, GPTConfig
-
-        self.torch = torch
-        self.cfg = GPTConfig.from_dict(model_config)
-        self.model = GPT(self.cfg)
-        self.model.load_state_dict(state_dict)
-        self.model.eval()
-
-    @property
-    def context(self) -> int:
-        return self.cfg.seq_len
-
-    def step(self, seqs: list[list[int]], reqs: list[GenRequest], gens: list) -> list[int]:
-        """One new token for every sequence."""
-        torch = self.torch
-        out: list[int] = [0] * len(seqs)
-        groups: dict[int, list[int]] = collections.defaultdict(list)
-        for i, s in enumerate(seqs):
-            groups[min(len(s), self.context)].append(i)
-        with torch.no_grad():
-            for length, idxs in groups.items():
-                x = torch.tensor([seqs[i][-length:] for i in idxs], dtype=torch.long)
-                logits = self.model(x)[:, -1, :]
-                for row, i in enumerate(idxs):
-                    out[i] = self._sample(logits[row], reqs[i], gens[i])
-        return out
-
-    def _sample(self, logits, req: GenRequest, gen) -> int:
-        torch = self.torch
-        if req.temperature <= 0:
-            return int(logits.argmax())
-        logits = logits / req.temperature
-        if req.top_k:
-            kth = torch.topk(logits, min(req.top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen))
-
-    def generator_for(self, req: GenRequest):
-        g = self.torch.Generator()
-        g.manual_seed(req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little"))
-        return g
+def load_engine(checkpoint: str) -> Engine | HFEngine:
+    """The engine for what check_checkpoint accepted: a Hugging Face model (a folder, or a run
+    checkpoint's `hf/` export) or the byte GPT of a workloads.train checkpoint."""
+    folder = hf_source(checkpoint)
+    if folder is not None:
+        return HFEngine.load(folder)
+    return Engine(*load_checkpoint(checkpoint))
 
 
 # --------------------------------------------------------------------------- API schema
@@ -315,8 +313,7 @@ class LMCore:
         import torch
 
         torch.set_num_threads(num_threads)
-        cfg, state = load_checkpoint(checkpoint)
-        self.engine = Engine(cfg, state)
+        self.engine = load_engine(checkpoint)
         self.model_name = model_name
         self.checkpoint = checkpoint
         self.created = int(time.time())
@@ -326,14 +323,15 @@ class LMCore:
 
     def check_health(self) -> None:
         # Serve's health check: a replica whose model cannot run one step is replaced.
-        self.engine.step([[10]], [GenRequest(b"\n", 1, temperature=0)], [None])
+        self.engine.health_check()
 
     # ------------------------------------------------------------------ batching
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.05)
     async def _generate(self, reqs: list[GenRequest]):
-        """Decode a batch together; yield, per step, one item per request: (bytes, n) while
-        it runs, StopIteration once it is done (Serve's streaming-batch protocol)."""
+        """Decode a batch together; yield, per step, one item per request: (token, n) while
+        it runs, StopIteration once it is done (Serve's streaming-batch protocol). A request
+        is done after max_tokens, at the engine's EOS, or when its context is full."""
         n = len(reqs)
         self.batch_sizes.append(n)
         seqs = [list(r.prompt) for r in reqs]
@@ -349,20 +347,24 @@ class LMCore:
             for i, tok in zip(active, toks, strict=True):
                 seqs[i].append(tok)
                 left[i] -= 1
-                out[i] = (bytes([tok]), n)
-            yield out
-            for i in active:
-                if left[i] <= 0:
+                out[i] = (tok, n)
+                if left[i] <= 0 or self.engine.is_eos(tok) or self.engine.room(seqs[i]) <= 0:
                     done[i] = True
+            yield out
         # Every request gets its StopIteration (those finishing on the last step too).
         yield [StopIteration] * n
 
     async def _run(self, req: GenRequest):
-        """Async iterator of (text delta, finish_reason or None, batch size)."""
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        text, emitted, batch = "", 0, 1
-        async for piece, batch in self._generate(req):
-            text += decoder.decode(piece)
+        """Async iterator of (text delta, finish_reason or None, batch size); counts the
+        tokens it decodes in req.generated."""
+        decoder = self.engine.decoder(req.prompt)
+        text, emitted, batch, finish = "", 0, 1, "length"
+        async for tok, batch in self._generate(req):
+            req.generated += 1
+            if self.engine.is_eos(tok):
+                finish = "stop"
+                continue
+            text += decoder.push(tok)
             hit = next((s for s in req.stop if s and s in text), None)
             if hit is not None:
                 text = text[: text.index(hit)]
@@ -376,27 +378,42 @@ class LMCore:
             if upto > emitted:
                 yield text[emitted:upto], None, batch
                 emitted = upto
-        text += decoder.decode(b"", final=True)
+        text += decoder.flush()
+        hit = next((s for s in req.stop if s and s in text), None)
+        if hit is not None:
+            text, finish = text[: text.index(hit)], "stop"
         if len(text) > emitted:
             yield text[emitted:], None, batch
-        yield "", "length", batch
+        yield "", finish, batch
 
-    def _gen_request(self, prompt: str, param: str, max_tokens: int, body) -> GenRequest:
+    def _gen_request(self, prompt: str, param: str, max_tokens: int, body,
+                     special: bool = True) -> GenRequest:
         if body.model != self.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server has "
                            f"'{self.model_name}' (GET /v1/models)", param="model",
                            code="model_not_found")
-        data = prompt.encode("utf-8")
+        data = self.engine.encode(prompt, special) if prompt else []
         if not data:
             raise APIError(400, f"{param}: the prompt is empty", param=param,
                            code="invalid_request")
-        if len(data) > self.engine.context:
+        if len(data) > self.engine.max_prompt:
             raise APIError(400, f"This model's maximum context length is "
                            f"{self.engine.context} tokens, but the prompt is {len(data)} "
-                           "tokens (bytes); shorten it", param=param,
+                           f"{self.engine.unit}; shorten it", param=param,
                            code="context_length_exceeded")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         return GenRequest(data, max_tokens, body.temperature, body.top_k, body.seed, stop)
+
+    def _chat_text(self, messages: list[ChatMessage]) -> tuple[str, bool]:
+        """(prompt text, whether encoding adds special tokens): the tokenizer's chat template
+        when the model has one (it places its own), else `chat_prompt`."""
+        try:
+            templated = self.engine.chat_text([m.model_dump() for m in messages])
+        except Exception as e:   # a template may refuse a conversation (roles, order)
+            raise APIError(400, f"messages: the model's chat template refused them: "
+                           f"{str(e).splitlines()[0][:200]}", param="messages",
+                           code="invalid_request") from None
+        return templated or (chat_prompt(messages), True)
 
     # ------------------------------------------------------------------ handle API
 
@@ -407,14 +424,15 @@ class LMCore:
     async def generate(self, prompt: str, max_tokens: int = 64, temperature: float = 1.0,
                        seed: int | None = None, stop: list[str] | None = None,
                        top_k: int | None = None) -> dict:
-        """Complete `prompt` (its last context-length bytes) through the same batcher the
+        """Complete `prompt` (its last context-length tokens) through the same batcher the
         HTTP routes use; called by other deployments via a DeploymentHandle."""
-        data = prompt.encode("utf-8")[-self.engine.context:] or b"\n"
+        e = self.engine
+        data = e.encode(prompt)[-e.max_prompt:] or e.encode("\n")
         req = GenRequest(data, max(1, min(int(max_tokens), MAX_NEW_TOKENS)), temperature,
                          top_k, seed, list(stop or []))
         text, finish, batch = await self._collect(req)
         return {"text": text, "finish_reason": finish, "prompt_tokens": len(data),
-                "completion_tokens": len(text.encode("utf-8")), "batch_size": batch}
+                "completion_tokens": e.completion_tokens(req, text), "batch_size": batch}
 
     async def _collect(self, req: GenRequest) -> tuple[str, str, int]:
         parts, finish, batch = [], "length", 1
@@ -424,10 +442,9 @@ class LMCore:
             finish = fin or finish
         return "".join(parts), finish, batch
 
-    @staticmethod
-    def _usage(reqs: list[GenRequest], texts: list[str]) -> dict:
+    def _usage(self, reqs: list[GenRequest], texts: list[str]) -> dict:
         p = sum(len(r.prompt) for r in reqs)
-        c = sum(len(t.encode("utf-8")) for t in texts)
+        c = sum(self.engine.completion_tokens(r, t) for r, t in zip(reqs, texts, strict=True))
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -468,7 +485,7 @@ class LMServer(LMCore):
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
             "owned_by": "rayfleet", "context_length": self.engine.context,
-            "checkpoint": self.checkpoint}]}
+            "checkpoint": self.checkpoint, "engine": self.engine.kind}]}
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
@@ -503,7 +520,8 @@ class LMServer(LMCore):
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatRequest):
         max_tokens = body.max_completion_tokens or body.max_tokens or 64
-        req = self._gen_request(chat_prompt(body.messages), "messages", max_tokens, body)
+        text, special = self._chat_text(body.messages)
+        req = self._gen_request(text, "messages", max_tokens, body, special)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:
             async def events():
@@ -550,8 +568,8 @@ def check_args(args: dict | None) -> dict:
     if unknown:
         raise ConfigError(f"args.{unknown[0]}", "unknown argument for the lm app", sorted(known),
                           unknown[0])
-    checkpoint = resolve_checkpoint(args)
-    check_checkpoint(checkpoint)
+    # What the replicas load: the checkpoint, or its hf/ export when it has one.
+    checkpoint = check_checkpoint(resolve_checkpoint(args))["source"]
     return {"checkpoint": checkpoint,
             "model_name": str(args.get("model_name", DEFAULT_MODEL_NAME)),
             "max_batch_size": _number(args, "max_batch_size", 8, int, 1),
@@ -563,8 +581,9 @@ def check_args(args: dict | None) -> dict:
 def app_builder(args: dict) -> serve.Application:
     """Serve config entry point (`import_path: workloads.serve.lm:app_builder`).
 
-    args: checkpoint (a folder or s3:// path of a finished workloads.train checkpoint;
-    default `latest`, see resolve_checkpoint), model_name, max_batch_size,
+    args: checkpoint (a folder or s3:// path: a finished workloads.train checkpoint, served
+    from its hf/ export when it has one, or a Hugging Face model folder; default `latest`,
+    see resolve_checkpoint and check_checkpoint), model_name, max_batch_size,
     batch_wait_timeout_s, num_threads.
     """
     kwargs = check_args(args)

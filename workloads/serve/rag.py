@@ -227,8 +227,8 @@ def check_args(args: dict | None) -> dict:
                           sorted(known), unknown[0])
     # Defaults: where workloads.embed and workloads.train write when given no path.
     embeddings = app_path(args, "embeddings", os.path.join(default_root(), "embeddings"))
-    checkpoint = resolve_checkpoint(args)
-    check_checkpoint(checkpoint)
+    # The generator: a workloads.train checkpoint (its hf/ export if any) or a HF model folder.
+    checkpoint = check_checkpoint(resolve_checkpoint(args))["source"]
     check_index(embeddings)  # a missing or unfinished index fails the deploy, not a replica
     return {"embeddings": embeddings, "checkpoint": checkpoint,
             "model_name": str(args.get("model_name", DEFAULT_MODEL_NAME)),
