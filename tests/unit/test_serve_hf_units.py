@@ -238,6 +238,24 @@ def test_llm_config_from_a_local_export(tmp_path, hf_model_dir):
     assert LLMConfig(**cfg["applications"][0]["args"]["llm_configs"][0]).model_id == "my-sft"
     rc, cfg = _llm(tmp_path, "--model-source", str(hf_model_dir), "--max-model-len", "128")
     assert rc == 0 and _source(cfg)[0] == str(hf_model_dir)
+    # A run folder: its latest checkpoint's export (what README's example gives).
+    rc, cfg = _llm(tmp_path, "--model-source", str(ckpt.parent), "--max-model-len", "256")
+    assert rc == 0 and _source(cfg)[0] == f"{ckpt}/hf"
+
+
+def test_an_intermediate_checkpoint_of_a_hf_run_is_refused(tmp_path):
+    """Before the final step a Hugging Face run's DDP checkpoint holds model.pt (the wrapper's
+    weights) but no hf/ export: not something the byte GPT can load."""
+    from workloads.train.checkpoint import write_marker
+
+    ckpt = tmp_path / "run" / "checkpoint_000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.pt").write_bytes(b"weights")
+    (ckpt / "model_config.json").write_text(json.dumps({"hf": {"model_type": "llama"},
+                                                        "seq_len": 48, "n_params": 1}))
+    write_marker(ckpt, step=1, strategy="ddp", world_size=1, final=False)
+    assert "intermediate checkpoint of a Hugging Face run" in _refusal(
+        {"checkpoint": str(ckpt)})
 
 
 def test_llm_config_from_an_s3_export(tmp_path, hf_model_dir, s3_client, checkpoint_bucket,

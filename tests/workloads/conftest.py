@@ -16,7 +16,7 @@ from tests.conftest import BIN, REPO, free_port, run
 
 
 def deploy_lm(ray_cluster, checkpoint: str, config_dir: Path, deployment: dict | None = None,
-              **args) -> str:
+              env_vars: dict | None = None, **args) -> str:
     """The user's path: write a copy of cluster-configs/serve/lm.yaml with this checkpoint and
     a free loopback port, `serve deploy` it, wait until /health answers. Returns the base URL.
     (`serve deploy` rather than an in-process `serve.run`: Ray reads token-auth settings once
@@ -26,6 +26,11 @@ def deploy_lm(ray_cluster, checkpoint: str, config_dir: Path, deployment: dict |
     cfg["http_options"] = {"host": "127.0.0.1", "port": port}
     cfg["applications"][0]["args"].update({"checkpoint": checkpoint, **args})
     cfg["applications"][0]["deployments"][0].update(deployment or {})
+    if env_vars:
+        # E.g. S3 credentials: the local cluster's processes have none, and the builder (which
+        # checks an s3:// checkpoint) and the replicas (which fetch it) run in the app's
+        # runtime_env, as an instance profile would give them on AWS.
+        cfg["applications"][0]["runtime_env"] = {"env_vars": dict(env_vars)}
     path = config_dir / "lm.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run([str(BIN / "serve"), "deploy", str(path)], env=ray_cluster["env"], check=True,

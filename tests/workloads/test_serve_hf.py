@@ -9,31 +9,12 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import yaml
 
-from tests.conftest import BIN, REPO, free_port, run
-from tests.workloads.conftest import serve_shutdown, wait_healthy
+from tests.workloads.conftest import deploy_lm, serve_shutdown
 
 pytestmark = pytest.mark.ray
 MODEL = "tiny-llama"
 PROMPT = "def main(self):"
-
-
-def _deploy_with_s3(ray_cluster, aws_env: dict, config_dir, **args) -> str:
-    """What tests/workloads/conftest.deploy_lm does, plus the S3 credentials: the local
-    cluster's processes do not have them, so they reach the builder (which checks the s3://
-    model) and the replicas (which fetch it) as the application's runtime_env env_vars."""
-    port = free_port()
-    cfg = yaml.safe_load((REPO / "cluster-configs" / "serve" / "lm.yaml").read_text())
-    cfg["http_options"] = {"host": "127.0.0.1", "port": port}
-    app = cfg["applications"][0]
-    app["args"].update(args)
-    app["runtime_env"] = {"env_vars": dict(aws_env)}
-    path = config_dir / "lm-hf.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    run([str(BIN / "serve"), "deploy", str(path)], env=ray_cluster["env"], check=True,
-        timeout=120)
-    return wait_healthy(ray_cluster, f"http://127.0.0.1:{port}", "lm")
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +27,8 @@ def hf_uri(hf_model_dir, s3_client, checkpoint_bucket) -> str:
 
 @pytest.fixture(scope="module")
 def lm_url(ray_cluster, aws_env, hf_uri, tmp_path_factory):
-    url = _deploy_with_s3(ray_cluster, aws_env, tmp_path_factory.mktemp("serve-hf"),
-                          checkpoint=hf_uri, model_name=MODEL, batch_wait_timeout_s=0.3)
+    url = deploy_lm(ray_cluster, hf_uri, tmp_path_factory.mktemp("serve-hf"),
+                    env_vars=aws_env, model_name=MODEL, batch_wait_timeout_s=0.3)
     yield url
     serve_shutdown(ray_cluster)
 

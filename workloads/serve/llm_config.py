@@ -46,7 +46,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--model-source", required=True,
                    help="Hugging Face repo id, or a model folder (s3:// or an absolute local "
                         "path every GPU node has): a save_pretrained folder or a workloads.train "
-                        "final checkpoint whose hf/ export is served")
+                        "final checkpoint, or its run folder, whose hf/ export is served")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs one copy of each layer is split over (within one node)")
     p.add_argument("--pipeline-parallel-size", type=int, default=1,
@@ -122,6 +122,8 @@ def model_source(source: str, max_model_len: int) -> tuple[str | dict, str | Non
     from workloads.common import hf
     from workloads.train.checkpoint import MARKER
 
+    from workloads.train.runinfo import run_latest_checkpoint
+
     if not _is_path(source):
         return source, None
     flag = "--model-source"
@@ -132,6 +134,8 @@ def model_source(source: str, max_model_len: int) -> tuple[str | dict, str | Non
             return {"bucket_uri": source}, f"{source} not checked ({why})"
         from workloads.common.storage import resolve
 
+        source = run_latest_checkpoint(source) or source   # a run folder: its latest checkpoint
+
         storage = resolve(source, check_writable=False)
         if storage.fs.get_file_info(storage.join(MARKER)).type.name == "File":
             source = _export_of(source, storage.fs.get_file_info(storage.join("hf")).type.name
@@ -141,7 +145,8 @@ def model_source(source: str, max_model_len: int) -> tuple[str | dict, str | Non
         if not local.is_dir():
             raise ConfigError(flag, f"{source} is not a folder (give a Hugging Face model "
                                     "folder, a run's final checkpoint, s3://, or a Hub repo id)")
-        source = str(local)
+        source = run_latest_checkpoint(str(local)) or str(local)
+        local = Path(source)
         if (local / MARKER).is_file():
             source = _export_of(source, (local / "hf").is_dir())
     info = hf.check_model_folder(source, flag)

@@ -118,6 +118,11 @@ def check_checkpoint(path: str) -> dict:
         if "model.pt" not in listing or "model_config.json" not in listing:
             raise CheckpointError(f"checkpoint {path} holds no full weights (model.pt) and no "
                                   "hf/ export; serve the run's final checkpoint")
+        if "hf" in json.loads(_model_config(path)):
+            # A Hugging Face run's intermediate checkpoint: its export is written at the end.
+            raise CheckpointError(f"checkpoint {path} is an intermediate checkpoint of a "
+                                  "Hugging Face run (no hf/ export); serve the run's final "
+                                  "checkpoint")
         return {**marker, "engine": "byte", "source": path}
     if "config.json" in listing or any(k.endswith(hf.MODEL_WEIGHTS) and "/" not in k
                                        for k in listing):
@@ -128,6 +133,15 @@ def check_checkpoint(path: str) -> dict:
     raise CheckpointError(f"checkpoint {path} holds no model: neither a workloads.train "
                           f"checkpoint ({ckpt.MARKER}) nor a Hugging Face model folder "
                           "(config.json + *.safetensors + tokenizer)")
+
+
+def _model_config(path: str) -> bytes:
+    from workloads.train.runinfo import _read
+
+    if path.startswith("s3://"):
+        fs, inner = _split_s3(path)
+        return _read(fs, f"{inner}/model_config.json") or b"{}"
+    return (Path(path).expanduser() / "model_config.json").read_bytes()
 
 
 def hf_source(path: str) -> str | None:

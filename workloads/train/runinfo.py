@@ -48,6 +48,19 @@ def latest_checkpoint_path(storage: Storage, name: str) -> str | None:
     return storage.join(name, dirname) if dirname else None
 
 
+def run_latest_checkpoint(run: str) -> str | None:
+    """A run folder (`<storage>/<name>`, local or s3://) -> its latest checkpoint, as a path or
+    s3:// URI; None when `run` is not a run folder (no Ray Train bookkeeping in it)."""
+    from workloads.common.storage import resolve
+
+    parent, _, name = run.rstrip("/").rpartition("/")
+    if not name or not parent or parent == "s3:/":
+        return None
+    storage = resolve(parent, check_writable=False, create=False)
+    path = latest_checkpoint_path(storage, name)
+    return uri(storage, path) if path else None
+
+
 def latest_finished_checkpoint(storage: Storage) -> str | None:
     """The final checkpoint of the run under `storage` whose bookkeeping changed last (what
     the Serve configs' `checkpoint: latest` means), as a path or s3:// URI; None if no run
