@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rayfleet-installed
 
-.PHONY: setup demo test test-fast test-gpu lint bench clean
+.PHONY: setup demo demo-hf test test-fast test-gpu lint bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/demo.sh
+
+# The Hugging Face line: a model folder -> tokenized instruction data -> FSDP fine-tune -> lm.
+demo-hf: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/demo_hf.sh
 
 # Everything but `gpu` and `aws_live` (the pytest markers in pyproject.toml).
 test: $(STAMP)
