@@ -4,7 +4,8 @@ Every fenced ```bash block in README.md is preceded by a marker:
     <!-- readme-test expect="REGEX" [expect="REGEX" ...] -->   run it; it must exit 0 and
                                                                  print every REGEX
     <!-- readme-test skip: why -->                              not runnable here, and why
-The blocks are read from README itself, so an example cannot drift from what is tested. They
+The blocks are read from README itself (scripts/readme_blocks.py), so an example cannot drift
+from what is tested; `make demo-hf` runs one section's blocks the same way. They
 run in a copy of the repository's files (so `$PWD/runs/...` and `cluster-configs/generated/`
 land there), with the session cluster's client environment (what `eval "$(rayfleet local
 env)"` exports) and the venv's bin first on PATH (what `source .venv/bin/activate` does). The
@@ -20,29 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from scripts.readme_blocks import FENCE, examples, section
 from tests.conftest import BIN, REPO, free_port, run
 from tests.workloads.conftest import post_json, serve_shutdown
-
-MARKER = re.compile(r'<!-- readme-test(?P<opts>[^\n]*?)-->\n```bash\n(?P<body>.*?)\n```', re.S)
-EXPECT = re.compile(r'expect="((?:[^"\\]|\\.)*)"')
-FENCE = re.compile(r"^```bash$", re.M)
-
-
-def examples(text: str) -> list[tuple[int, str, list[str] | None]]:
-    """(line, body, expected regexes or None for a skipped block) for each marked block."""
-    out = []
-    for m in MARKER.finditer(text):
-        line = text.count("\n", 0, m.start("body"))
-        opts = m.group("opts").strip()
-        if opts.startswith("skip:"):
-            assert opts[len("skip:"):].strip(), f"README line {line}: skip without a reason"
-            out.append((line, m.group("body"), None))
-        else:
-            expects = [e.replace('\\"', '"') for e in EXPECT.findall(opts)]
-            assert expects, f"README line {line}: a readme-test marker with nothing to expect"
-            out.append((line, m.group("body"), expects))
-    return out
-
 
 def _copy_of_repo(dest: Path) -> Path:
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True)
@@ -110,6 +91,20 @@ def readme_rest(readme, ray_cluster):
         yield readme
     finally:
         serve_shutdown(ray_cluster)
+
+
+def test_demo_hf_runs_the_hugging_face_sections_blocks():
+    text = (REPO / "README.md").read_text()
+    blocks = [b for _, b, e in examples(section(text, "Your own Hugging Face model")) if e]
+    assert len(blocks) == 3 and "workloads.train --model" in blocks[0]
+    proc = run([str(BIN / "python"), str(REPO / "scripts" / "readme_blocks.py"),
+                "Your own Hugging Face model"], check=True)
+    assert proc.stdout.strip() == "\n".join(blocks)
+    assert "readme_blocks.py \"Your own Hugging Face model\"" in \
+        (REPO / "scripts" / "demo_hf.sh").read_text()
+    bad = run([str(BIN / "python"), str(REPO / "scripts" / "readme_blocks.py"), "Nope"])
+    assert bad.returncode == 2 and bad.stderr.strip() == \
+        "readme_blocks: README has no section '## Nope'"
 
 
 def test_every_bash_example_in_readme_is_marked():
@@ -196,6 +191,6 @@ def test_readme_hugging_face_line_and_cloud_steps(readme_rest):
     assert len(exports) == 1
     import yaml
 
-    llm = yaml.safe_load((work / "llm-sft.yaml").read_text())
+    llm = yaml.safe_load((work / "cluster-configs" / "generated" / "llm-sft.yaml").read_text())
     source = llm["applications"][0]["args"]["llm_configs"][0]["model_loading_config"]
     assert source["model_source"] == str(exports[0].parent)
