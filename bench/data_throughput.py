@@ -86,12 +86,14 @@ def pipeline_args(extra: list[str] | None = None):
     return args
 
 
-def one_process(paths: list[Path], args) -> tuple[np.ndarray, list[int], np.ndarray]:
-    """The pipeline's stage functions in one process, in order. Returns (packed rows, the
-    document start offsets in the token stream, the token stream)."""
+def one_process(paths: list[Path], args, tokenizer=None
+                ) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """The pipeline's stage functions in one process, in order, with `tokenizer` (the byte
+    tokenizer stage by default). Returns (packed rows, the document start offsets in the token
+    stream, the token stream)."""
     from workloads.data.pipeline import ByteTokenizer, clean, keep, make_packer
 
-    tokenizer, pack = ByteTokenizer(), make_packer(args.seq_len)
+    tokenizer, pack = tokenizer or ByteTokenizer(), make_packer(args.seq_len)
     texts: list[str] = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
@@ -132,24 +134,38 @@ def check_same_stream(rows: np.ndarray, stream: np.ndarray, doc_starts: list[int
     return None
 
 
+def shipped_tokenizer(folder: str) -> dict:
+    """What `workloads.data` does on its driver before Ray starts: load the tokenizer once and
+    hand its backend to the tokenizer stage (workloads.data.tokenize.ship)."""
+    from workloads.common.hf import load_tokenizer
+    from workloads.data.tokenize import ship
+
+    return ship(load_tokenizer(folder))
+
+
 def ray_side(corpus: Path, out: Path, extra: list[str]) -> None:
-    """Runs inside the cluster's environment (token auth is read once per process)."""
+    """Runs inside the cluster's environment (token auth is read once per process): the
+    workload's build_pipeline, twice (the first run also starts worker processes and the actor
+    pool, which loads the tokenizer)."""
     import ray
     from ray.data import DataContext
 
     from workloads.data.pipeline import Inputs, build_pipeline
 
     args = pipeline_args(extra)
+    tokenizer = getattr(args, "tokenizer", "byte")
+    shipped = shipped_tokenizer(tokenizer) if tokenizer != "byte" else None
     paths = sorted(str(p) for p in corpus.glob("*.jsonl"))
     inputs = Inputs("jsonl", [(p, os.path.getsize(p)) for p in paths], None)
     ray.init(logging_level="ERROR", log_to_driver=False)
     DataContext.get_current().execution_options.preserve_order = True  # as the workload
     DataContext.get_current().enable_progress_bars = False
     seconds = []
-    for _ in range(2):  # the first run also starts worker processes and the actor pool
+    for _ in range(2):
         t0 = time.perf_counter()
-        batches = [b["tokens"] for b in build_pipeline(inputs, paths, args).iter_batches(
-            batch_size=None, batch_format="numpy")]
+        batches = [b["tokens"] for b in build_pipeline(inputs, paths, args, shipped=shipped
+                                                       ).iter_batches(batch_size=None,
+                                                                      batch_format="numpy")]
         seconds.append(time.perf_counter() - t0)
     np.save(out / "ray_rows.npy", np.concatenate(batches))
     (out / "ray.json").write_text(json.dumps({"first_s": seconds[0], "seconds": seconds[1]}))

@@ -5,8 +5,8 @@ generated JSONL corpus, side by side in one run.
 
     python -m bench.data_tokenize [--mb 32] [--vocab 2048]
 
-The tokenizer is trained here on this interpreter's standard library the way
-tests/hf_fixtures.make_tokenizer does (nothing is downloaded; bench does not import tests/).
+The tokenizer is trained here on this interpreter's standard library by
+workloads.common.tiny_hf.make_tokenizer (nothing is downloaded).
 Hugging Face's tokenizers library threads a batched call over every core unless
 TOKENIZERS_PARALLELISM=false, which the workload's actors set (the pool is the parallelism):
 the ratio is taken with it off on both sides (the same single-threaded stage functions: what
@@ -29,91 +29,17 @@ from pathlib import Path
 import numpy as np
 
 from bench import ArgumentParser, at_least
-from bench.data_throughput import check_same_stream, make_corpus, pipeline_args
+from bench.data_throughput import (
+    check_same_stream,
+    make_corpus,
+    one_process,
+    pipeline_args,
+    ray_side,
+    shipped_tokenizer,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
-
-
-def make_bpe_tokenizer(folder: Path, vocab_size: int = 2048, corpus_bytes: int = 1_000_000):
-    """A byte-level BPE fast tokenizer trained on the standard library, saved_pretrained."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from workloads.train.data import stdlib_corpus
-
-    text = stdlib_corpus(corpus_bytes).decode("utf-8", errors="ignore")
-    tok = Tokenizer(models.BPE(unk_token=SPECIAL["unk_token"]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL.values()),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(text.splitlines(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
-    folder.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(str(folder))
-    return fast
-
-
-def shipped_tokenizer(folder: str) -> dict:
-    """What `workloads.data` does on its driver before Ray starts: load the tokenizer once and
-    hand its backend to the tokenizer stage (workloads.data.tokenize.ship)."""
-    from workloads.common.hf import load_tokenizer
-    from workloads.data.tokenize import ship
-
-    return ship(load_tokenizer(folder))
-
-
-def one_process(paths: list[Path], args, shipped: dict
-                ) -> tuple[np.ndarray, list[int], np.ndarray]:
-    """The pipeline's stage functions in one process, in order (as bench.data_throughput's,
-    with the Hugging Face tokenizer stage). Returns (rows, document starts, token stream)."""
-    from workloads.data.pipeline import clean, keep, make_packer
-    from workloads.data.tokenize import HFTokenizer
-
-    tokenizer, pack = HFTokenizer(**shipped), make_packer(args.seq_len)
-    texts: list[str] = []
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                row = clean({"text": json.loads(line)[args.column]})
-                if keep(row, args.min_chars):
-                    texts.append(row["text"])
-    ids: list[np.ndarray] = []
-    for i in range(0, len(texts), args.batch_size):
-        ids += tokenizer({"text": texts[i:i + args.batch_size]})["ids"]
-    rows = [pack({"ids": ids[i:i + args.pack_rows]})["tokens"]
-            for i in range(0, len(ids), args.pack_rows)]
-    starts = np.cumsum([0] + [len(a) for a in ids])
-    return np.concatenate(rows), starts[:-1].tolist(), np.concatenate(ids)
-
-
-def ray_side(corpus: Path, out: Path, extra: list[str]) -> None:
-    """Runs inside the cluster's environment: the workload's build_pipeline, twice (the first
-    run also starts worker processes and the actor pool, which loads the tokenizer)."""
-    import ray
-    from ray.data import DataContext
-
-    from workloads.data.pipeline import Inputs, build_pipeline
-
-    args = pipeline_args(extra)
-    shipped = shipped_tokenizer(args.tokenizer)
-    paths = sorted(str(p) for p in corpus.glob("*.jsonl"))
-    inputs = Inputs("jsonl", [(p, os.path.getsize(p)) for p in paths], None)
-    ray.init(logging_level="ERROR", log_to_driver=False)
-    DataContext.get_current().execution_options.preserve_order = True  # as the workload
-    DataContext.get_current().enable_progress_bars = False
-    seconds = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        batches = [b["tokens"] for b in build_pipeline(inputs, paths, args, shipped=shipped
-                                                       ).iter_batches(batch_size=None,
-                                                                      batch_format="numpy")]
-        seconds.append(time.perf_counter() - t0)
-    np.save(out / "ray_rows.npy", np.concatenate(batches))
-    (out / "ray.json").write_text(json.dumps({"first_s": seconds[0], "seconds": seconds[1]}))
 
 
 def summarize(one_s: float, ray_s: float, corpus_bytes: int, threads_s: float | None = None
@@ -132,11 +58,13 @@ def summarize(one_s: float, ray_s: float, corpus_bytes: int, threads_s: float | 
 def timed_one_process(paths: list[Path], cfg, shipped: dict, parallel: bool, runs: int = 2):
     """Best of `runs` runs of `one_process`, with the tokenizers library's threads on or off
     (it reads TOKENIZERS_PARALLELISM at every batched call)."""
+    from workloads.data.tokenize import HFTokenizer
+
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel else "false"
     best, result = float("inf"), None
     for _ in range(runs):
         t0 = time.perf_counter()
-        result = one_process(paths, cfg, shipped)
+        result = one_process(paths, cfg, HFTokenizer(**shipped))
         best = min(best, time.perf_counter() - t0)
     return best, result
 
@@ -160,7 +88,9 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="rayfleet-bench-bpe-") as tmp_s:
         tmp = Path(tmp_s)
         folder = tmp / "bpe"
-        make_bpe_tokenizer(folder, args.vocab)
+        from workloads.common.tiny_hf import make_tokenizer
+
+        make_tokenizer(folder, vocab_size=args.vocab, corpus_bytes=1_000_000)
         extra = ["--tokenizer", str(folder), *extra]
         paths = make_corpus(tmp / "corpus", args.mb)
         corpus_bytes = sum(p.stat().st_size for p in paths)
