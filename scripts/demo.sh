@@ -14,31 +14,8 @@ STAMP="$(date +%Y%m%d-%H%M%S)"
 LOGS="$RUNS/demo-logs/$STAMP"
 mkdir -p "$LOGS"
 
-step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
-now() { date +%s; }
-T_START=$(now)
-
-started_here=0
-if ! rayfleet local env >/dev/null 2>&1; then started_here=1; fi
-cleanup() {
-  if [ "$started_here" = 1 ] && [ "${KEEP_CLUSTER:-0}" != 1 ]; then
-    step "rayfleet local down"
-    serve shutdown -y >/dev/null 2>&1 || true
-    rayfleet local down
-  fi
-}
-trap cleanup EXIT
-
-t=$(now)
-if [ "$started_here" = 1 ]; then
-  step "rayfleet local up"
-  rayfleet local up --num-cpus "${DEMO_CPUS:-4}" --object-store-memory 1GB
-else
-  # A running cluster is used as it is (`up` would refuse other settings than its own).
-  step "using the running rayfleet local cluster"
-fi
-eval "$(rayfleet local env)"
-T_UP=$(( $(now) - t ))
+T_START=$(date +%s)
+source scripts/demo_cluster.sh
 
 step "ray job submit -- python -m workloads.data --smoke-test (Ray Data: read, clean, tokenize, pack)"
 t=$(now)

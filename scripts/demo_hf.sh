@@ -14,27 +14,8 @@ export RAYFLEET_HOME="${RAYFLEET_HOME:-$HOME/.rayfleet}"
 STAMP="$(date +%Y%m%d-%H%M%S)"
 LOGS="${RAYFLEET_STORAGE:-$PWD/runs}/demo-logs/hf-$STAMP"
 mkdir -p "$LOGS"
-step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 T_START=$(date +%s)
-
-started_here=0
-if ! rayfleet local env >/dev/null 2>&1; then started_here=1; fi
-cleanup() {
-  if [ "$started_here" = 1 ] && [ "${KEEP_CLUSTER:-0}" != 1 ]; then
-    step "rayfleet local down"
-    serve shutdown -y >/dev/null 2>&1 || true
-    rayfleet local down
-  fi
-}
-trap cleanup EXIT
-
-if [ "$started_here" = 1 ]; then
-  step "rayfleet local up"
-  rayfleet local up --num-cpus "${DEMO_CPUS:-4}" --object-store-memory 1GB
-else
-  step "using the running rayfleet local cluster"
-fi
-eval "$(rayfleet local env)"
+source scripts/demo_cluster.sh
 
 python scripts/readme_blocks.py "Your own Hugging Face model" > "$LOGS/readme-blocks.sh"
 step "README's Hugging Face section, as written ($LOGS/readme-blocks.sh)"
