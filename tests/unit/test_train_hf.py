@@ -200,3 +200,15 @@ def test_torchrun_entry_point_is_importable_without_ray():
     proc = run([sys.executable, "-c", "import workloads.train.torchrun, sys; "
                 "print('ray' in sys.modules)"], cwd=REPO, check=True)
     assert proc.stdout.strip() == "False"
+
+
+def test_relative_model_paths_are_made_absolute_for_the_workers(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = driver.build_parser().parse_args(["--model", "./models/m", "--tokenizer", "tok",
+                                             "--dataset", "d"])
+    driver.absolute_hf_paths(args)
+    assert args.model == str(tmp_path / "models" / "m")
+    assert args.tokenizer == str(tmp_path / "tok")
+    args = driver.build_parser().parse_args(["--model", "tiny"])
+    driver.absolute_hf_paths(args)
+    assert args.model == "tiny"                     # a preset, not a path

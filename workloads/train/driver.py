@@ -353,6 +353,15 @@ def resolve_hf(args, manifest: dict | None):
     return spec, source, tokenizer
 
 
+def absolute_hf_paths(args) -> None:
+    """--model / --model-config / --tokenizer folders made absolute (the workers do not run in
+    this folder; inside a Ray job a relative one must have been uploaded with it)."""
+    for flag in ("model", "model_config", "tokenizer"):
+        value = getattr(args, flag)
+        if value is not None and (flag != "model" or is_hf_spec(value)):
+            setattr(args, flag, user_path(value, f"--{flag.replace('_', '-')}", output=False))
+
+
 def run_name(args, hf_source: str | None) -> str:
     if args.name:
         return args.name
@@ -518,6 +527,7 @@ def _main(argv: list[str] | None) -> int:
     if args.dataset not in (None, "stdlib"):
         args.dataset = user_path(args.dataset, "--dataset", output=False)
     args.storage_path = user_path(args.storage_path, "--storage-path", output=True)
+    absolute_hf_paths(args)
     check_dataset(args.dataset)
     check_deepspeed(args)
     manifest = dataset_manifest(args.dataset, args.s3_endpoint)

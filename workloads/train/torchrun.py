@@ -13,6 +13,7 @@ import sys
 from workloads.common.cli import run_main
 from rayfleet.errors import ConfigError
 from workloads.train.driver import (
+    absolute_hf_paths,
     build_parser,
     check_byte_dataset,
     check_dataset,
@@ -37,6 +38,7 @@ def _main(argv: list[str] | None) -> int:
     args.num_workers = world
     model = validate_args(args)
     check_deepspeed(args)
+    absolute_hf_paths(args)
     if args.dataset not in (None, "stdlib") and args.dataset.startswith("s3://"):
         raise ConfigError("--dataset", "torchrun reads a local dataset folder (Ray Train "
                                        "streams s3:// ones)")
