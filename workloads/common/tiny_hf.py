@@ -51,6 +51,9 @@ def make_model(folder: Path, vocab_size: int, *, hidden: int = 64, layers: int =
     """A tiny Llama (GQA, RoPE, SwiGLU: the real architecture, ~0.1M parameters)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()   # "Writing model shards" on stderr, for a tiny file
 
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
