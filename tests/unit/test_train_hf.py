@@ -212,3 +212,15 @@ def test_relative_model_paths_are_made_absolute_for_the_workers(tmp_path, monkey
     args = driver.build_parser().parse_args(["--model", "tiny"])
     driver.absolute_hf_paths(args)
     assert args.model == "tiny"                     # a preset, not a path
+
+
+def test_a_model_folder_named_without_a_slash_is_a_folder_a_preset_name_a_preset(
+        tmp_path, monkeypatch):
+    from workloads.common.hf import is_hf_spec
+    from workloads.train.model import PRESETS
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my-llama").mkdir()
+    (tmp_path / "tiny").mkdir()
+    assert is_hf_spec("my-llama", PRESETS) and is_hf_spec("s3://b/m", PRESETS)
+    assert not is_hf_spec("tiny", PRESETS) and not is_hf_spec("125M", PRESETS)

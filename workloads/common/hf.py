@@ -24,10 +24,13 @@ MODEL_WEIGHTS = (".safetensors", ".bin")
 _fetched: dict[str, Path] = {}
 
 
-def is_hf_spec(spec: str | None) -> bool:
-    """A value that names a folder / s3:// prefix rather than a preset or 'byte'."""
-    return bool(spec) and (spec.startswith(("s3://", "/", "./", "../", "~", "file://"))
-                           or os.sep in spec)
+def is_hf_spec(spec: str | None, presets=()) -> bool:
+    """A value that names a folder / s3:// prefix rather than a preset (one of `presets`): a
+    path-looking value, or the name of a folder that exists here."""
+    if not spec or spec in presets:
+        return False
+    return (spec.startswith(("s3://", "/", "./", "../", "~", "file://")) or os.sep in spec
+            or Path(spec).is_dir())
 
 
 def fetch(spec: str, flag: str, endpoint: str | None = None) -> Path:

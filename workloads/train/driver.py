@@ -114,7 +114,7 @@ def build_parser() -> ArgumentParser:
 def validate_args(args) -> GPTConfig | None:
     """The flags checked; the kit's GPT config, or None for a Hugging Face model (whose config
     and sequence length come from its folder and the dataset: resolve_hf)."""
-    hf = is_hf_spec(args.model) or args.model_config is not None
+    hf = is_hf_spec(args.model, PRESETS) or args.model_config is not None
     if args.model_config is not None and args.model is not None:
         raise ConfigError("--model-config", "give --model (a preset or a model folder) or "
                                             "--model-config (fresh weights), not both")
@@ -130,9 +130,7 @@ def validate_args(args) -> GPTConfig | None:
         raise ConfigError("--strategy", f"unknown strategy {args.strategy!r}", STRATEGIES,
                           args.strategy)
     if not hf and args.model not in PRESETS:
-        raise ConfigError("--model", f"unknown model size {args.model!r} (or a Hugging Face "
-                                     "model folder: give its path, e.g. ./my-model)", PRESETS,
-                          args.model)
+        raise ConfigError("--model", f"unknown model size {args.model!r}", PRESETS, args.model)
     if args.num_workers < 1:
         raise ConfigError("--num-workers", f"must be at least 1, got {args.num_workers}")
     if args.compile and args.strategy == "deepspeed":
@@ -358,7 +356,7 @@ def absolute_hf_paths(args) -> None:
     this folder; inside a Ray job a relative one must have been uploaded with it)."""
     for flag in ("model", "model_config", "tokenizer"):
         value = getattr(args, flag)
-        if value is not None and (flag != "model" or is_hf_spec(value)):
+        if value is not None and (flag != "model" or is_hf_spec(value, PRESETS)):
             setattr(args, flag, user_path(value, f"--{flag.replace('_', '-')}", output=False))
 
 
