@@ -96,12 +96,12 @@ def _is_path(source: str) -> bool:
 def _s3_reachable(source: str) -> str | None:
     """Why an s3:// source cannot be checked from here (None when it can): no credentials,
     or a bucket these credentials cannot reach. The GPU nodes' own role may still read it."""
-    import botocore.session
+    import boto3
 
     from rayfleet.errors import StorageError
     from workloads.common.storage import resolve, s3_endpoint
 
-    if s3_endpoint() is None and botocore.session.get_session().get_credentials() is None:
+    if s3_endpoint() is None and boto3.session.Session().get_credentials() is None:
         return "no AWS credentials here"
     try:
         resolve(source, check_writable=False)
