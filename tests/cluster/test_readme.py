@@ -14,6 +14,7 @@ one change made to them: the committed Serve configs' port 8000 becomes a free p
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -186,6 +187,16 @@ def test_readme_hugging_face_line_and_cloud_steps(readme_rest):
     work, storage = readme_rest["work"], readme_rest["storage"]
     assert (work / "llm.yaml").is_file()
     assert (work / "cluster-configs" / "generated" / "dev.yaml").is_file()
+    # The instruction rows README's data job wrote, checked row by row.
+    from transformers import AutoTokenizer
+
+    from tests.workloads.test_data_hf import check_instruction_output
+
+    model = work / "runs" / "tiny-llama"
+    records = [json.loads(line) for line in (work / "runs" / "sft.jsonl").read_text()
+               .splitlines()]
+    check_instruction_output(work / "runs" / "data" / "sft", records,
+                             AutoTokenizer.from_pretrained(str(model)), str(model), 48)
     run_dir = storage / "sft-tiny-llama"
     exports = list(run_dir.glob("checkpoint_*/hf/model.safetensors"))
     assert len(exports) == 1

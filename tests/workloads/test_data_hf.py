@@ -1,7 +1,8 @@
-"""workloads.data with a Hugging Face tokenizer (`--tokenizer FOLDER`): SFT rows of the
-instruction shape (tokens + labels, loss only on the response), the text shape packed with EOS
-between documents, shards redone when the tokenizer changes, and the one-line refusals. The
-SFT row builder is tested without Ray first."""
+"""workloads.data with a Hugging Face tokenizer (`--tokenizer FOLDER`): the text shape packed
+with EOS between documents, shards redone when the tokenizer changes, the chat shape from an
+s3:// tokenizer, and the one-line refusals; the SFT row builder without Ray. The instruction
+shape's job output is checked row by row (`check_instruction_output`) on README's example,
+which runs that job (tests/cluster/test_readme.py)."""
 
 from __future__ import annotations
 
@@ -110,28 +111,23 @@ def test_hf_instruction_and_chat_segments(tok):
 
 # --------------------------------------------------------------------------- Ray
 
-@pytest.mark.ray
-def test_instruction_shape_rows_labels_and_manifest(ray_cluster, hf_model_dir, sft_jsonl, tok,
-                                                    tmp_path):
-    out = tmp_path / "sft"
-    proc = run(DATA + ["--tokenizer", str(hf_model_dir), "--shape", "instruction",
-                       "--input", str(sft_jsonl), "--max-length", "48", "--output", str(out),
-                       *ONE_ACTOR],
-               env=ray_cluster["env"], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = summary_of(proc.stdout)
-    records = [json.loads(line) for line in sft_jsonl.read_text().splitlines()]
+def check_instruction_output(out: Path, records: list[dict], tok, tokenizer_dir: str,
+                             max_length: int) -> None:
+    """What `workloads.data --shape instruction --tokenizer DIR` must have written to `out`
+    for `records`: rows in input order, labels -100 on the prompt and padding and equal to the
+    tokens on the response + EOS, the manifest and the done marker naming the tokenizer. Run
+    on README's example output (tests/cluster/test_readme.py), which makes it with the real
+    job."""
     rows = read_rows(out)
     tokens, labels = rows["tokens"], rows["labels"]
-    assert tokens.shape == labels.shape == (len(records), 49)
+    assert tokens.shape == labels.shape == (len(records), max_length + 1)
     assert pq.read_schema(next(out.glob("shard-*.parquet"))).names == ["tokens", "labels"]
     manifest = json.loads((out / "_manifest.json").read_text())
     from workloads.common.hf import tokenizer_identity
 
-    assert manifest["tokenizer"] == tokenizer_identity(tok, str(hf_model_dir)) == \
-        summary["tokenizer"]
+    assert manifest["tokenizer"] == tokenizer_identity(tok, tokenizer_dir)
     assert manifest["shape"] == "instruction" and manifest["pad_id"] == tok.pad_token_id
-    assert manifest["max_length"] == manifest["seq_len"] == 48
+    assert manifest["max_length"] == manifest["seq_len"] == max_length
     assert (manifest["rows"], manifest["records"], manifest["truncated"],
             manifest["dropped"], manifest["invalid"]) == (len(records), len(records), 0, 0, 0)
     marker = json.loads((out / "_done" / "shard-00000.json").read_text())
