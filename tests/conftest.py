@@ -199,3 +199,16 @@ def sft_jsonl(tmp_path_factory) -> Path:
     from tests.hf_fixtures import instruction_records, write_jsonl
 
     return write_jsonl(tmp_path_factory.mktemp("sft") / "train.jsonl", instruction_records())
+
+
+SFT_MAX_LENGTH = 48
+
+
+@pytest.fixture(scope="session")
+def sft_data(hf_model_dir, sft_jsonl, tmp_path_factory) -> Path:
+    """`sft_jsonl` as workloads.data's instruction rows for `hf_model_dir`'s tokenizer (its row
+    builder, without Ray), max length SFT_MAX_LENGTH."""
+    from tests.hf_fixtures import write_sft_dataset
+
+    return write_sft_dataset(sft_jsonl, tmp_path_factory.mktemp("sft-data") / "data",
+                             str(hf_model_dir), SFT_MAX_LENGTH)

@@ -13,22 +13,12 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import BIN, REPO, run, summary_of
+from tests.conftest import BIN, REPO, SFT_MAX_LENGTH, run, summary_of
 from workloads.train import checkpoint as ckpt
 from workloads.train import driver, hf_model
 from workloads.train.context import TorchrunContext
 from workloads.train.loop import LoopConfig, train_loop
 
-MAX_LENGTH = 48
-
-
-@pytest.fixture(scope="module")
-def sft_data(hf_model_dir, sft_jsonl, tmp_path_factory):
-    """Instruction rows and manifest in workloads.data's layout, written without Ray."""
-    from tests.hf_fixtures import write_sft_dataset
-
-    return write_sft_dataset(sft_jsonl, tmp_path_factory.mktemp("sft-data") / "data",
-                             str(hf_model_dir), MAX_LENGTH)
 
 
 def _spec(hf_model_dir, sft_data):
@@ -65,7 +55,7 @@ def test_sft_loss_counts_only_the_response_tokens(hf_model_dir):
 
 def test_sft_trains_resumes_on_the_same_curve_and_exports(hf_model_dir, sft_data, tmp_path):
     spec, source, tokenizer = _spec(hf_model_dir, sft_data)
-    assert spec.seq_len == MAX_LENGTH and spec.n_params == sum(
+    assert spec.seq_len == SFT_MAX_LENGTH and spec.n_params == sum(
         p.numel() for p in hf_model.build(source, spec.config).parameters())
     def curve(root):
         final = sorted(root.glob("checkpoint_*"))[-1]
@@ -176,7 +166,7 @@ def test_bad_hf_inputs_are_one_line_before_any_worker(hf_model_dir, sft_data, tm
     byte_data.mkdir()
     shutil.copy(next(sft_data.glob("*.parquet")), byte_data)
     (byte_data / "_manifest.json").write_text(json.dumps(
-        {"seq_len": MAX_LENGTH, "tokenizer": {"name": "byte", "sha256": "byte"}}))
+        {"seq_len": SFT_MAX_LENGTH, "tokenizer": {"name": "byte", "sha256": "byte"}}))
     code, line = _main(capsys, "--model", str(hf_model_dir), "--dataset", str(byte_data),
                        *storage)
     assert code == 2 and "not tokenized with a Hugging Face tokenizer" in line
