@@ -212,14 +212,30 @@ def summarize(one_s: float, ray_s: float, tokens: int, waits: list[float]) -> di
     }
 
 
+def add_pipeline_flags(ap) -> None:
+    """The flags both data benchmarks take: workloads.data flags for both sides, and the
+    hidden entry point of the Ray side (run in the cluster's environment)."""
+    ap.add_argument("--pipeline-args", default="",
+                    help="extra workloads.data flags for both sides, e.g. '--concurrency 4'")
+    ap.add_argument("--ray-side", nargs=2, metavar=("CORPUS", "OUT"), help=argparse.SUPPRESS)
+
+
+def run_ray_side(cenv: dict, tmp: Path, extra: list[str]) -> tuple[dict, np.ndarray]:
+    """`ray_side` over tmp/corpus in the cluster's environment (token auth is read once per
+    process, so it gets its own); (timings, the packed rows it produced)."""
+    subprocess.run([str(BIN / "python"), "-m", "bench.data_throughput",
+                    f"--pipeline-args={' '.join(extra)}",
+                    "--ray-side", str(tmp / "corpus"), str(tmp)],
+                   cwd=REPO, env=cenv, check=True, capture_output=True, text=True)
+    return json.loads((tmp / "ray.json").read_text()), np.load(tmp / "ray_rows.npy")
+
+
 def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
     ap = ArgumentParser(prog="bench.data_throughput")
     ap.add_argument("--mb", type=at_least(0.1, float), default=24.0, help="generated corpus size")
     ap.add_argument("--train-steps", type=at_least(20), default=60,
                     help="steps of the data-wait run (two logged intervals at least)")
-    ap.add_argument("--pipeline-args", default="",
-                    help="extra workloads.data flags for both sides, e.g. '--concurrency 4'")
-    ap.add_argument("--ray-side", nargs=2, metavar=("CORPUS", "OUT"), help=argparse.SUPPRESS)
+    add_pipeline_flags(ap)
     args = ap.parse_args(argv)
     extra = args.pipeline_args.split()
     if args.ray_side:
@@ -236,13 +252,8 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
             rows, starts, stream = one_process(paths, cfg)
             one_s = time.perf_counter() - t0
         with cluster_env(env) as cenv:
-            subprocess.run([str(BIN / "python"), "-m", "bench.data_throughput",
-                            f"--pipeline-args={args.pipeline_args}",
-                            "--ray-side", str(tmp / "corpus"), str(tmp)],
-                           cwd=REPO, env=cenv, check=True, capture_output=True, text=True)
-            timing = json.loads((tmp / "ray.json").read_text())
+            timing, ray_rows = run_ray_side(cenv, tmp, extra)
             ray_s = timing["seconds"]
-            ray_rows = np.load(tmp / "ray_rows.npy")
             wait = data_wait(cenv, tmp / "corpus", tmp, args.train_steps, extra)
     problem = check_same_stream(ray_rows, stream, starts)
     if problem:

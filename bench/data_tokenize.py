@@ -17,29 +17,24 @@ bench.data_throughput (`check_same_stream`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 from bench import ArgumentParser, at_least
 from bench.data_throughput import (
+    add_pipeline_flags,
     check_same_stream,
     make_corpus,
     one_process,
     pipeline_args,
-    ray_side,
+    run_ray_side,
     shipped_tokenizer,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 
 
 def summarize(one_s: float, ray_s: float, corpus_bytes: int, threads_s: float | None = None
@@ -75,14 +70,9 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
                     help="generated corpus size (Ray's fixed start-up, ~1-2 s, is amortized "
                          "over it)")
     ap.add_argument("--vocab", type=at_least(300), default=2048, help="BPE vocabulary size")
-    ap.add_argument("--pipeline-args", default="",
-                    help="extra workloads.data flags for both sides, e.g. '--concurrency 3'")
-    ap.add_argument("--ray-side", nargs=2, metavar=("CORPUS", "OUT"), help=argparse.SUPPRESS)
+    add_pipeline_flags(ap)
     args = ap.parse_args(argv)
     extra = args.pipeline_args.split()
-    if args.ray_side:
-        ray_side(Path(args.ray_side[0]), Path(args.ray_side[1]), extra)
-        return {}
     from bench.cluster import cluster_env
 
     with tempfile.TemporaryDirectory(prefix="rayfleet-bench-bpe-") as tmp_s:
@@ -99,12 +89,7 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
         threads_s, _ = timed_one_process(paths, cfg, shipped, parallel=True, runs=1)
         one_s, (rows, starts, stream) = timed_one_process(paths, cfg, shipped, parallel=False)
         with cluster_env(env) as cenv:
-            subprocess.run([str(BIN / "python"), "-m", "bench.data_tokenize",
-                            f"--pipeline-args={' '.join(extra)}",
-                            "--ray-side", str(tmp / "corpus"), str(tmp)],
-                           cwd=REPO, env=cenv, check=True, capture_output=True, text=True)
-        timing = json.loads((tmp / "ray.json").read_text())
-        ray_rows = np.load(tmp / "ray_rows.npy")
+            timing, ray_rows = run_ray_side(cenv, tmp, extra)
     problem = check_same_stream(ray_rows, stream, starts)
     if problem:
         raise SystemExit(f"bench.data_tokenize: Ray Data and one process disagree: {problem}")
