@@ -332,6 +332,10 @@ def build_config(o: dict[str, Any], token_file: str, key_name: str | None = None
                                      "SSH rides an SSM Session Manager tunnel: no inbound port "
                                      "22 from anywhere (rule 2); needs the AWS CLI and its "
                                      "session-manager-plugin."),
+            "ssh_proxy_use_node_id": Why(True,
+                                         "SSM targets an instance id, not an address: Ray passes "
+                                         "the node's id as %h (the head drops the proxy and "
+                                         "reaches workers on their private IPs)."),
         },
         "available_node_types": {
             "ray.head.default": {

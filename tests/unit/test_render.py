@@ -121,6 +121,8 @@ def test_hardening_fields(tmp_path, outputs):
     assert cfg["provider"]["cache_stopped_nodes"] is False
     assert cfg["provider"]["use_internal_ips"] is True
     assert "aws ssm start-session" in cfg["auth"]["ssh_proxy_command"]
+    # SSM's --target is an instance id: Ray must put the node id, not its IP, into %h.
+    assert cfg["auth"]["ssh_proxy_use_node_id"] is True
     assert cfg["idle_timeout_minutes"] == 10
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         start = cfg[key][-1]
