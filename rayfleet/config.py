@@ -606,8 +606,12 @@ def _vpc_cidr(value: str) -> str:
     net = _network("vpcCidr", value)
     if net.version != 4:
         raise ConfigError(_q("vpcCidr"), f"{value!r} must be an IPv4 CIDR")
+    # RFC 1918 and CGNAT, plus 198.18.0.0/15 (RFC 2544's benchmarking range): AWS accepts VPC
+    # ranges outside RFC 1918, and the fake cloud of the `ray up` rehearsal lives in this one
+    # because nothing real can be there.
     private = [ipaddress.ip_network(n) for n in
-               ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")]
+               ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
+                "198.18.0.0/15")]
     if not any(net.subnet_of(p) for p in private):
         raise ConfigError(_q("vpcCidr"), f"{value!r} must lie in a private range",
                           allowed=[str(p) for p in private])

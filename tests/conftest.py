@@ -50,6 +50,11 @@ def pytest_collection_finish(session):
         from tests.cluster import test_node_env
 
         test_node_env.start_prebuild()
+    # So is the fake cloud's wheelhouse (tests/fakecloud/test_ray_up.py).
+    if any(item.nodeid.startswith("tests/fakecloud/") for item in session.items):
+        from tests.fakecloud import test_ray_up
+
+        test_ray_up.start_prebuild()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -626,6 +626,7 @@ class InfraStack:
     mocks: MotoMocks
     ami_id: str
     key_name: str
+    key_material: str = ""
 
 
 @pytest.fixture
@@ -674,10 +675,17 @@ def _forget_ray_clients() -> None:
 
 @pytest.fixture
 def infra_stack(moto_account, tmp_path) -> InfraStack:
-    """`pulumi up` of Pulumi.dev.yaml, as far as it can go offline: infra/__main__.py under
-    :class:`MotoMocks`, so every resource exists in moto; its `rayfleet` output in
-    outputs.json. Plus what the README has the user do by hand: the operator key pair."""
-    ec2 = moto_account.client("ec2")
+    """`pulumi up` of Pulumi.dev.yaml, as far as it can go offline (:func:`build_stack`)."""
+    return build_stack(moto_account, tmp_path)
+
+
+def build_stack(session, directory: Path, overrides: dict[str, Any] | None = None
+                ) -> InfraStack:
+    """infra/__main__.py under :class:`MotoMocks` with Pulumi.dev.yaml's config (plus
+    ``overrides``, keys as in that file), so every resource exists in moto; its `rayfleet`
+    output in ``directory``/outputs.json. Plus what the README has the user do by hand: the
+    operator key pair (its private key in ``key_material``)."""
+    ec2 = session.client("ec2")
     # The Deep Learning AMI the program looks up by name and architecture (get_ami). moto's
     # RegisterImage drops Architecture and RootDeviceName; an image baked from an instance
     # has both, as the real one does.
@@ -686,15 +694,17 @@ def infra_stack(moto_account, tmp_path) -> InfraStack:
     ami = ec2.create_image(InstanceId=builder, Name=DLAMI_STANDIN)["ImageId"]
     ec2.terminate_instances(InstanceIds=[builder])
     config = yaml.safe_load((ROOT / "Pulumi.dev.yaml").read_text())["config"]
-    mocks = MotoMocks(moto_account)
+    config.update(overrides or {})
+    mocks = MotoMocks(session)
     exported = run_program(mocks, config, stack="dev")
     o = exported["rayfleet"]
     key_name = f"{o['cluster_name']}-operator"
-    ec2.create_key_pair(KeyName=key_name)
-    path = tmp_path / "outputs.json"
+    material = ec2.create_key_pair(KeyName=key_name)["KeyMaterial"]
+    path = directory / "outputs.json"
     # `pulumi stack output --json` prints every output; `rayfleet render` reads `rayfleet`.
     path.write_text(json.dumps(exported, indent=2))
-    return InfraStack(outputs=o, path=path, mocks=mocks, ami_id=ami, key_name=key_name)
+    return InfraStack(outputs=o, path=path, mocks=mocks, ami_id=ami, key_name=key_name,
+                      key_material=material)
 
 
 def ray_launch_config(rendered: Path) -> dict:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import REPO
 from rayfleet.errors import CheckpointError, ClusterError, ConfigError, RayfleetError
 from workloads.train import checkpoint as ckpt
 from workloads.train.context import TorchrunContext
@@ -85,6 +86,26 @@ def test_custom_resource_nobody_has():
     args, _ = args_of("--resources-per-worker", '{"accelerator_type:H100": 0.01}')
     with pytest.raises(ClusterError, match="accelerator_type:H100"):
         check_resources(args, [GPU_NODE], {"CPU": 96, "GPU": 8, "accelerator_type:A100": 1})
+
+
+def test_a_resource_only_the_autoscaler_can_add_waits_for_it(tmp_path):
+    """On a `ray up` cluster the head's autoscaling config names the worker types: a job asking
+    for what only they have must wait for a launch, not fail fast (the rendered YAML's A100
+    types, read the way the driver reads them on the head)."""
+    import shutil
+
+    from workloads.train.driver import launchable_nodes
+
+    cfg = tmp_path / "ray_bootstrap_config.yaml"
+    shutil.copy(REPO / "cluster-configs" / "aws-a100.example.yaml", cfg)
+    extra = launchable_nodes(str(cfg))
+    assert sorted(n["Launchable"] for n in extra) == ["ray.worker.a100.ondemand",
+                                                      "ray.worker.a100.spot"]
+    args, _ = args_of("--resources-per-worker", '{"accelerator_type:A100": 0.5}')
+    check_resources(args, [CPU_NODE] + extra, {"CPU": 4.0 + 192, "accelerator_type:A100": 2})
+    with pytest.raises(ClusterError, match="accelerator_type:A100"):
+        check_resources(args, [CPU_NODE] + launchable_nodes(str(tmp_path / "none.yaml")),
+                        {"CPU": 4.0})
 
 
 def test_memory_estimate_shrinks_with_sharding():

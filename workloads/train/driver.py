@@ -412,6 +412,38 @@ def worker_bundle(args) -> dict[str, float]:
     return bundle
 
 
+# Where `ray up` leaves the autoscaler's config on the head, which is where a job's driver runs.
+AUTOSCALER_CONFIG = "~/ray_bootstrap_config.yaml"
+# How long a run waits for its workers to be placed when the autoscaler may add the nodes.
+AUTOSCALE_START_TIMEOUT_S = 900
+
+
+def launchable_nodes(path: str = AUTOSCALER_CONFIG) -> list[dict]:
+    """The workers the cluster's autoscaler may still start, as ``ray.nodes()`` entries: one
+    per allowed instance of each worker type of the head's autoscaling config (none on a
+    cluster that does not autoscale). A job asking for what only such a node has must wait
+    for the autoscaler, not fail."""
+    from pathlib import Path
+
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(Path(path).expanduser().read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    types = (cfg or {}).get("available_node_types") or {}
+    left = int((cfg or {}).get("max_workers") or 0)
+    out = []
+    for name, t in types.items():
+        if name == cfg.get("head_node_type"):
+            continue
+        for _ in range(min(int(t.get("max_workers", 0) or 0), left)):
+            out.append({"Alive": True, "Resources": dict(t.get("resources") or {}),
+                        "Launchable": name})
+            left -= 1
+    return out
+
+
 def check_resources(args, nodes: list[dict], total: dict) -> None:
     """Fail in seconds, naming what is missing, when no placement can exist (instead of
     Ray Train waiting forever for resources)."""
@@ -574,8 +606,17 @@ def _main(argv: list[str] | None) -> int:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     ray.init(logging_level="ERROR", log_to_driver=True)
     nodes, total = ray.nodes(), ray.cluster_resources()
-    check_resources(args, nodes, total)
-    warning = check_memory(model, args, nodes)
+    launchable = launchable_nodes()
+    capacity = dict(total)
+    for n in launchable:
+        for k, v in n["Resources"].items():
+            capacity[k] = capacity.get(k, 0) + v
+    check_resources(args, nodes + launchable, capacity)
+    if launchable and failures.START_TIMEOUT_ENV not in os.environ:
+        # Ray Train gives a worker group 60 s to be placed; a node the autoscaler launches
+        # for it takes minutes (boot, setup commands, `ray start`).
+        os.environ[failures.START_TIMEOUT_ENV] = str(AUTOSCALE_START_TIMEOUT_S)
+    warning = check_memory(model, args, nodes + launchable)
     if warning:
         print(f"[rayfleet] {warning}", flush=True)
 

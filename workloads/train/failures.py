@@ -21,8 +21,8 @@ from rayfleet.errors import ClusterError, RayfleetError, StorageError
 
 # Worker-group starts that may time out (or fail) in a row before the run fails. Each waits
 # RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default 60 s) for the placement group: long
-# enough for a transient start failure to pass; raise the timeout for an autoscaler that
-# needs minutes to replace a lost node.
+# enough for a transient start failure to pass. On a cluster whose autoscaler may add nodes
+# the driver raises it (driver.AUTOSCALE_START_TIMEOUT_S): a launch takes minutes.
 PLACEMENT_RETRIES = 1
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 

@@ -1,0 +1,321 @@
+"""README's cloud path, rehearsed end to end on the fake cloud (tests/fakecloud/cloud.py), with
+the real `rayfleet`, `ray` and `serve` CLIs and the rendered YAML unchanged:
+
+the Pulumi program builds its stack in moto (VPC in 198.18.0.0/16) -> `rayfleet render` ->
+`rayfleet preflight` -> `ray up -y` (Ray's AWS bootstrap against moto; the head launched, SSH
+through the YAML's SSM proxy command, file mounts, the node setup commands for real,
+`ray start` with token auth) -> `ray dashboard` tunnel -> a client without the token refused ->
+`ray job submit` of the training smoke job asking for `accelerator_type:A100`, so the head's
+autoscaler launches an A100 worker through moto, which builds its environment and joins with
+the token, and the job checkpoints into the stack's bucket -> the data job -> `rayfleet
+serve-config` + `serve deploy` of `lm` on that checkpoint, answering the `openai` client through
+a second tunnel -> `ray down -y` -> `rayfleet sweep` finds nothing -> the fake cloud is gone.
+
+A failed step names itself; everything is torn down whatever happens."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import BIN, REPO, free_port, run, summary_of
+
+from .cloud import (REGION, FakeCloud, Unavailable, operator_command, require_tools,
+                    wheelhouse)
+
+pytestmark = [pytest.mark.slow, pytest.mark.moto, pytest.mark.ray, pytest.mark.fakecloud,
+              pytest.mark.timeout(1800)]
+HERE = Path(__file__).resolve().parent
+VPC = "198.18.0.0/16"
+
+# Built in the background from the start of the session when this module is selected (see
+# tests/conftest.py): a minute of pip download that needs no cluster.
+PREBUILD: dict = {}
+
+
+def start_prebuild() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    PREBUILD["future"] = pool.submit(wheelhouse, BIN / "pip")
+    pool.shutdown(wait=False)
+
+
+class Steps:
+    """Names the step that failed, and keeps a log of how long each took."""
+
+    def __init__(self):
+        self.times: list[tuple[str, float]] = []
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.monotonic()
+        try:
+            yield
+        except Exception as e:
+            raise AssertionError(f"rehearsal step '{name}' failed: {e}") from e
+        finally:
+            self.times.append((name, time.monotonic() - t0))
+            print(f"rehearsal: {name}: {time.monotonic() - t0:.1f} s", flush=True)
+
+
+def _ok(proc: subprocess.CompletedProcess, what: str) -> str:
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
+                           f"{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
+def _logged(cmd: list[str], env: dict, log: Path, timeout: float
+            ) -> subprocess.CompletedProcess:
+    """Run ``cmd`` with its output going to ``log`` as it comes (a hung `ray up` is read
+    there), and returned as stdout."""
+    with open(log, "w") as f:
+        try:
+            proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{cmd[:3]} still running after {timeout:.0f} s; its output: "
+                               f"{log.read_text()[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, log.read_text(), "")
+
+
+def _tunnel(op, env: dict, yaml_path: Path, local: int, remote: int, log: Path
+            ) -> subprocess.Popen:
+    """`ray dashboard` forwarding ``remote`` on the head to ``local`` here, over SSM."""
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(op([str(BIN / "ray"), "dashboard", "-p", str(local),
+                                    "--remote-port", str(remote), str(yaml_path)]),
+                                env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return proc
+
+
+def _http(url: str, token: str | None = None, timeout: float = 5) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"}
+                                 if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:   # the tunnel not up yet
+        return 0, b""
+
+
+def _tags(instance: dict) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in instance.get("Tags") or []}
+
+
+def _wait(predicate, timeout: float, what: str, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(interval)
+    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def test_cloud_path_on_the_fake_cloud(monkeypatch):
+    try:
+        require_tools()
+    except Unavailable as e:
+        pytest.skip(f"fake cloud unavailable: {e}")
+    step = Steps()
+    root = Path(tempfile.mkdtemp(prefix="rayfleet-fakecloud-", dir="/var/tmp"))
+    with step("wheelhouse (the nodes' package mirror)"):
+        wheels = (PREBUILD["future"].result() if "future" in PREBUILD
+                  else wheelhouse(BIN / "pip"))
+    cloud = FakeCloud(root=root / "cloud", vpc_cidr=VPC, wheelhouse=wheels)
+    tunnels: list[subprocess.Popen] = []
+    op_home = root / "operator"
+    (op_home / ".ssh").mkdir(parents=True)
+    cluster_yaml = op_home / "cluster.yaml"
+
+    def op(argv: list[str]) -> list[str]:
+        return operator_command(op_home / ".ssh", argv)
+
+    def _terminated(*_):
+        raise RuntimeError("terminated (SIGTERM)")
+
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RAY_", "AWS_", "RAYFLEET_"))}
+    up_started = False
+    try:
+        with step("fake cloud: bridge, route check, moto on the gateway"):
+            cloud.start(str(BIN / "moto_server"))
+        aws = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": REGION, "AWS_ENDPOINT_URL": cloud.endpoint}
+        env.update(aws, HOME=str(op_home),
+                   PATH=f"{HERE}:{BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:"
+                        "/bin")
+        for k, v in aws.items():
+            monkeypatch.setenv(k, v)
+        for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_EC2"):
+            monkeypatch.delenv(k, raising=False)
+
+        import boto3
+
+        monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+        session = boto3.Session(region_name=REGION)
+        ec2, s3 = session.client("ec2"), session.client("s3")
+        with step("pulumi program -> moto (the stack, in the fake VPC)"):
+            from tests.moto.pulumi_moto import build_stack
+
+            stack = build_stack(session, root, {"rayfleet:vpcCidr": VPC})
+            pem = op_home / ".ssh" / f"{stack.key_name}.pem"
+            pem.write_text(stack.key_material)
+            pem.chmod(0o600)
+            cloud.keys[stack.key_name] = subprocess.run(
+                ["ssh-keygen", "-y", "-f", str(pem)], capture_output=True, text=True,
+                check=True).stdout.strip()
+            cloud.watch(ec2)
+            bucket, cluster = stack.outputs["bucket"], stack.outputs["cluster_name"]
+
+        with step("rayfleet render"):
+            out = _ok(run([str(BIN / "rayfleet"), "render", str(stack.path), "-o",
+                           str(cluster_yaml)], env=env, timeout=60), "rayfleet render")
+            token_file = op_home / ".rayfleet" / "clusters" / cluster / "auth_token"
+            assert token_file.stat().st_mode & 0o777 == 0o600, out
+            cfg = yaml.safe_load(cluster_yaml.read_text())
+            assert cfg["auth"]["ssh_proxy_use_node_id"] is True
+        with step("rayfleet preflight"):
+            _ok(run([str(BIN / "rayfleet"), "preflight", str(cluster_yaml)], env=env,
+                    timeout=120), "rayfleet preflight")
+
+        with step("ray up -y"):
+            up_started = True
+            _ok(_logged(op([str(BIN / "ray"), "up", "-y", "--no-config-cache",
+                            str(cluster_yaml)]), env, root / "ray-up.log", 480), "ray up")
+            cloud.check()
+            heads = [n for n in cloud.nodes.values()]
+            assert len(heads) == 1, cloud.events
+            head = heads[0]
+
+        token = token_file.read_text().strip()
+        client = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
+        dash = free_port()
+        with step("ray dashboard (the tunnel)"):
+            tunnels.append(_tunnel(op, env, cluster_yaml, dash, 8265, root / "tunnel-8265.log"))
+            address = f"http://127.0.0.1:{dash}"
+            _wait(lambda: _http(address + "/api/version", token)[0] == 200, 60,
+                  "the dashboard through the tunnel")
+            client["RAY_ADDRESS"] = address
+
+        with step("a client without the token is refused"):
+            status, _ = _http(address + "/api/jobs/")
+            assert status in (401, 403), status
+            anon = {k: v for k, v in client.items() if not k.startswith("RAY_AUTH")}
+            refused = run([str(BIN / "ray"), "job", "list", "--address", address], env=anon,
+                          timeout=60)
+            assert refused.returncode != 0, refused.stdout
+
+        runs = f"s3://{bucket}/rayfleet/runs"
+        with step("ray job submit: training on an A100 worker the autoscaler launches"):
+            train = _logged([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
+                             "python", "-m", "workloads.train", "--smoke-test", "--max-steps",
+                             "10", "--checkpoint-every", "5", "--name", "cloud-ddp",
+                             "--storage-path", runs, "--resources-per-worker",
+                             '{"accelerator_type:A100": 0.5}'], client, root / "train.log", 480)
+            _ok(train, "the training job")
+            s = summary_of(train.stdout)
+            assert s["steps"] == 10 and s["final_loss"] < s["first_loss"], s
+            assert s["checkpoint"].startswith(f"{runs}/cloud-ddp/"), s
+            keys = [o["Key"] for o in s3.list_objects_v2(
+                Bucket=bucket, Prefix="rayfleet/runs/cloud-ddp/")["Contents"]]
+            assert any(k.endswith("/rayfleet_checkpoint.json") for k in keys), keys
+            from tests.moto.pulumi_moto import cluster_instances
+
+            live = cluster_instances(ec2, cluster)
+            workers = [i for i in live if _tags(i).get("ray-node-type") == "worker"]
+            assert len(workers) == 1, [_tags(i) for i in live]
+            tags = _tags(workers[0])
+            assert tags["ray-user-node-type"] in ("ray.worker.a100.spot",
+                                                  "ray.worker.a100.ondemand"), tags
+            assert workers[0]["InstanceId"] in cloud.nodes, cloud.events
+            nodes = json.loads(_ok(run([str(BIN / "ray"), "list", "nodes", "--format", "json",
+                                        "--address", address], env=client, timeout=60),
+                                   "ray list nodes"))
+            alive = {n["node_ip"]: n for n in nodes if n["state"] == "ALIVE"}
+            assert set(alive) == {head.ip, workers[0]["PrivateIpAddress"]}, nodes
+
+        with step("ray job submit: the data job"):
+            data = run([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
+                        "python", "-m", "workloads.data", "--smoke-test", "--max-bytes",
+                        "300000", "--shard-bytes", "60000", "--output",
+                        f"s3://{bucket}/rayfleet/data"], env=client, timeout=400)
+            _ok(data, "the data job")
+            d = summary_of(data.stdout)
+            assert d["written"] == d["shards"] >= 2 and d["rows"] > 100, d
+            shards = [o["Key"] for o in s3.list_objects_v2(
+                Bucket=bucket, Prefix="rayfleet/data/")["Contents"]
+                if o["Key"].endswith(".parquet")]
+            assert len(shards) == d["shards"], shards
+
+        with step("serve deploy of lm, answered through a tunnel"):
+            src = yaml.safe_load((REPO / "cluster-configs" / "serve" / "lm.yaml").read_text())
+            serve_yaml = op_home / "serve-lm.yaml"
+            _ok(run([str(BIN / "rayfleet"), "serve-config",
+                     str(REPO / "cluster-configs" / "serve" / "lm.yaml"), "--package-to",
+                     f"s3://{bucket}/rayfleet/packages", "-o", str(serve_yaml),
+                     f"--arg=checkpoint={s['checkpoint']}"], env=client, timeout=120),
+                "rayfleet serve-config")
+            _ok(run([str(BIN / "serve"), "deploy", "--address", address, str(serve_yaml)],
+                    env=client, timeout=120), "serve deploy")
+            api = free_port()
+            tunnels.append(_tunnel(op, env, cluster_yaml, api, src["http_options"]["port"],
+                                   root / "tunnel-serve.log"))
+            from openai import OpenAI
+
+            oa = OpenAI(base_url=f"http://127.0.0.1:{api}/v1", api_key="unused",
+                        max_retries=0, timeout=30)
+
+            def answered():
+                try:
+                    return oa.completions.create(model="rayfleet-lm", prompt="import ",
+                                                 max_tokens=8, seed=1)
+                except Exception:   # noqa: BLE001 (not up yet)
+                    return None
+
+            done = _wait(answered, 240, "lm to answer through the tunnel", interval=3)
+            assert done.choices[0].text and done.usage.completion_tokens >= 1, done
+
+        for t in tunnels:
+            os.killpg(t.pid, 15)
+        with step("ray down -y"):
+            up_started = False
+            _ok(_logged(op([str(BIN / "ray"), "down", "-y", str(cluster_yaml)]), env,
+                        root / "ray-down.log", 300), "ray down")
+            _wait(lambda: not cloud.nodes, 60, "every node to be gone")
+        with step("rayfleet sweep finds nothing"):
+            swept = run([str(BIN / "rayfleet"), "sweep", "--cluster-name", cluster,
+                         "--region", REGION], env=env, timeout=120)
+            _ok(swept, "rayfleet sweep")
+        cloud.check()
+    finally:
+        for t in tunnels:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(t.pid, 9)
+        if up_started:   # a step failed with the cluster up: take it down the user's way
+            subprocess.run(op([str(BIN / "ray"), "down", "-y", str(cluster_yaml)]), env=env,
+                           capture_output=True, timeout=300, cwd=REPO)
+        problems = cloud.close()
+        signal.signal(signal.SIGTERM, previous)
+        print("rehearsal steps:", json.dumps([(n, round(t, 1)) for n, t in step.times]))
+        if not problems:
+            shutil.rmtree(root / "cloud" / "nodes", ignore_errors=True)
+    assert not problems, problems
