@@ -199,7 +199,10 @@ def nodes(ansible_env, tmp_path_factory):
     temp_dir = tempfile.mkdtemp(prefix="rfans-", dir="/tmp")
     # Both hosts are this machine, so they share one venv: the worker's install is a no-op.
     venv = root / "venv"
-    head = _node_vars(root / "head", temp_dir, venv)
+    # pip's --no-compile (through the role's extra-args variable): the installs skip
+    # byte-compiling every module of torch, transformers, Ray... up front (tens of CPU seconds
+    # on 2 cores); Python compiles what it imports when it first imports it. Same packages.
+    head = {**_node_vars(root / "head", temp_dir, venv), "ray_node_pip_extra_args": "--no-compile"}
     worker = {**_node_vars(root / "worker", temp_dir, venv),
               "ray_node_head_address": f"127.0.0.1:{head['ray_node_gcs_port']}"}
     inventory = _inventory(root / "inventory.yml", head, worker)

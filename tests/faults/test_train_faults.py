@@ -1,9 +1,10 @@
 """Training faults (faults 1, 2, 4, 5 of README's fault table) on real local Ray clusters.
 
 1. A Ray Train worker killed mid-run: FailureConfig restarts the worker group, which resumes
-   from the latest checkpoint, redoes at most one checkpoint interval and ends where an
-   uninterrupted run with the same seed ends.
+   from the latest checkpoint and redoes at most one checkpoint interval.
 2. The job driver killed: resubmitting the same job resumes from the checkpoint in storage.
+   Faults 1 and 2 land on one job, one after the other (a Ray Train start fewer on 2 cores),
+   which ends where an uninterrupted run with the same seed ends.
 4. S3 cut while a checkpoint is written: one line naming the storage; the partial upload is
    never resumed from; a damaged latest checkpoint is refused without touching storage.
 5. A worker node of a two-node cluster lost: the run fails in one line naming the lost
@@ -32,47 +33,91 @@ from tests.conftest import BIN, REPO, free_port, run, summary_of
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray, pytest.mark.slow]
 
-ARGS = ["--smoke-test", "--model", "small", "--max-steps", "40", "--checkpoint-every", "10",
+ARGS = ["--smoke-test", "--model", "small", "--max-steps", "60", "--checkpoint-every", "10",
         "--log-every", "5", "--seed", "7"]
 
 
-def _args(tmp_path, name):
-    return [str(BIN / "python"), "-m", "workloads.train", *ARGS, "--name", name,
-            "--storage-path", str(tmp_path)]
-
-
-def test_killed_worker_resumes_from_latest_checkpoint(ray_cluster, tmp_path):
-    proc = subprocess.Popen(_args(tmp_path, "killed"), env=ray_cluster["env"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    # Kill only once Ray Train has registered a checkpoint: one reported but not yet
-    # registered by the controller is not resumed from (the restart would start at step 0,
-    # which is Ray's behaviour, not a kit fault).
-    snapshot = _file_reader(tmp_path / "killed" / "checkpoint_manager_snapshot.json")
-    out, killed_pid, last_step_at_kill, registered = [], None, None, None
+def test_killed_worker_then_killed_driver_resume_to_the_uninterrupted_loss(ray_cluster,
+                                                                           tmp_path):
+    """Faults 1 and 2 on one job, each landing mid-run. `ray job submit` (its log streams the
+    workers' lines): a Ray Train worker is SIGKILLed once a checkpoint is registered; the
+    restarted worker group resumes from it. Once that group has registered a checkpoint of its
+    own, the job driver is SIGKILLed (the harshest stop: no cleanup) and the job ends unfinished;
+    the same command submitted again resumes from storage and finishes, with no second start.
+    The run ends at the loss of an uninterrupted run with the same seed, to the last digit: a
+    resume that lost the optimizer's moments, the RNG or the data position, at either fault,
+    lands elsewhere."""
+    name = "killed"
+    entry = ["python", "-m", "workloads.train", *ARGS, "--name", name,
+             "--storage-path", str(tmp_path)]
+    submit = [str(BIN / "ray"), "job", "submit", "--working-dir", "."]
+    first_id = f"rf-fault12-{uuid.uuid4().hex[:8]}"
+    run([*submit, "--no-wait", "--submission-id", first_id, "--", *entry],
+        env=ray_cluster["env"], timeout=180, check=True)
+    snapshot = _file_reader(tmp_path / name / "checkpoint_manager_snapshot.json")
+    # The job's log (the driver's output with the workers' lines), read through the Jobs REST
+    # API as it grows (`ray job submit`'s own log stream can close while the job runs on).
+    # Fault 1: kill a worker only once Ray Train has registered a checkpoint: one reported but
+    # not yet registered by the controller is not resumed from (the restart would start at
+    # step 0, which is Ray's behaviour, not a kit fault). Fault 2: once the restarted group has
+    # registered a checkpoint after the one it resumed from, kill the driver.
+    killed_pid = last_step_at_kill = registered = resumed = driver = None
+    text, done = "", 0
     deadline = time.time() + 300
-    for line in proc.stdout:
-        out.append(line)
-        m = re.search(r"RayTrainWorker pid=(\d+).*\[rayfleet\] step (\d+)/", line)
-        if (m and killed_pid is None and int(m.group(2)) >= 15
-                and (registered := (_latest_registered(snapshot, "metrics") or {}).get("step"))):
-            killed_pid, last_step_at_kill = int(m.group(1)), int(m.group(2))
-            os.kill(killed_pid, signal.SIGKILL)
-        if time.time() > deadline:
-            proc.kill()
+    while driver is None and time.time() < deadline:
+        text = _job_logs(ray_cluster, first_id)
+        lines, done = text[done:text.rfind("\n") + 1].splitlines(), text.rfind("\n") + 1
+        for line in lines:
+            m = re.search(r"RayTrainWorker pid=(\d+).*\[rayfleet\] step (\d+)/", line)
+            if (m and killed_pid is None and int(m.group(2)) >= 15 and (registered := (
+                    _latest_registered(snapshot, "metrics") or {}).get("step"))):
+                killed_pid, last_step_at_kill = int(m.group(1)), int(m.group(2))
+                os.kill(killed_pid, signal.SIGKILL)
+            r = re.search(r"\[rayfleet\] resumed from step (\d+)", line)
+            if r and killed_pid is not None and resumed is None:
+                resumed = int(r.group(1))
+        if resumed is not None and ((_latest_registered(snapshot, "metrics") or {})
+                                    .get("step") or 0) > resumed:
+            driver = {"registered": _latest_registered(snapshot),
+                      "step": _latest_registered(snapshot, "metrics")["step"],
+                      "pids": _driver_pids(str(tmp_path))}
+            if len(driver["pids"]) == 1:
+                os.kill(driver["pids"][0], signal.SIGKILL)
+        elif _job_status(ray_cluster, first_id) not in ("PENDING", "RUNNING"):
             break
-    proc.wait(timeout=60)
-    text = "".join(out)
-    assert proc.returncode == 0, text[-4000:]
-    assert killed_pid is not None, "the run ended before a worker could be killed"
-    resumed = [int(s) for s in re.findall(r"\[rayfleet\] resumed from step (\d+)", text)]
-    assert resumed, text[-3000:]
+        time.sleep(0.2)
+    assert killed_pid is not None, "the run ended before a worker could be killed:\n" + text[-3000:]
+    assert resumed is not None, text[-3000:]
     # Resumed from the checkpoint registered when the worker died (or a later one that
     # registered in the moment before the group stopped), never from scratch or an older one.
-    assert registered <= resumed[-1] <= last_step_at_kill, (registered, resumed, last_step_at_kill)
+    assert registered <= resumed <= last_step_at_kill, (registered, resumed, last_step_at_kill)
     # At most one checkpoint interval redone (--checkpoint-every 10).
-    assert last_step_at_kill - resumed[-1] <= 10, (resumed, last_step_at_kill)
-    s = summary_of(text)
-    assert s["steps"] == 40
+    assert last_step_at_kill - resumed <= 10, (resumed, last_step_at_kill)
+
+    # Fault 2: the driver was killed mid-run, after the restarted group's own checkpoint.
+    assert driver is not None and len(driver["pids"]) == 1, (driver, text[-3000:])
+    driver_ckpt = driver["registered"]
+    assert (tmp_path / name / driver_ckpt / "rayfleet_checkpoint.json").exists()
+    status = _wait_for("the first job to end", lambda: (
+        s := _job_status(ray_cluster, first_id)) not in ("PENDING", "RUNNING") and s,
+        timeout=120)
+    assert status in ("FAILED", "STOPPED"), status  # it did not finish on its own
+    assert "RAYFLEET_SUMMARY" not in _job_logs(ray_cluster, first_id)
+
+    second = run([*submit, "--", *entry], env=ray_cluster["env"], timeout=400)
+    out2 = second.stdout + second.stderr
+    assert second.returncode == 0, out2[-4000:]
+    again = re.search(r"resuming from step (\d+) \((\S+)\)", out2)
+    # Mid-run: the killed driver had not finished (else this would be "already complete").
+    assert again and driver["step"] <= int(again.group(1)) < 60, out2[-3000:]
+    assert Path(again.group(2)).name >= driver_ckpt  # that checkpoint or a later one
+    assert f"[rayfleet] resumed from step {again.group(1)}" in out2  # the workers did too
+    s = summary_of(second.stdout)
+    assert s["steps"] == 60
+    # No second start: the resubmitted job trained only the steps after its checkpoint (a
+    # restart from 0 would log step 5 again).
+    logged = [int(n) for n in re.findall(r"\[rayfleet\] step (\d+)/60", second.stdout)]
+    assert logged and min(logged) > int(again.group(1)), (logged, again.group(1))
 
     # The uninterrupted reference: the same loop, seed and world size under plain torchrun
     # (convention 5: the loop is the same code; an uninterrupted Ray Train run ends at the
@@ -84,14 +129,11 @@ def test_killed_worker_resumes_from_latest_checkpoint(ray_cluster, tmp_path):
                            timeout=300)
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     reference = summary_of(clean.stdout)
-    assert reference["step"] == 40 and reference["world_size"] == 2
-    # Same seed, resumed model/optimizer/RNG/data position: the same final loss as the run
-    # that was never interrupted (a resume that lost the optimizer's moments, the RNG or the
-    # data position lands elsewhere).
+    assert reference["step"] == 60 and reference["world_size"] == 2
     assert s["final_loss"] == pytest.approx(reference["loss"], abs=2e-3), (s, reference)
 
 
-# -- helpers for faults 2, 4, 5 ------------------------------------------------------------
+# -- helpers -------------------------------------------------------------------------------
 
 def _latest_registered(read, field: str = "checkpoint_dir_name"):
     """The checkpoint Ray Train resumes from: `latest_checkpoint_result` in its snapshot,
@@ -134,6 +176,16 @@ def _job_status(ray_cluster, submission_id: str) -> str:
         return json.loads(resp.read())["status"]
 
 
+def _job_logs(ray_cluster, submission_id: str) -> str:
+    """The job's log so far, one Jobs REST API request (as _job_status)."""
+    token = Path(ray_cluster["client_env"]["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+    req = urllib.request.Request(
+        f"{ray_cluster['dashboard_url']}/api/jobs/{submission_id}/logs",
+        headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())["logs"]
+
+
 def _driver_pids(marker: str) -> list[int]:
     """The job's Python driver: a process running workloads.train whose arguments name
     `marker` (this test's own tmp_path, so nobody else's process matches)."""
@@ -165,48 +217,10 @@ def _one_line_error(proc_stderr: str) -> str:
     return own[0]
 
 
-# -- fault 2: the job driver killed --------------------------------------------------------
+# -- faults 4 and 5: a short run ---------------------------------------------------------
 
 SHORT = ["--smoke-test", "--model", "tiny", "--max-steps", "60", "--checkpoint-every", "10",
          "--log-every", "10", "--seed", "3"]
-
-
-def test_killed_job_driver_resubmitted_resumes_from_storage(ray_cluster, tmp_path):
-    """`ray job submit --no-wait`, SIGKILL the driver once a checkpoint is registered (the
-    harshest stop: no cleanup), then submit the same command again: it resumes from that
-    checkpoint and finishes; the run's history has no second start."""
-    name = "driver-killed"
-    entry = ["python", "-m", "workloads.train", *SHORT, "--name", name,
-             "--storage-path", str(tmp_path)]
-    first_id = f"rf-fault2-{uuid.uuid4().hex[:8]}"
-    run([str(BIN / "ray"), "job", "submit", "--no-wait", "--submission-id", first_id,
-         "--working-dir", ".", "--", *entry], env=ray_cluster["env"], timeout=180, check=True)
-    snapshot = _file_reader(tmp_path / name / "checkpoint_manager_snapshot.json")
-    registered = _wait_for("the first registered checkpoint",
-                           lambda: _latest_registered(snapshot))
-    assert (tmp_path / name / registered / "rayfleet_checkpoint.json").exists()
-    pids = _driver_pids(str(tmp_path))
-    assert len(pids) == 1, pids
-    os.kill(pids[0], signal.SIGKILL)
-    status = _wait_for("the first job to end", lambda: (
-        s := _job_status(ray_cluster, first_id)) not in ("PENDING", "RUNNING") and s,
-        timeout=120)
-    assert status in ("FAILED", "STOPPED"), status  # it did not finish on its own
-
-    second = run([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--", *entry],
-                 env=ray_cluster["env"], timeout=400)
-    out = second.stdout + second.stderr
-    assert second.returncode == 0, out[-4000:]
-    resumed = re.search(r"resuming from step (\d+) \((\S+)\)", out)
-    # Mid-run: the killed driver had not finished (else this would be "already complete").
-    assert resumed and 10 <= int(resumed.group(1)) < 60, out[-3000:]
-    assert Path(resumed.group(2)).name >= registered  # that checkpoint or a later one
-    assert f"[rayfleet] resumed from step {resumed.group(1)}" in out  # the workers did too
-    assert summary_of(second.stdout)["steps"] == 60
-    # No second start: the resubmitted job trained only the steps after its checkpoint (a
-    # restart from 0 would log step 10 again).
-    logged = [int(s) for s in re.findall(r"\[rayfleet\] step (\d+)/60", second.stdout)]
-    assert logged and min(logged) > int(resumed.group(1)), (logged, resumed.group(1))
 
 
 # -- fault 4: storage fails while a checkpoint is written -------------------------------------
