@@ -45,12 +45,8 @@ def summary_of(stdout: str) -> dict:
 
 
 def pytest_collection_finish(session):
-    # The node-environment tests' venv build starts now, in the background (see there).
-    if any(item.nodeid.startswith("tests/cluster/test_node_env.py") for item in session.items):
-        from tests.cluster import test_node_env
-
-        test_node_env.start_prebuild()
-    # So is the fake cloud's wheelhouse (tests/fakecloud/test_ray_up.py).
+    # The fake cloud's wheelhouse (tests/fakecloud/test_ray_up.py) is built in the background
+    # from now on.
     if any(item.nodeid.startswith("tests/fakecloud/") for item in session.items):
         from tests.fakecloud import test_ray_up
 

@@ -109,10 +109,6 @@ class Node:
     proc: subprocess.Popen
     log: Path
 
-    @property
-    def home(self) -> Path:
-        return self.root / "home"
-
 
 @dataclass
 class FakeCloud:
@@ -285,17 +281,6 @@ class FakeCloud:
             node.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             node.proc.kill()
-
-    def wait_ssh(self, node: Node, timeout: float = 20) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            probe = subprocess.run(["ip", "netns", "exec", node.netns, "bash", "-c",
-                                    f"exec 3<>/dev/tcp/{node.ip}/22"], capture_output=True)
-            if probe.returncode == 0:
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"{node.instance_id}: sshd did not come up: "
-                           f"{node.log.read_text()[-1000:]}")
 
     # ------------------------------------------------------------------ teardown
 

@@ -11,6 +11,11 @@ the token, and the job checkpoints into the stack's bucket -> the data job -> `r
 serve-config` + `serve deploy` of `lm` on that checkpoint, answering the `openai` client through
 a second tunnel -> `ray down -y` -> `rayfleet sweep` finds nothing -> the fake cloud is gone.
 
+On the way it checks what a node built only by the YAML runs: `ray exec` finds Ray at the
+client's version and no kit code (jobs bring it with --working-dir); DDP writes checkpoints,
+metrics and its loss plot to the bucket; FSDP and DeepSpeed write one shard per rank there; the
+data job's rerun skips every shard; the embeddings agree with the packaged model run here.
+
 A failed step names itself; everything is torn down whatever happens."""
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ def start_prebuild() -> None:
 class Steps:
     """Names the step that failed, and keeps a log of how long each took."""
 
-    def __init__(self):
+    def __init__(self, root: Path):
+        self.root = root
         self.times: list[tuple[str, float]] = []
 
     @contextlib.contextmanager
@@ -65,7 +71,8 @@ class Steps:
         try:
             yield
         except Exception as e:
-            raise AssertionError(f"rehearsal step '{name}' failed: {e}") from e
+            raise AssertionError(f"rehearsal step '{name}' failed (logs in {self.root}): "
+                                 f"{e}") from e
         finally:
             self.times.append((name, time.monotonic() - t0))
             print(f"rehearsal: {name}: {time.monotonic() - t0:.1f} s", flush=True)
@@ -115,6 +122,26 @@ def _http(url: str, token: str | None = None, timeout: float = 5) -> tuple[int, 
         return 0, b""
 
 
+def _submit(client: dict, log: Path, *argv: str) -> str:
+    """`ray job submit --working-dir .` through the tunnel, as README's cloud path submits."""
+    return _ok(_logged([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
+                        "python", "-m", *argv], client, log, 400), f"the {argv[0]} job")
+
+
+def _keys(s3, bucket: str, prefix: str) -> list[str]:
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+
+def pq_rows(s3, bucket: str, key: str) -> list:
+    import io
+
+    import pyarrow.parquet as pq
+
+    body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    return pq.read_table(io.BytesIO(body)).column("tokens").to_pylist()
+
+
 def _tags(instance: dict) -> dict[str, str]:
     return {t["Key"]: t["Value"] for t in instance.get("Tags") or []}
 
@@ -134,8 +161,8 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         require_tools()
     except Unavailable as e:
         pytest.skip(f"fake cloud unavailable: {e}")
-    step = Steps()
     root = Path(tempfile.mkdtemp(prefix="rayfleet-fakecloud-", dir="/var/tmp"))
+    step = Steps(root)
     with step("wheelhouse (the nodes' package mirror)"):
         wheels = (PREBUILD["future"].result() if "future" in PREBUILD
                   else wheelhouse(BIN / "pip"))
@@ -206,6 +233,16 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert len(heads) == 1, cloud.events
             head = heads[0]
 
+        with step("ray exec: the node has the environment, not the kit"):
+            # Built by the YAML's own setup commands; the kit's code comes with each job.
+            check = ("~/rayfleet-venv/bin/python -c 'import importlib.util as u, ray; "
+                     "print(\"NODE\", u.find_spec(\"workloads\") is None, ray.__version__)'")
+            probe = _ok(run(op([str(BIN / "ray"), "exec", str(cluster_yaml), check]), env=env,
+                            timeout=120), "ray exec")
+            import ray
+
+            assert f"NODE True {ray.__version__}" in probe, probe[-2000:]   # rule 25
+
         token = token_file.read_text().strip()
         client = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
         dash = free_port()
@@ -235,9 +272,14 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             s = summary_of(train.stdout)
             assert s["steps"] == 10 and s["final_loss"] < s["first_loss"], s
             assert s["checkpoint"].startswith(f"{runs}/cloud-ddp/"), s
-            keys = [o["Key"] for o in s3.list_objects_v2(
-                Bucket=bucket, Prefix="rayfleet/runs/cloud-ddp/")["Contents"]]
+            assert "global batch 16 seqs = 8 x 1 accum x 2 workers" in train.stdout
+            assert "lr 0.003 x 2 = 0.006" in train.stdout   # linear LR scaling
+            keys = _keys(s3, bucket, "rayfleet/runs/cloud-ddp/")
             assert any(k.endswith("/rayfleet_checkpoint.json") for k in keys), keys
+            assert any(k.endswith("/model.pt") for k in keys), keys
+            assert "rayfleet/runs/cloud-ddp/metrics.csv" in keys, keys
+            png = s3.get_object(Bucket=bucket, Key="rayfleet/runs/cloud-ddp/loss.png")
+            assert png["Body"].read()[:4] == b"\x89PNG"   # matplotlib ran on the node
             from tests.moto.pulumi_moto import cluster_instances
 
             live = cluster_instances(ec2, cluster)
@@ -254,17 +296,78 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert set(alive) == {head.ip, workers[0]["PrivateIpAddress"]}, nodes
 
         with step("ray job submit: the data job"):
-            data = run([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
-                        "python", "-m", "workloads.data", "--smoke-test", "--max-bytes",
-                        "300000", "--shard-bytes", "60000", "--output",
-                        f"s3://{bucket}/rayfleet/data"], env=client, timeout=400)
-            _ok(data, "the data job")
-            d = summary_of(data.stdout)
-            assert d["written"] == d["shards"] >= 2 and d["rows"] > 100, d
-            shards = [o["Key"] for o in s3.list_objects_v2(
-                Bucket=bucket, Prefix="rayfleet/data/")["Contents"]
-                if o["Key"].endswith(".parquet")]
+            data_argv = ("workloads.data", "--smoke-test", "--max-bytes", "300000",
+                         "--shard-bytes", "60000", "--output", f"s3://{bucket}/rayfleet/data")
+            d = summary_of(_submit(client, root / "data.log", *data_argv))
+            assert d["seq_len"] == 64 and d["written"] == d["shards"] >= 2, d
+            assert d["skipped"] == 0 and d["rows"] > 100, d
+            shards = [k for k in _keys(s3, bucket, "rayfleet/data/")
+                      if k.endswith(".parquet")]
             assert len(shards) == d["shards"], shards
+            first = pq_rows(s3, bucket, shards[0])
+            assert len(first[0]) == 65 and all(0 <= b < 256 for b in first[0])
+
+        for strategy in ("fsdp", "deepspeed"):
+            with step(f"ray job submit: {strategy}, per-rank shards in the bucket"):
+                job = _submit(client, root / f"{strategy}.log", "workloads.train",
+                              "--smoke-test", "--strategy", strategy, "--max-steps", "10",
+                              "--checkpoint-every", "10", "--storage-path", runs)
+                r = summary_of(job)
+                assert r["steps"] == 10 and r["final_loss"] < r["first_loss"], r
+                ckpt = r["checkpoint"].removeprefix(f"s3://{bucket}/")
+                files = set(_keys(s3, bucket, ckpt + "/"))
+                if strategy == "fsdp":   # each of the two ranks wrote its own shard
+                    assert {f"{ckpt}/dcp/__0_0.distcp", f"{ckpt}/dcp/__1_0.distcp",
+                            f"{ckpt}/dcp/.metadata"} <= files, files
+                else:
+                    assert len([f for f in files
+                                if f.endswith("_optim_states.pt")]) == 2, files
+                assert f"{ckpt}/model.pt" in files   # full weights, for serving
+
+        with step("ray job submit: the data job again skips every shard"):
+            def objects():
+                pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                      Prefix="rayfleet/data/")
+                return {o["Key"]: (o["ETag"], o["LastModified"]) for p in pages
+                        for o in p.get("Contents", []) if o["Key"].endswith(".parquet")}
+
+            before = objects()
+            again = summary_of(_submit(client, root / "data-again.log", *data_argv))
+            assert objects() == before   # not one shard rewritten
+            assert again["written"] == 0 and again["skipped"] == d["shards"], again
+            assert again["rows"] == d["rows"], again
+
+        with step("ray job submit: embeddings"):
+            docs = 80
+            # --num-gpus 0: the fake A100 worker declares the 8 GPUs of its type but has none.
+            emb = summary_of(_submit(client, root / "embed.log", "workloads.embed",
+                                     "--smoke-test", "--max-docs", str(docs), "--batch-size",
+                                     "32", "--num-gpus", "0", "--output",
+                                     f"s3://{bucket}/rayfleet/embeddings"))
+            import io
+
+            import numpy as np
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            parts = sorted(k for k in _keys(s3, bucket, "rayfleet/embeddings/")
+                           if k.endswith(".parquet"))
+            t = pa.concat_tables([pq.read_table(io.BytesIO(
+                s3.get_object(Bucket=bucket, Key=k)["Body"].read())) for k in parts])
+            assert emb["rows"] == t.num_rows == docs and emb["dim"] == 384, emb
+            vecs = np.array(t["embedding"].to_pylist(), dtype=np.float32)
+            assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-4)
+            # The nodes' actors, 32 documents a batch, agree with the packaged model run here
+            # one document at a time.
+            from workloads.embed.pipeline import encode, load_encoder, model_path
+
+            enc = load_encoder(model_path("all-MiniLM-L6-v2"))
+            for i in (0, 17, docs - 1):
+                mine = encode(enc, [t["text"][i].as_py()], 1)[0]
+                assert np.abs(mine - vecs[i]).max() < 1e-5, i
+            manifest = json.loads(s3.get_object(Bucket=bucket, Key="rayfleet/embeddings/"
+                                                "_manifest.json")["Body"].read())
+            assert manifest["model"] == "all-MiniLM-L6-v2", manifest
 
         with step("serve deploy of lm, answered through a tunnel"):
             src = yaml.safe_load((REPO / "cluster-configs" / "serve" / "lm.yaml").read_text())
@@ -316,6 +419,9 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         problems = cloud.close()
         signal.signal(signal.SIGTERM, previous)
         print("rehearsal steps:", json.dumps([(n, round(t, 1)) for n, t in step.times]))
-        if not problems:
-            shutil.rmtree(root / "cloud" / "nodes", ignore_errors=True)
-    assert not problems, problems
+        # The nodes' venvs are gigabytes; their logs (and ray up's, the jobs') stay for a
+        # failed run, which names this folder.
+        for venv in (root / "cloud" / "nodes").glob("*/home/rayfleet-venv"):
+            shutil.rmtree(venv, ignore_errors=True)
+    assert not problems, f"{problems} (logs in {root})"
+    shutil.rmtree(root, ignore_errors=True)

@@ -1,6 +1,6 @@
 """workloads.data's refusals of bad input (one line, nothing written). Its runs (packed output,
 row counts, sequence length, deterministic shard names, idempotent re-run) are in
-tests/cluster/test_node_env.py, on a node built by the cluster YAML's setup commands; streaming
+tests/fakecloud/test_ray_up.py, on nodes `ray up` built from the cluster YAML; streaming
 into training is README's example (tests/cluster/test_readme.py)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """workloads.embed's refusals of bad input (one line, nothing written, before Ray starts). Its
-runs (actor pool, packaged all-MiniLM-L6-v2, Parquet ids + vectors equal to the model run here)
-and the `rag` Serve app over them are in tests/cluster/test_node_env.py, on a node built by
-the cluster YAML's setup commands."""
+runs (actor pool, packaged all-MiniLM-L6-v2, unit vectors equal to the model run here) are in
+tests/fakecloud/test_ray_up.py, on nodes `ray up` built from the cluster YAML, and the `rag`
+Serve app over them in README's example (tests/cluster/test_readme.py)."""
 
 from __future__ import annotations
 

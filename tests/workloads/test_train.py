@@ -1,6 +1,6 @@
 """workloads.train on the real local Ray cluster: fail-fast resource checks and bad input.
 Training runs with each strategy, S3 checkpoints (moto) and serving from them are in
-tests/cluster/test_node_env.py, on a node built by the cluster YAML's setup commands; resumes
+tests/fakecloud/test_ray_up.py, on nodes `ray up` built from the cluster YAML; resumes
 are the fault tests' subject (tests/faults/)."""
 
 import pytest
