@@ -162,9 +162,13 @@ def setup_commands(env: nodeenv.NodeEnv) -> list[str]:
         f"environment needs one (add python3.12-venv or python3.11-venv to the image)' >&2; "
         f"exit 1; }}; }}",
         f"{VENV}/bin/pip install --quiet --upgrade pip setuptools wheel",
-        f"{VENV}/bin/pip install --quiet " + " ".join(shlex.quote(r) for r in env.requirements),
+        # --no-compile: Python compiles what a process imports, once, when it first imports
+        # it; compiling every file of torch, Ray and transformers up front is more than half
+        # of the install's CPU time and delays every node's start.
+        f"{VENV}/bin/pip install --quiet --no-compile "
+        + " ".join(shlex.quote(r) for r in env.requirements),
         # DeepSpeed's sdist imports torch when it builds: after torch, without isolation.
-        *([f"{VENV}/bin/pip install --quiet --no-build-isolation "
+        *([f"{VENV}/bin/pip install --quiet --no-compile --no-build-isolation "
            + " ".join(shlex.quote(r) for r in env.after_torch)] if env.after_torch else []),
         "chmod 700 ~/.rayfleet && chmod 600 " + REMOTE_TOKEN,
     ]
