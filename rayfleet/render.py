@@ -25,14 +25,10 @@ from typing import Any
 
 import yaml
 
-from rayfleet.config import (
-    HEAD_INSTANCE_TYPES,
-    RAY_CLUSTER_TAG,
-    RAY_PORTS,
-    WORKER_INSTANCE_TYPES,
-)
+from rayfleet.config import HEAD_INSTANCE_TYPES, WORKER_INSTANCE_TYPES
 from rayfleet import nodeenv
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
+from rayfleet.facts import HEAD_ONLY_PORTS, RAY_CLUSTER_TAG, RAY_PORTS, port
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = REPO / "pyproject.toml"
@@ -225,7 +221,7 @@ def port_flags(head: bool) -> str:
     for p in RAY_PORTS:
         if not p.flag.startswith("--"):
             continue  # ssh, and Serve's ports (set in the Serve config, not by ray start)
-        if p.name in ("gcs", "dashboard", "client") and not head:
+        if p.name in HEAD_ONLY_PORTS and not head:
             continue  # head-only listeners
         if "/" in p.flag:
             lo_flag, hi_flag = p.flag.split("/")
@@ -395,7 +391,7 @@ def build_config(o: dict[str, Any], token_file: str, key_name: str | None = None
            "opens."),
         "worker_start_ray_commands": Why([
             f"{RAY_BIN} stop",
-            f"ulimit -n 65536; {auth_env}; {RAY_BIN} start --address=$RAY_HEAD_IP:6379 "
+            f"ulimit -n 65536; {auth_env}; {RAY_BIN} start --address=$RAY_HEAD_IP:{port('gcs')} "
             + port_flags(head=False),
         ], "Same token and pinned ports on every worker."),
     }
@@ -424,7 +420,9 @@ def render_text(o: dict[str, Any], token_file: str, key_name: str | None = None,
     cfg = build_config(o, token_file, key_name, idle_timeout_minutes)
     text = header(o) + "\n".join(_emit(cfg)).lstrip("\n") + "\n"
     # The comments are ours; the data must round-trip exactly.
-    assert yaml.safe_load(text) == plain(cfg)
+    if yaml.safe_load(text) != plain(cfg):
+        raise RayfleetError("render: the cluster YAML would not load back as the stack output's "
+                            "values; check them for unusual characters, or report it as a bug")
     return text
 
 

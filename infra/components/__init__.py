@@ -45,7 +45,8 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from rayfleet.config import RAY_PORTS, StackConfig
+from rayfleet.config import StackConfig
+from rayfleet.facts import MANAGED_BY_PULUMI, RAY_PORTS, TAG_CLUSTER, TAG_MANAGED_BY, TAG_STACK
 
 from .budget import Budget, BudgetArgs
 from .gpu_nodes import GpuNodes, GpuNodesArgs
@@ -72,9 +73,9 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         f"{c}-aws",
         region=cfg.region,
         default_tags=aws.ProviderDefaultTagsArgs(tags={
-            "rayfleet:cluster": c,
-            "rayfleet:stack": stack,
-            "rayfleet:managed-by": "pulumi",
+            TAG_CLUSTER: c,
+            TAG_STACK: stack,
+            TAG_MANAGED_BY: MANAGED_BY_PULUMI,
         }),
     )
     opts = pulumi.ResourceOptions(providers={"aws": provider})
