@@ -29,8 +29,6 @@ from rayfleet.facts import HEAD_ONLY_PORTS, RAY_CLUSTER_TAG, RAY_PORTS, port
 from rayfleet.stack import StackOutputs, WorkerNodeType
 from rayfleet.stack import parse as parse_outputs
 
-REPO = Path(__file__).resolve().parents[1]
-PYPROJECT = REPO / "pyproject.toml"
 # Relative to where the command runs (the user's checkout), as README shows it.
 GENERATED = Path("cluster-configs") / "generated"
 
@@ -166,8 +164,9 @@ def ensure_token(path: str) -> Path:
 
 def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                  idle_timeout_minutes: int = 10,
-                 pyproject: Path = PYPROJECT) -> dict[str, Any]:
-    """The cluster YAML as a mapping (values possibly wrapped in :class:`Why`)."""
+                 pyproject: Path | None = None) -> dict[str, Any]:
+    """The cluster YAML as a mapping (values possibly wrapped in :class:`Why`). The node
+    environment is the installed kit's (``pyproject``: another declaration, for tests)."""
     c = o.cluster_name
     region = o.region
     key_name = key_name or f"{c}-operator"
