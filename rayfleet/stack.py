@@ -46,7 +46,7 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from rayfleet import catalog
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
@@ -74,11 +74,25 @@ class WorkerNodeType:
     max_workers: int
 
 
+H = TypeVar("H")
+W = TypeVar("W")
+
+
 @dataclass(frozen=True)
-class NodeTypes:
-    head: HeadNodeType
-    worker_ondemand: WorkerNodeType
-    worker_spot: WorkerNodeType
+class ByNodeType(Generic[H, W]):
+    """One value per node type of the cluster YAML: the head and the two worker markets."""
+
+    head: H
+    worker_ondemand: W
+    worker_spot: W
+
+
+@dataclass(frozen=True)
+class ByRole(Generic[H]):
+    """One value per node role (IAM): the head's and every worker's."""
+
+    head: H
+    worker: H
 
 
 @dataclass(frozen=True)
@@ -87,21 +101,8 @@ class Arn:
 
 
 @dataclass(frozen=True)
-class Arns:
-    head: Arn
-    worker: Arn
-
-
-@dataclass(frozen=True)
 class TemplateId:
     id: str
-
-
-@dataclass(frozen=True)
-class LaunchTemplates:
-    head: TemplateId
-    worker_ondemand: TemplateId
-    worker_spot: TemplateId
 
 
 @dataclass(frozen=True)
@@ -114,9 +115,9 @@ class StackOutputs:
     private_subnet_ids: list[str]
     worker_subnet_id: str
     cluster_security_group_id: str
-    instance_profiles: Arns
-    launch_templates: LaunchTemplates
-    node_types: NodeTypes
+    instance_profiles: ByRole[Arn]
+    launch_templates: ByNodeType[TemplateId, TemplateId]
+    node_types: ByNodeType[HeadNodeType, WorkerNodeType]
     storage_uri: str
     # For operators and the kit's tests; optional when parsed.
     worker_availability_zone: str | None = None
@@ -124,7 +125,7 @@ class StackOutputs:
     efa_security_group_id: str | None = None
     operator_access: str | None = None
     operator_cidrs: list[str] = field(default_factory=list)
-    roles: Arns | None = None
+    roles: ByRole[Arn] | None = None
     placement_group: str | None = None
     ami_id: str | None = None
     imds_hop_limit: int | None = None
@@ -254,8 +255,8 @@ def _build(o: dict[str, Any]) -> StackOutputs:
         return WorkerNodeType(w["instance_type"], w["vcpus"], w["gpus"],
                               w.get("efa_interfaces", 0), w["min_workers"], w["max_workers"])
 
-    def arns(d: dict[str, Any]) -> Arns:
-        return Arns(Arn(d["head"]["arn"]), Arn(d["worker"]["arn"]))
+    def arns(d: dict[str, Any]) -> ByRole[Arn]:
+        return ByRole(Arn(d["head"]["arn"]), Arn(d["worker"]["arn"]))
 
     lts = o["launch_templates"]
     try:
@@ -272,12 +273,12 @@ def _build(o: dict[str, Any]) -> StackOutputs:
         worker_subnet_id=o["worker_subnet_id"],
         cluster_security_group_id=o["cluster_security_group_id"],
         instance_profiles=arns(o["instance_profiles"]),
-        launch_templates=LaunchTemplates(TemplateId(lts["head"]["id"]),
-                                         TemplateId(lts["worker_ondemand"]["id"]),
-                                         TemplateId(lts["worker_spot"]["id"])),
-        node_types=NodeTypes(HeadNodeType(nt["head"]["instance_type"], nt["head"]["vcpus"],
-                                          nt["head"].get("gpus", 0)),
-                             worker("worker_ondemand"), worker("worker_spot")),
+        launch_templates=ByNodeType(TemplateId(lts["head"]["id"]),
+                                    TemplateId(lts["worker_ondemand"]["id"]),
+                                    TemplateId(lts["worker_spot"]["id"])),
+        node_types=ByNodeType(HeadNodeType(nt["head"]["instance_type"], nt["head"]["vcpus"],
+                                           nt["head"].get("gpus", 0)),
+                              worker("worker_ondemand"), worker("worker_spot")),
         storage_uri=o["storage_uri"],
         worker_availability_zone=o.get("worker_availability_zone"),
         vpc_id=o.get("vpc_id"),

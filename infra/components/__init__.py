@@ -126,15 +126,15 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         efa_security_group_id=security.efa.id,
         operator_access=cfg.access.mode,
         operator_cidrs=list(cfg.access.operator_cidrs),
-        instance_profiles=contract.Arns(head=contract.Arn(iam.head_profile.arn),
-                                        worker=contract.Arn(iam.worker_profile.arn)),
-        roles=contract.Arns(head=contract.Arn(iam.head_role.arn),
-                            worker=contract.Arn(iam.worker_role.arn)),
-        launch_templates=contract.LaunchTemplates(
+        instance_profiles=contract.ByRole(head=contract.Arn(iam.head_profile.arn),
+                                          worker=contract.Arn(iam.worker_profile.arn)),
+        roles=contract.ByRole(head=contract.Arn(iam.head_role.arn),
+                              worker=contract.Arn(iam.worker_role.arn)),
+        launch_templates=contract.ByNodeType(
             head=contract.TemplateId(nodes.head.id),
             worker_ondemand=contract.TemplateId(nodes.worker_ondemand.id),
             worker_spot=contract.TemplateId(nodes.worker_spot.id)),
-        node_types=contract.NodeTypes(
+        node_types=contract.ByNodeType(
             head=contract.HeadNodeType(instance_type=head.name, vcpus=head.vcpus, gpus=0),
             worker_ondemand=workers(cfg.nodes.on_demand_min, cfg.nodes.on_demand_max),
             worker_spot=workers(cfg.nodes.spot_min, cfg.nodes.spot_max)),
