@@ -27,8 +27,14 @@ from typing import Any
 from rayfleet import catalog
 from rayfleet.catalog import InstanceSpec
 from rayfleet.errors import ConfigError, did_you_mean
-from rayfleet.facts import IMDS_HOP_LIMIT, IMDS_HOP_LIMIT_CONTAINERS, RAY_CLUSTER_TAG, \
-    RAY_PORTS, RayPort
+from rayfleet.facts import (
+    CLUSTER_NAME,
+    IMDS_HOP_LIMIT,
+    IMDS_HOP_LIMIT_CONTAINERS,
+    RAY_CLUSTER_TAG,
+    RAY_PORTS,
+    RayPort,
+)
 from rayfleet.rules import rule
 
 NAMESPACE = "rayfleet"
@@ -458,9 +464,7 @@ def _slug(value: str) -> str:
 
 
 def _cluster_name(value: str) -> str:
-    # The name goes into resource names, IAM policy conditions and Ray's cluster_name, so keep
-    # it to what all of them accept.
-    if re.fullmatch(r"[a-z][a-z0-9-]{1,30}[a-z0-9]", value) and "--" not in value:
+    if CLUSTER_NAME.fullmatch(value) and "--" not in value:
         return value
     slug = _slug(value)
     hint = _suggest(slug) if slug and slug != value and 3 <= len(slug) <= 32 else ""

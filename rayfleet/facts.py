@@ -112,7 +112,12 @@ def port(name: str) -> int:
     return RAY_PORTS_BY_NAME[name].from_port
 
 
-# ----------------------------------------------------------------------------- S3
+# ----------------------------------------------------------------------------- names
+
+# A rayfleet cluster name goes into resource names, IAM policy conditions and Ray's
+# cluster_name, so it keeps to what all of them accept (config also refuses "--").
+CLUSTER_NAME = re.compile(r"[a-z][a-z0-9-]{1,30}[a-z0-9]")
+
 
 # S3 bucket naming rules for general purpose buckets: 3-63 characters, lowercase letters,
 # digits, dots and hyphens, starting and ending with a letter or digit, no two dots in a row

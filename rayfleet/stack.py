@@ -44,12 +44,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from rayfleet import catalog
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
+from rayfleet.facts import CLUSTER_NAME
 
 SCHEMA_VERSION = 1
 
@@ -232,7 +232,7 @@ def _check(o: dict[str, Any], source: str) -> None:
         _count(source, f"node_types.{kind}.vcpus", nt[kind]["vcpus"], 1)
         _count(source, f"node_types.{kind}.gpus", nt[kind]["gpus"], 1)
         _count(source, f"node_types.{kind}.efa_interfaces", nt[kind].get("efa_interfaces", 0), 0)
-    if not re.fullmatch(r"[a-z][a-z0-9-]{1,30}[a-z0-9]", str(o["cluster_name"])):
+    if not CLUSTER_NAME.fullmatch(str(o["cluster_name"])):
         raise ConfigError(f"{source}: cluster_name", f"{o['cluster_name']!r} is not a rayfleet "
                                                      "cluster name")
 

@@ -74,8 +74,8 @@ def test_references_to_secrets_are_not_secrets(text):
     assert not any(p.search(text) for p, _ in facts.SECRET_PATTERNS)
 
 
-def test_bucket_name_rule_lives_in_facts():
-    assert _hits(r"\{1,61\}", FACTS) == []
+def test_bucket_and_cluster_name_rules_live_in_facts():
+    assert _hits(r"\{1,61\}|\{1,30\}", FACTS) == []
     for good in ("rayfleet-data-0001", "a.b-c", "abc"):
         assert facts.is_bucket_name(good), good
     for bad in ("My_Bucket", "ab", "a..b", "-abc", "abc-", "a" * 64):
