@@ -28,7 +28,6 @@ from rayfleet.rules import RULES
 ERROR, WARNING = "error", "warning"
 
 
-
 @dataclass(frozen=True)
 class Finding:
     severity: str

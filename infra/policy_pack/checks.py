@@ -136,7 +136,6 @@ FORBIDDEN_MANAGED_POLICIES = ("AdministratorAccess", "AmazonEC2FullAccess",
                               "AmazonS3FullAccess", "PowerUserAccess", "IAMFullAccess")
 
 
-
 # ----------------------------------------------------------------------------- helpers
 
 UNKNOWN = object()  # a value a preview cannot know yet
