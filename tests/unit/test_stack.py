@@ -78,3 +78,22 @@ def test_bad_node_types_are_one_line_exit_2(mutate, expected, outputs, tmp_path,
 def test_rendered_example_still_loads_as_ray_sees_it(outputs):
     text = render.render_text(stack.parse(json.dumps(outputs)), "t")
     assert yaml.safe_load(text)["cluster_name"] == "rayfleet-dev"
+
+
+def test_the_docstring_and_the_required_keys_follow_the_dataclass(outputs):
+    """The contract is written once: its docstring names every field, and every key render
+    requires is a field."""
+    exported = stack.parse(json.dumps(outputs)).to_dict()
+
+    def keys(d: dict, prefix: str = "") -> set[str]:
+        out = set()
+        for k, v in d.items():
+            out.add(prefix + k)
+            if isinstance(v, dict) and k != "ray_ports":
+                out |= keys(v, f"{prefix}{k}.")
+        return out
+
+    every = keys(exported)
+    assert set(stack.REQUIRED_KEYS) <= every
+    for key in every:
+        assert re.search(rf"\b{key.rsplit('.', 1)[-1]}\b", stack.__doc__), key
