@@ -27,13 +27,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError
+from rayfleet.facts import port
 
-DEFAULT_GCS_PORT = 6379
-DEFAULT_DASHBOARD_PORT = 8265
+# Ray's own defaults, the ports a cluster of the stack uses too.
+DEFAULT_GCS_PORT = port("gcs")
+DEFAULT_DASHBOARD_PORT = port("dashboard")
 # Auxiliary ports: Ray's defaults when free, otherwise any free port, so a second cluster
 # (the test suite's, say) can run beside the user's.
-DEFAULT_CLIENT_PORT = 10001
-DEFAULT_AGENT_PORT = 52365
+DEFAULT_CLIENT_PORT = port("client")
+DEFAULT_AGENT_PORT = port("dashboard-agent-http")
 # The node's Prometheus endpoint (plain HTTP, no token; README, "What listens"): pinned, as
 # Ray otherwise picks a random port on every start.
 DEFAULT_METRICS_PORT = 8080

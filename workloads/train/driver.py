@@ -19,6 +19,7 @@ import re
 import sys
 import time
 
+from rayfleet import catalog
 from rayfleet.errors import (
     CheckpointError,
     ClusterError,
@@ -34,9 +35,6 @@ from workloads.train.loop import STRATEGIES, LoopConfig
 from workloads.train.model import PRESETS, GPTConfig
 
 PROG = "workloads.train"
-# Per-GPU memory by Ray accelerator type, for the OOM warning (GiB).
-GPU_MEMORY_GIB = {"A100": 40, "A100-40G": 40, "A100-80G": 80, "H100": 80, "H200": 141,
-                  "A10G": 24, "L4": 24, "T4": 16}
 
 
 # Run names become a folder under --storage-path (and Ray Train's experiment name).
@@ -504,7 +502,7 @@ def check_memory(model: GPTConfig, args, nodes: list[dict]) -> str | None:
         if have is None:
             kinds = [k.split(":", 1)[1] for n in nodes for k in n.get("Resources", {})
                      if k.startswith("accelerator_type:")]
-            have = max((GPU_MEMORY_GIB.get(k, 0) for k in kinds), default=0) or None
+            have = max((catalog.gpu_memory_gib(k) for k in kinds), default=0) or None
         where = "GPU"
         have_b = have * 2**30 if have else None
     else:
