@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import yaml
 
-from scripts.readme_blocks import examples
+from scripts.readme_blocks import all_examples
 from tests.conftest import BIN, REPO, free_port, run
 
 SHIM = r'''
@@ -132,9 +132,9 @@ def endpoint():
 
 
 def _readme_command(module: str) -> list[str]:
-    """README's `ray job submit ... -m <module> --smoke-test ...` line (run for real by
-    tests/cluster/test_readme.py), as argv."""
-    for _, body, expects in examples((REPO / "README.md").read_text()):
+    """README's (or a docs page's) `ray job submit ... -m <module> --smoke-test ...` line (run
+    for real by tests/cluster/test_readme.py), as argv."""
+    for _, body, expects in all_examples(REPO):
         for line in body.replace("\\\n", " ").splitlines():
             if expects is not None and f"-m {module} --smoke-test" in line:
                 return shlex.split(line.split("#", 1)[0])
