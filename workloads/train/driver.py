@@ -26,7 +26,8 @@ from rayfleet.errors import (
     RayfleetError,
     StorageError,
 )
-from workloads.common.cli import ArgumentParser, parse_env_pairs, run_main
+from rayfleet.entrypoint import ArgumentParser, run_main
+from workloads.common.cli import parse_env_pairs
 from workloads.common.deps import require
 from workloads.common.hf import is_hf_spec
 from workloads.common.storage import BUCKET_NAME, default_root, user_path

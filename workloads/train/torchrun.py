@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from workloads.common.cli import run_main
+from rayfleet.entrypoint import run_main
 from rayfleet.errors import ConfigError
 from workloads.train.driver import (
     absolute_hf_paths,
