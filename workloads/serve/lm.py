@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -70,17 +71,11 @@ def _split_s3(uri: str):
     return storage.fs, storage.path
 
 
-def _files(path: str) -> dict[str, int]:
-    """{relative path: size} of every file under a local folder or s3:// prefix ({} if none)."""
-    from workloads.train.runinfo import _listing
-
+def _location(path: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path on it) of a local folder or an s3:// prefix."""
     if path.startswith("s3://"):
-        fs, inner = _split_s3(path)
-        return _listing(fs, inner)
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        return {}
-    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+        return _split_s3(path)
+    return pafs.LocalFileSystem(), str(Path(path).expanduser().resolve())
 
 
 def check_checkpoint(path: str) -> dict:
@@ -95,22 +90,17 @@ def check_checkpoint(path: str) -> dict:
     replica loads."""
     from workloads.common import hf
     from workloads.train import checkpoint as ckpt
-    from workloads.train.runinfo import _read
 
     if not path:
         raise ConfigError("checkpoint", "no checkpoint given; pass args.checkpoint "
                           "(a folder or s3:// path written by workloads.train, or a Hugging "
                           "Face model folder)")
-    listing = _files(path)
+    fs, inner = _location(path)
+    listing = ckpt.list_files(fs, inner)
     if not listing:
         raise CheckpointError(f"checkpoint {path} does not exist")
     if ckpt.MARKER in listing:
-        if path.startswith("s3://"):
-            fs, inner = _split_s3(path)
-            raw = _read(fs, f"{inner}/{ckpt.MARKER}")
-            marker = ckpt.check_listing(path, ckpt.parse_marker(path, raw), listing)
-        else:
-            marker = ckpt.validate(Path(path).expanduser())
+        marker = ckpt.validate_on(fs, inner, path, listing=listing)
         if any(k.startswith("hf/") for k in listing):
             source = path.rstrip("/") + "/hf"
             return {**marker, "engine": "hf", "source": source,
@@ -118,7 +108,7 @@ def check_checkpoint(path: str) -> dict:
         if "model.pt" not in listing or "model_config.json" not in listing:
             raise CheckpointError(f"checkpoint {path} holds no full weights (model.pt) and no "
                                   "hf/ export; serve the run's final checkpoint")
-        if "hf" in json.loads(_model_config(path)):
+        if "hf" in json.loads(ckpt.read_file(fs, f"{inner}/model_config.json") or b"{}"):
             # A Hugging Face run's intermediate checkpoint: its export is written at the end.
             raise CheckpointError(f"checkpoint {path} is an intermediate checkpoint of a "
                                   "Hugging Face run (no hf/ export); serve the run's final "
@@ -135,26 +125,12 @@ def check_checkpoint(path: str) -> dict:
                           "(config.json + *.safetensors + tokenizer)")
 
 
-def _model_config(path: str) -> bytes:
-    from workloads.train.runinfo import _read
-
-    if path.startswith("s3://"):
-        fs, inner = _split_s3(path)
-        return _read(fs, f"{inner}/model_config.json") or b"{}"
-    return (Path(path).expanduser() / "model_config.json").read_bytes()
-
-
 def hf_source(path: str) -> str | None:
     """The Hugging Face folder a replica loads for `path` (itself, or a run checkpoint's
     `hf/` export), or None for a byte GPT checkpoint. Cheap: no validation."""
-    for folder in (path, path.rstrip("/") + "/hf"):
-        if folder.startswith("s3://"):
-            import pyarrow.fs as pafs
-
-            fs, inner = _split_s3(folder)
-            if fs.get_file_info(f"{inner}/config.json").type == pafs.FileType.File:
-                return folder
-        elif (Path(folder).expanduser() / "config.json").is_file():
+    fs, inner = _location(path)
+    for folder, at in ((path, inner), (path.rstrip("/") + "/hf", f"{inner}/hf")):
+        if fs.get_file_info(f"{at}/config.json").type == pafs.FileType.File:
             return folder
     return None
 
