@@ -176,8 +176,8 @@ def test_demo_script_wires_every_stage(tmp_path, endpoint, running):
     assert train[:3] == ["python", "-m", "workloads.train"]
     from workloads.train import driver
 
-    args = driver.build_parser().parse_args(train[3:])
-    driver.validate_args(args)
+    args = driver.TrainOptions.parse(train[3:])
+    driver.check_options(args)
     assert args.smoke_test and args.dataset == dataset and args.num_workers == 2
     assert args.storage_path == str(runs) and args.name.startswith("demo-")
     assert args.max_steps == 300 and args.checkpoint_every == 100  # `make demo`'s defaults
