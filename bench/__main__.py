@@ -9,10 +9,11 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
-from bench import ArgumentParser
+from bench import ArgumentParser, command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -274,4 +275,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(command(main, "bench"))

@@ -35,7 +35,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench import ArgumentParser, at_least
+from bench import ArgumentParser, at_least, command
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -161,6 +161,7 @@ def bare_app(checkpoint: str, name: str):
     from ray.serve import batching
 
     from workloads.serve import lm
+    from workloads.serve.openai_api import CompletionRequest, add_error_handlers
 
     # The only Serve-only call in @serve.batch's queue: a warning that reads the replica's
     # max_ongoing_requests from the replica context, which exists only inside Serve.
@@ -168,12 +169,10 @@ def bare_app(checkpoint: str, name: str):
         lambda self: None)
     user_class = lm.LMServer.func_or_class.__mro__[1]  # the class under @serve.ingress
     server = user_class(checkpoint, max_batch_size=BATCHING[name], batch_wait_timeout_s=0.05)
-    app = FastAPI()
-    app.add_exception_handler(lm.APIError, lm._api_error)
-    app.add_exception_handler(lm.RequestValidationError, lm._validation_error)
+    app = add_error_handlers(FastAPI())
 
     @app.post(f"/{name}/v1/completions")
-    async def completions(body: lm.CompletionRequest):
+    async def completions(body: CompletionRequest):
         return await server.completions(body)
 
     @app.get(f"/{name}/health")
@@ -329,4 +328,4 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(command(main, "bench.serve_latency"))
