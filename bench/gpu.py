@@ -1,6 +1,6 @@
 """GPU benchmark (issue 7, item 4): the LM training loop on one GPU in bf16 under `torchrun`
 (no Ray, by design: the GPU machines carry torch but not Ray), tokens/s and MFU against the
-GPU's dense bf16 peak (workloads/train/loop.py's table) for the 350m and 1b presets and a
+GPU's dense bf16 peak (rayfleet/catalog.json) for the 350m and 1b presets and a
 1.1B Hugging Face Llama (`--model-config`, fresh weights), each eager and with `--compile`
 (torch.compile in place) side by side in one run.
 

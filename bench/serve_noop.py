@@ -9,7 +9,7 @@ import time
 from fastapi import FastAPI
 from ray import serve
 
-from workloads.serve.lm import CompletionRequest
+from workloads.serve.openai_api import CompletionRequest
 
 api = FastAPI()
 ANSWER = {"id": "cmpl-noop", "object": "text_completion", "model": "noop",
