@@ -28,7 +28,7 @@ demo-hf: $(STAMP)
 # Everything but `gpu` and `aws_live` (the pytest markers in pyproject.toml), on two
 # pytest-xdist workers: the fake-cloud rehearsal on one while the other runs the tests of the
 # session's Ray cluster (tests/conftest.py groups them). XDIST= runs them in one process.
-XDIST ?= -n 2 --dist loadgroup --no-loadscope-reorder
+XDIST ?= -n 2 --dist loadscope --no-loadscope-reorder
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 

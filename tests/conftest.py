@@ -53,9 +53,10 @@ def pytest_collection_finish(session):
         test_ray_up.start_prebuild()
 
 
-# `make test` runs two pytest-xdist workers with `--dist loadgroup --no-loadscope-reorder`:
-# each group below runs whole on one worker, groups are handed out in this order.
+# `make test` runs two pytest-xdist workers (`-n 2 --dist loadscope`) with the scheduler below:
+# each group runs whole on one worker, and groups are handed out in this order.
 FIRST_GROUPS = ("fakecloud", "cluster", "tests/cluster/test_ansible.py")
+GROUPS_ENV = "RAYFLEET_XDIST_GROUPS"  # where workers write {node id: group} for the scheduler
 
 
 def xdist_group(module: str, uses_cluster: bool) -> str:
@@ -67,26 +68,57 @@ def xdist_group(module: str, uses_cluster: bool) -> str:
     return "cluster" if uses_cluster else module
 
 
-def group_for_xdist(items) -> None:
-    """Marks every item with its xdist group and orders the items so that the longest groups
-    start first, side by side: the rehearsal (minutes of waiting on its nodes) on one worker
-    while the other works through the cluster's tests; the rest fill in after."""
-    uses = {}
+def group_for_xdist(items) -> dict[str, str]:
+    """Each item's group, with the items ordered so that the longest groups start first, side
+    by side: the rehearsal (minutes of waiting on its nodes) on one worker while the other
+    works through the cluster's tests; the rest fill in after."""
+    uses: dict[str, bool] = {}
     for item in items:
         module = item.nodeid.split("::")[0]
         uses[module] = uses.get(module, False) or "ray_cluster" in item.fixturenames
-    groups = {}
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        groups[item.nodeid] = xdist_group(module, uses[module])
-        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    groups = {item.nodeid: xdist_group(item.nodeid.split("::")[0],
+                                       uses[item.nodeid.split("::")[0]]) for item in items}
     first = {g: i for i, g in enumerate(FIRST_GROUPS)}
     items.sort(key=lambda it: first.get(groups[it.nodeid], len(first)))  # stable
+    return groups
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist appends the group to each node id
+def pytest_configure(config):
+    # The controller (it collects nothing) names a file for the workers' groups.
+    if (getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER")
+            and GROUPS_ENV not in os.environ):
+        import tempfile
+
+        os.environ[GROUPS_ENV] = str(Path(tempfile.mkdtemp(prefix="rayfleet-xdist-")) / "groups")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's loadscope scheduling with the groups above as scopes (its own
+    `xdist_group` marks cannot be used: under pytest 9 they no longer reach the node ids)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        groups: dict[str, str] = {}
+
+        def _split_scope(self, nodeid: str) -> str:
+            if not self.groups:
+                written = sorted(Path(os.environ[GROUPS_ENV]).parent.glob("groups.*"))
+                if not written:
+                    raise RuntimeError("no worker wrote its test groups (tests/conftest.py)")
+                self.groups.update(json.loads(written[0].read_text()))
+            return self.groups.get(nodeid, nodeid)
+
+    return ByGroup(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    group_for_xdist(items)
+    groups = group_for_xdist(items)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and os.environ.get(GROUPS_ENV):
+        Path(f"{os.environ[GROUPS_ENV]}.{worker}").write_text(json.dumps(groups))
     try:
         import torch
 
