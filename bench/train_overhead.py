@@ -37,8 +37,14 @@ STAGES = [
     ("driver.inputs_checked", "driver: flags, dataset, storage and run checked"),
     ("driver.imports_done", "driver: ray.train imported"),
     ("driver.ray_connected", "driver: `ray.init` connected"),
-    ("driver.fit_called", "driver: `trainer.fit()` called (controller, placement group next)"),
-    ("rank0.process_start", "rank 0 process started"),
+    ("driver.fit_called", "driver: `trainer.fit()` called"),
+    ("driver.ray_controller_start", "Ray: Train controller actor running (its process up)"),
+    ("driver.ray_controller_ready", "Ray: controller initialised"),
+    ("rank0.process_start", "rank 0 process started (placement group placed)"),
+    ("driver.ray_workers_start", "Ray: first worker actor running"),
+    ("driver.ray_workers_ready", "Ray: every worker actor initialised"),
+    ("driver.ray_train_context_ready", "Ray: train context set up on every worker"),
+    ("driver.ray_process_group_ready", "Ray: gloo process group set up on every worker"),
     ("rank0.kit_imported", "rank 0: torch + kit modules imported"),
     ("rank0.process_group_ready", "rank 0: process group ready (gloo)"),
     ("rank0.loop_entered", "rank 0: loop entered"),
@@ -89,12 +95,15 @@ def _timed_run(cmd: list[str], env: dict) -> tuple[str, float, float | None, dic
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines = []
+    wall = None
     for line in proc.stdout:
         if first is None and FIRST_STEP in line:
             first = time.perf_counter() - t0
+        if wall is None and line.startswith("RAYFLEET_SUMMARY "):
+            wall = time.perf_counter() - t0  # the run's end; the start-up marks come after
         lines.append(line)
     proc.wait()
-    wall = time.perf_counter() - t0
+    wall = wall or time.perf_counter() - t0
     out = "".join(lines)
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:4]} exited {proc.returncode}:\n{out[-3000:]}")

@@ -109,7 +109,7 @@ def test_benchmarks_md_renders_goals_from_the_numbers():
     assert "<= 10 s from launch to the first logged step under Ray Train —\n**missed** (15.0 s)" \
         in text
     assert "| driver: `ray.init` connected | 3.50 (+3.45) | - |" in text
-    assert "| rank 0 process started | 6.00 (+2.50) | 1.00 |" in text
+    assert "| rank 0 process started (placement group placed) | 6.00 (+2.50) | 1.00 |" in text
     assert "| rank 0: step 10 logged | 14.90 (+8.90) | 4.90 (+3.90) |" in text
     # A verdict measured on a busy machine says so.
     t["load_avg"] = 10.0 * (os.cpu_count() or 1)
@@ -146,6 +146,23 @@ def test_start_up_stages_are_read_from_the_driver_and_rank_0_lines():
     runs = [stages, {**stages, "rank0.loop_entered": 22.0}]
     med = train_overhead.median_stages(runs)
     assert med["rank0.loop_entered"] == 21.0 and list(med) == [k for k in keys if k in med]
+
+
+def test_ray_train_stages_come_from_the_first_or_last_task_event():
+    from workloads.train.context import ray_marks_of_tasks
+
+    def task(name, **events):
+        return {"name": name, "events": [{"state": k, "created_ms": v} for k, v in
+                                         events.items()]}
+
+    tasks = [task("TrainController.__init__", PENDING_ARGS_AVAIL=1000, RUNNING=3000,
+                  FINISHED=5000),
+             task("RayTrainWorker.__init__", RUNNING=7000, FINISHED=9000),
+             task("RayTrainWorker.__init__", RUNNING=7500, FINISHED=9500),
+             task("RayTrainWorker.poll_status", RUNNING=20000, FINISHED=20001)]
+    assert ray_marks_of_tasks(tasks) == {
+        "ray_controller_start": 3.0, "ray_controller_ready": 5.0,
+        "ray_workers_start": 7.0, "ray_workers_ready": 9.5}  # the last worker's
 
 
 def test_start_up_marks_print_one_line_only_when_asked(monkeypatch, capsys):

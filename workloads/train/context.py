@@ -58,6 +58,44 @@ class Startup:
 
 startup = Startup()
 
+# Ray Train's own start-up stages, from Ray's task events: (mark, task, event reached, by the
+# first or the last of the tasks of that name, e.g. of every worker).
+RAY_TRAIN_STAGES = [
+    ("ray_controller_start", "TrainController.__init__", "RUNNING", min),
+    ("ray_controller_ready", "TrainController.__init__", "FINISHED", min),
+    ("ray_workers_start", "RayTrainWorker.__init__", "RUNNING", min),
+    ("ray_workers_ready", "RayTrainWorker.__init__", "FINISHED", max),
+    ("ray_train_context_ready", "RayTrainWorker.init_train_context", "FINISHED", max),
+    ("ray_process_group_ready", "execute._setup_torch_process_group", "FINISHED", max),
+]
+
+
+def ray_train_marks(job_id: str | None = None) -> dict[str, float]:
+    """With RAYFLEET_TIMING=1, when this job's Train controller and workers passed each of
+    RAY_TRAIN_STAGES (Ray's state API, so a cluster with its dashboard); {} otherwise."""
+    if os.environ.get(TIMING_ENV) != "1":
+        return {}
+    try:
+        import ray
+        from ray.util.state import list_tasks
+
+        job_id = job_id or ray.get_runtime_context().get_job_id()
+        tasks = list_tasks(filters=[("job_id", "=", job_id)], detail=True, limit=10_000,
+                           raise_on_missing_output=False)
+    except Exception:  # no state API here: the kit's own marks still say most of it
+        return {}
+    return ray_marks_of_tasks(tasks)
+
+
+def ray_marks_of_tasks(tasks: list) -> dict[str, float]:
+    marks = {}
+    for mark, name, state, pick in RAY_TRAIN_STAGES:
+        times = [e["created_ms"] / 1000 for t in tasks if t.get("name") == name
+                 for e in t.get("events") or [] if e.get("state") == state]
+        if times:
+            marks[mark] = pick(times)
+    return marks
+
 
 class RayContext:
     """ray.train's worker context: Ray has already set up the process group."""

@@ -30,7 +30,7 @@ from workloads.common.cli import ArgumentParser, parse_env_pairs, run_main
 from workloads.common.deps import require
 from workloads.common.hf import is_hf_spec
 from workloads.common.storage import BUCKET_NAME, default_root, user_path
-from workloads.train.context import TIMING_ENV, startup
+from workloads.train.context import TIMING_ENV, ray_train_marks, startup
 from workloads.train.loop import STRATEGIES, LoopConfig
 from workloads.train.model import PRESETS, GPTConfig
 
@@ -676,10 +676,11 @@ def _main(argv: list[str] | None) -> int:
         if cause is not None:
             raise cause from None
         raise
-    startup.emit("driver")
     summary = runinfo.summarize(result, storage, name, started, global_batch, cfg)
     print(runinfo.format_summary(summary), flush=True)
     print("RAYFLEET_SUMMARY " + json.dumps(summary), flush=True)
+    startup.marks.update(ray_train_marks())  # after the summary: bench/ times the run to it
+    startup.emit("driver")
     return 0
 
 
