@@ -98,11 +98,32 @@ def startup_table(t: dict) -> str:
                 cells.append("-")
                 continue
             since = f" (+{at - prev[side]:.2f})" if side in prev else ""
-            cells.append(f"{at:.2f}{since}")
+            cells.append(f"{round(at, 2) + 0.0:.2f}{since}")  # + 0.0: no "-0.00"
             prev[side] = at
         if cells != ["-", "-"]:
             rows.append(_row(label, *cells))
     return "\n".join(rows)
+
+
+def startup_summary(t: dict) -> str:
+    """The cold start in three spans per launcher, from the run's own marks."""
+    ray_m = (t.get("startup") or {}).get("ray", {})
+    tr_m = (t.get("startup") or {}).get("torchrun", {})
+
+    def span(m: dict, a: str | None, b: str) -> str:
+        if b not in m or (a is not None and a not in m):
+            return "?"
+        return f"{m[b] - (m[a] if a else 0):.1f}"
+
+    return (f"Under Ray Train: launch -> `trainer.fit()` "
+            f"{span(ray_m, None, 'driver.fit_called')} s (the driver: Python, torch and "
+            "ray.train imports, `ray.init`), `fit()` -> loop "
+            f"{span(ray_m, 'driver.fit_called', 'rank0.loop_entered')} s (Ray Train: controller "
+            "and helper actors, placement group, worker actors, each a Python process that "
+            "imports ray.train; torch and the gloo group in the workers), loop -> step 10 "
+            f"logged {span(ray_m, 'rank0.loop_entered', 'rank0.first_logged_step')} s. Under "
+            f"torchrun: launch -> loop {span(tr_m, None, 'rank0.loop_entered')} s, loop -> "
+            f"step 10 logged {span(tr_m, 'rank0.loop_entered', 'rank0.first_logged_step')} s.")
 
 
 def train_section(t: dict) -> str:
@@ -130,12 +151,9 @@ Goals (issue 16): steady-state ratio <= 1.02 — {goal(t['step_ratio'] <= 1.02, 
 {goal(first is not None and first <= 10, t['load_avg'])} ({first} s).
 
 Where the cold start goes (medians over the rounds; wall-clock marks printed by the Ray
-driver and by rank 0 with `RAYFLEET_TIMING=1`, read against the launch time; both launchers
-run rank 0's stages in the same loop). Between `trainer.fit()` and rank 0's process start
-lie Ray's Train controller actor, the placement group and the worker actors being started;
-between rank 0's start and the loop, Ray's worker set-up (`import ray.train`, torch) and the
-gloo process group Ray Train sets up before the loop. The wall-clock gap adds the final
-checkpoint's upload to storage.
+driver and by rank 0 with `RAYFLEET_TIMING=1`, read against the launch time, and Ray Train's
+own stages from Ray's task events; both launchers run rank 0's stages in the same loop).
+{startup_summary(t)} The wall-clock gap adds the final checkpoint's upload to storage.
 
 {startup_table(t)}
 
