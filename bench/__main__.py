@@ -246,10 +246,41 @@ that never comes: lower it (`args.batch_wait_timeout_s`) for latency-bound traff
 """
 
 
-TRAIN_TRIED = """Train start-up: what was tried (A/B on one cluster, interleaved; numbers are
-seconds from launch, with the one-minute load average on 2 cores):
+TRAIN_TRIED = """Train start-up: what was tried. One-off A/B runs on 2026-11-23, the two
+variants interleaved on one cluster, on the shared 2-core machine (one-minute load average
+given with each; at these loads only stage-level differences read clearly); `make bench`
+does not re-measure this list.
 
-- (filled in below)"""
+- **Kept: the training corpus read lazily.** `stdlib_corpus` walked the whole standard
+  library (`rglob`, then filter, then sort) before reading the few dozen files that 1 MiB
+  needs; it now walks folders in the same sorted-path order and stops when it has enough
+  (same bytes, a unit test compares it with the old listing). Data-loader stage (latest
+  checkpoint looked up -> loader ready), before -> after: Ray 2.38 s (load 11.9) and
+  1.70 s (load 69.9) -> 0.013 s (15.1) and 0.025 s (12.5); torchrun 1.04 s (20.0) and
+  1.17 s (40.1) -> 0.009 s (13.4) and 0.064 s (20.3). In one process at load 5: 0.45 s ->
+  0.002 s.
+- **Not kept: `ray.init` overlapped with the ray.train import** (a thread imports
+  `ray.train.torch` while the main thread connects). The driver's imports + `ray.init`
+  alone, 8 interleaved pairs: the last 4 (load 13-19) 2.49 s serial vs 2.47 s overlapped
+  (medians; per pair -0.12 to +0.27 s); the first 4, at load 21-55, favoured the overlap
+  (24.9-39.8 s vs 10.6-26.2 s), and 2 full-run pairs (load 26-45, driver import -> `fit()`)
+  went one each way (13.6 and 5.1 s serial, 9.7 and 7.1 s overlapped). No consistent win
+  once the load eased, and two threads importing at once risk import-lock trouble: left
+  serial.
+- **Measured, nothing for the kit to cut:** the kit's own modules in a worker once Ray
+  Train has imported torch: 0.13 s (`-X importtime`, load 19); the driver's checks of
+  flags, dataset, storage and run before Ray: 0.01-0.05 s; the latest-checkpoint lookup
+  before the first step: under 0.01 s on a fresh run.
+- **Found, outside the kit:** the first torch optimizer imports `torch._dynamo` (its
+  `_disable_dynamo` wrappers import it on first call): `AdamW(...)` took 3.3 s in one
+  process at load 13, and it is most of the "model built" row under both launchers. Ray
+  Train V2 starts a controller and five helper actors (AutoscalingCoordinator,
+  PlacementGroupCleaner, SynchronizationActor, DatasetManager, PreemptionWatcher), each a
+  Python process importing ray.train (which imports ray.data and pandas), before or while
+  the workers start, on the same 2 cores; the workers import torch when Ray unpickles the
+  torch backend in `init_train_context` (the "train context" row). The PreemptionWatcher
+  (`RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0` turns it off) stays on, unmeasured: it is how
+  Ray Train notices a node being preempted, and the kit's A100 workers may be spot."""
 
 
 NOTES = """## Profiling notes (what was found, what changed)
