@@ -25,9 +25,12 @@ demo: $(STAMP)
 demo-hf: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/demo_hf.sh
 
-# Everything but `gpu` and `aws_live` (the pytest markers in pyproject.toml).
+# Everything but `gpu` and `aws_live` (the pytest markers in pyproject.toml), on two
+# pytest-xdist workers: the fake-cloud rehearsal on one while the other runs the tests of the
+# session's Ray cluster (tests/conftest.py groups them). XDIST= runs them in one process.
+XDIST ?= -n 2 --dist loadgroup --no-loadscope-reorder
 test: $(STAMP)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m "not slow and not ray and not gpu and not aws_live" $(PYTEST_ARGS)

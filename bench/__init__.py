@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+
+from rayfleet.entrypoint import ArgumentParser, run_main
+
+__all__ = ["ArgumentParser", "at_least", "command"]
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line and exit 2, as every rayfleet entry point."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+def command(main: Callable[[list[str] | None], object], prog: str) -> int:
+    """Run a benchmark's main(argv) as a command: what it measured is in what it wrote and
+    printed, so it exits 0; a bad flag is one line and exit 2, as every kit entry point."""
+    return run_main(lambda argv: main(argv) and 0, None, prog)
 
 
 def at_least(low: float, kind=int):

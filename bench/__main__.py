@@ -9,10 +9,11 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
-from bench import ArgumentParser
+from bench import ArgumentParser, command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,8 +50,8 @@ def _row(*cells) -> str:
 def serve_table(s: dict) -> str:
     rows = ["| batching | concurrency | Serve p50 / p99, req/s | bare p50 / p99, req/s "
             "| p50 overhead |", "|---|---|---|---|---|"]
-    for b in ("on", "off"):
-        for c, r in s["results"]["serve"][b].items():
+    for b in ("on", "off", "noop"):
+        for c, r in s["results"]["serve"].get(b, {}).items():
             rb = s["results"]["bare"][b].get(c)
             rows.append(f"| {b} | {c} | {_cell(r)} | {_cell(rb)} | "
                         f"{s['overhead_p50_ms'].get(f'{b}/c{c}', '-')} ms |")
@@ -183,6 +184,8 @@ def render(t: dict, d: dict, s: dict, quick: bool, minutes: float | None = None)
              batch.get("bare"))])
     gain = s["batching_gain_c16"]
     over1 = s["overhead_p50_ms"].get("off/c1")
+    floor1 = s["overhead_p50_ms"].get("noop/c1")
+    lm_adds, vs_bare = s.get("lm_over_floor_p50_ms_c1"), s.get("serve_vs_bare_rps_c16")
     return f"""# Benchmarks
 
 Measured by `make bench`{' --quick' if quick else ''} on {today}: {machine()}; Python
@@ -228,6 +231,8 @@ the same `LMServer` class instantiated in a plain uvicorn process (its `@serve.b
 batches), `tiny` model, `/v1/completions` with `max_tokens` {s['max_tokens']}, greedy;
 batching on = `max_batch_size` 8 with the shipped 50 ms wait, off = `max_batch_size` 1. An
 aiohttp client keeps `concurrency` requests in flight; {s['rounds']} interleaved round(s).
+Rows `noop` are Serve's floor: `bench/serve_noop.py`, a deployment with `lm`'s route shape
+(FastAPI ingress, the same request model) that answers at once, on both sides.
 
 {serve_table(s)}
 
@@ -239,6 +244,11 @@ Goals (issue 7): <= 2 ms p50 overhead —
 {goal(over1 is not None and over1 <= 2, s['load_avg'])} at c=1 without batching
 ({over1} ms; the other cells are in the table); batching >= 3x throughput at
 c=16 — {goal((gain.get('serve') or 0) >= 3, s['load_avg'])} under Serve ({gain.get('serve')}x).
+
+Serve's floor at c=1 (no-op p50 gap): {floor1} ms. Goals (issue 16): `lm` adds <= 1 ms p50
+over that floor at c=1 — {goal(lm_adds is not None and lm_adds <= 1, s['load_avg'])}
+({lm_adds} ms: {over1} ms overhead minus the {floor1} ms floor); Serve req/s at c=16 with
+batching >= 70% of bare — {goal((vs_bare or 0) >= 0.7, s['load_avg'])} ({vs_bare} of bare).
 At c=1 with batching on, each request waits the full 50 ms `batch_wait_timeout_s` for company
 that never comes: lower it (`args.batch_wait_timeout_s`) for latency-bound traffic.
 
@@ -360,4 +370,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(command(main, "bench"))

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
@@ -20,6 +21,8 @@ def local_cluster(num_cpus: int = 4, extra_env: dict | None = None):
 
     with tempfile.TemporaryDirectory(prefix="rayfleet-bench-") as home:
         env = {**os.environ, **(extra_env or {}), "RAYFLEET_HOME": home}
+        # The bench package on every Ray process's path (Serve's floor app is bench code).
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         subprocess.run([str(BIN / "rayfleet"), "local", "up", "--num-cpus", str(num_cpus),
                         "--object-store-memory", "1GB", "--port", str(free_port()),
                         "--dashboard-port", str(free_port())], env=env, check=True,
@@ -36,11 +39,12 @@ def local_cluster(num_cpus: int = 4, extra_env: dict | None = None):
 
 
 @contextlib.contextmanager
-def cluster_env(env: dict | None, num_cpus: int = 4):
+def cluster_env(env: dict | None, num_cpus: int = 4, extra_env: dict | None = None):
     """The caller's cluster environment when given (`make bench` runs every benchmark on one
-    cluster: one start-up instead of three), else a throwaway cluster for this benchmark."""
+    cluster: one start-up instead of three), else a throwaway cluster for this benchmark
+    (started with extra_env)."""
     if env is not None:
         yield env
         return
-    with local_cluster(num_cpus) as fresh:
+    with local_cluster(num_cpus, extra_env) as fresh:
         yield fresh

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import ArgumentParser, at_least
+from bench import ArgumentParser, at_least, command
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -272,4 +272,4 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(command(main, "bench.data_throughput"))

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-
-from bench import ArgumentParser, at_least
+from bench import ArgumentParser, at_least, command
 from bench.data_throughput import (
     add_pipeline_flags,
     check_same_stream,
@@ -103,4 +103,4 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(command(main, "bench.data_tokenize"))

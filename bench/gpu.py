@@ -1,6 +1,6 @@
 """GPU benchmark (issue 7, item 4): the LM training loop on one GPU in bf16 under `torchrun`
 (no Ray, by design: the GPU machines carry torch but not Ray), tokens/s and MFU against the
-GPU's dense bf16 peak (workloads/train/loop.py's table) for the 350m and 1b presets and a
+GPU's dense bf16 peak (rayfleet/catalog.json) for the 350m and 1b presets and a
 1.1B Hugging Face Llama (`--model-config`, fresh weights), each eager and with `--compile`
 (torch.compile in place) side by side in one run.
 
@@ -12,7 +12,6 @@ on different machines.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -22,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from rayfleet.entrypoint import ArgumentParser, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_MD = REPO / "BENCHMARKS.md"
@@ -111,7 +112,7 @@ def run_one(model: str, compiled: bool, steps: int, batch: int, out: Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench.gpu")
+    p = ArgumentParser(prog="bench.gpu")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     args = p.parse_args(argv)
@@ -159,4 +160,4 @@ Goal (issue 7): >= 45% MFU on an H100 — {"met" if best >= 0.45 else "**missed*
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, None, "bench.gpu"))

@@ -11,6 +11,13 @@ two processes (batching on, batching off), each with one instance of the model.
 Both sides run the same code: the bare app instantiates the class under `@serve.ingress`
 and awaits its route methods, so `@serve.batch` batches there too; the difference is Serve
 (proxy, router, replica actor, handle calls) and nothing else.
+
+Serve's floor: the no-op app of `bench.serve_noop` (the same route shape, answering at once)
+runs on both sides too; its p50 gap is Serve's own per-request cost, and `lm`'s gap minus it
+is what `lm` adds. Settings can be tried without editing anything:
+`--app-env KEY=VALUE` goes into the `lm` apps' runtime_env (replica-side RAY_SERVE_*
+settings), `--cluster-env KEY=VALUE` into the environment of a throwaway cluster's
+`ray start` (proxy-side settings).
 """
 
 # No `from __future__ import annotations`: the bare app's routes declare the request model
@@ -28,12 +35,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench import ArgumentParser, at_least
+from bench import ArgumentParser, at_least, command
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CONCURRENCY = (1, 8, 16, 32)
 BATCHING = {"on": 8, "off": 1}       # max_batch_size per side
+APPS = (*BATCHING, "noop")            # routes under /on, /off, /noop on each side
 MODEL = "rayfleet-lm"
 BODY = {"model": MODEL, "prompt": "def main(argv):\n", "max_tokens": 8, "temperature": 0}
 
@@ -62,10 +70,20 @@ def compare(results: dict) -> dict:
             s, b = results["serve"][batching].get(c), results["bare"][batching].get(c)
             if s and b:
                 out["overhead_p50_ms"][f"{batching}/c{c}"] = round(s["p50_ms"] - b["p50_ms"], 2)
+    for c in CONCURRENCY:
+        s, b = results["serve"].get("noop", {}).get(c), results["bare"].get("noop", {}).get(c)
+        if s and b:
+            out["overhead_p50_ms"][f"noop/c{c}"] = round(s["p50_ms"] - b["p50_ms"], 2)
     for side in ("serve", "bare"):
         on, off = results[side]["on"].get(16), results[side]["off"].get(16)
         if on and off:
             out["batching_gain_c16"][side] = round(on["rps"] / off["rps"], 2)
+    over = out["overhead_p50_ms"]
+    if "off/c1" in over and "noop/c1" in over:  # what lm adds over Serve's own floor
+        out["lm_over_floor_p50_ms_c1"] = round(over["off/c1"] - over["noop/c1"], 2)
+    s16, b16 = results["serve"]["on"].get(16), results["bare"]["on"].get(16)
+    if s16 and b16:
+        out["serve_vs_bare_rps_c16"] = round(s16["rps"] / b16["rps"], 2)
     return out
 
 
@@ -111,6 +129,13 @@ async def _ttft(url: str, n: int) -> list[float]:
     return out
 
 
+def key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.startswith("RAY_"):
+        raise argparse.ArgumentTypeError(f"expected RAY_...=VALUE, got {text!r}")
+    return key, value
+
+
 def load(url: str, concurrency: int, total: int) -> tuple[list[float], float]:
     return asyncio.run(_load(url, concurrency, total))
 
@@ -136,6 +161,7 @@ def bare_app(checkpoint: str, name: str):
     from ray.serve import batching
 
     from workloads.serve import lm
+    from workloads.serve.openai_api import CompletionRequest, add_error_handlers
 
     # The only Serve-only call in @serve.batch's queue: a warning that reads the replica's
     # max_ongoing_requests from the replica context, which exists only inside Serve.
@@ -143,12 +169,10 @@ def bare_app(checkpoint: str, name: str):
         lambda self: None)
     user_class = lm.LMServer.func_or_class.__mro__[1]  # the class under @serve.ingress
     server = user_class(checkpoint, max_batch_size=BATCHING[name], batch_wait_timeout_s=0.05)
-    app = FastAPI()
-    app.add_exception_handler(lm.APIError, lm._api_error)
-    app.add_exception_handler(lm.RequestValidationError, lm._validation_error)
+    app = add_error_handlers(FastAPI())
 
     @app.post(f"/{name}/v1/completions")
-    async def completions(body: lm.CompletionRequest):
+    async def completions(body: CompletionRequest):
         return await server.completions(body)
 
     @app.get(f"/{name}/health")
@@ -165,14 +189,18 @@ def bare_app(checkpoint: str, name: str):
 def serve_bare(port: int, checkpoint: str, name: str) -> None:
     import uvicorn
 
+    from bench import serve_noop
+
+    app = serve_noop.bare_app(f"/{name}") if name == "noop" else bare_app(checkpoint, name)
     # Serve's proxy logs requests to files, not the console; no access log here either.
-    uvicorn.run(bare_app(checkpoint, name), host="127.0.0.1", port=port, log_level="warning",
-                access_log=False)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-def serve_config(checkpoint: str, port: int) -> dict:
+def serve_config(checkpoint: str, port: int, app_env: dict | None = None) -> dict:
     """cluster-configs/serve/lm.yaml, twice (batching on at /on, off at /off), one replica
-    each (autoscaling to a second replica would make it two processes against one)."""
+    each (autoscaling to a second replica would make it two processes against one), plus the
+    no-op app at /noop with the same replica resources; app_env joins each lm app's
+    runtime_env env_vars."""
     import yaml
 
     base = yaml.safe_load((REPO / "cluster-configs" / "serve" / "lm.yaml").read_text())
@@ -181,10 +209,15 @@ def serve_config(checkpoint: str, port: int) -> dict:
         app = json.loads(json.dumps(base["applications"][0]))
         app.update(name=f"lm-{name}", route_prefix=f"/{name}")
         app["args"].update(checkpoint=checkpoint, max_batch_size=size)
+        if app_env:
+            env_vars = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
+            env_vars.update(app_env)
         for d in app.get("deployments", []):
             d["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 1,
                                        "initial_replicas": 1}
         apps.append(app)
+    apps.append({"name": "noop", "route_prefix": "/noop",
+                 "import_path": "bench.serve_noop:app"})
     return {"http_options": {"host": "127.0.0.1", "port": port}, "applications": apps}
 
 
@@ -211,6 +244,11 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
                     help="requests per concurrent client per cell (at least 20 per cell)")
     ap.add_argument("--rounds", type=at_least(1), default=2, help="interleaved Serve/bare rounds")
     ap.add_argument("--ttft-requests", type=at_least(1), default=10)
+    ap.add_argument("--app-env", action="append", default=[], type=key_value,
+                    metavar="KEY=VALUE", help="env var for the lm apps' replicas (repeatable)")
+    ap.add_argument("--cluster-env", action="append", default=[], type=key_value,
+                    metavar="KEY=VALUE", help="env var for a throwaway cluster's ray start "
+                    "(repeatable; not with make bench's shared cluster)")
     ap.add_argument("--bare-server", nargs=3, metavar=("PORT", "CHECKPOINT", "BATCHING"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -222,18 +260,21 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
     from bench.cluster import cluster_env
     from rayfleet.local import free_port
 
-    results = {side: {b: {} for b in BATCHING} for side in ("serve", "bare")}
-    raw = {side: {b: {c: ([], []) for c in CONCURRENCY} for b in BATCHING}
+    if args.cluster_env and env is not None:
+        ap.error("--cluster-env needs a throwaway cluster: run it alone, not under make bench")
+    results = {side: {b: {} for b in APPS} for side in ("serve", "bare")}
+    raw = {side: {b: {c: ([], []) for c in CONCURRENCY} for b in APPS}
            for side in ("serve", "bare")}
     ttft = {side: {} for side in ("serve", "bare")}
     mean_batch: dict = {}
     with tempfile.TemporaryDirectory(prefix="rayfleet-bench-serve-") as tmp_s, \
-            cluster_env(env) as cenv:
+            cluster_env(env, extra_env=dict(args.cluster_env)) as cenv:
         tmp = Path(tmp_s)
         checkpoint = make_checkpoint(tmp / "ckpt")
         serve_port = free_port()
-        bare_ports = {b: free_port() for b in BATCHING}
-        (tmp / "serve.yaml").write_text(yaml.safe_dump(serve_config(checkpoint, serve_port)))
+        bare_ports = {b: free_port() for b in APPS}
+        (tmp / "serve.yaml").write_text(yaml.safe_dump(
+            serve_config(checkpoint, serve_port, dict(args.app_env))))
         bare = [subprocess.Popen([str(BIN / "python"), "-m", "bench.serve_latency",
                                   "--bare-server", str(port), checkpoint, b], cwd=REPO,
                                  env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -242,14 +283,14 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
         try:
             subprocess.run([str(BIN / "serve"), "deploy", str(tmp / "serve.yaml")], cwd=REPO,
                            env=cenv, check=True, capture_output=True, text=True, timeout=180)
-            urls = {"serve": {b: f"http://127.0.0.1:{serve_port}/{b}" for b in BATCHING},
+            urls = {"serve": {b: f"http://127.0.0.1:{serve_port}/{b}" for b in APPS},
                     "bare": {b: f"http://127.0.0.1:{p}/{b}" for b, p in bare_ports.items()}}
             wait_healthy([f"{u}/health" for side in urls.values() for u in side.values()])
             for side in urls.values():  # warm-up: first requests pay lazy set-up
                 for u in side.values():
                     load(f"{u}/v1/completions", 8, 16)
             for _ in range(args.rounds):
-                for b in BATCHING:
+                for b in APPS:
                     for c in CONCURRENCY:
                         total = max(20, c * args.requests_per_worker)
                         for side in urls:  # Serve, bare, Serve, bare, ...
@@ -273,12 +314,13 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
             subprocess.run([str(BIN / "serve"), "shutdown", "-y"], cwd=REPO, env=cenv,
                            capture_output=True, timeout=120)
     for side in raw:
-        for b in BATCHING:
+        for b in APPS:
             for c in CONCURRENCY:
                 lat, walls = raw[side][b][c]
                 results[side][b][c] = cell_stats(lat, sum(walls))
     out = {"results": results, "ttft_ms": ttft, **compare(results), "rounds": args.rounds,
-           "mean_batch_on": mean_batch,
+           "mean_batch_on": mean_batch, "app_env": dict(args.app_env),
+           "cluster_env": dict(args.cluster_env),
            "max_tokens": BODY["max_tokens"], "load_avg": round(os.getloadavg()[0], 1)}
     print(json.dumps(out))
     return out
@@ -286,4 +328,4 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(command(main, "bench.serve_latency"))

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import ArgumentParser, at_least
+from bench import ArgumentParser, at_least, command
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -180,4 +180,4 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(command(main, "bench.train_overhead"))

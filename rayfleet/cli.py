@@ -6,15 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rayfleet.errors import RayfleetError
-
-
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line and exit 2: argparse's own error() prints the
-    whole usage block first, which buries the one line that says what is wrong."""
-
-    def error(self, message: str):
-        raise RayfleetError(f"{message} (see {self.prog} --help)")
+from rayfleet.entrypoint import ArgumentParser, run_main
 
 
 def _local(sub: argparse._SubParsersAction) -> None:
@@ -58,8 +50,8 @@ def _run_local(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _ArgumentParser(
-        prog="rayfleet",
+    parser = ArgumentParser(
+        prog="rayfleet", help_hint=True,
         description="Hardened Ray clusters on AWS A100s, and locally, for training, data "
                     "pipelines and serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -175,17 +167,14 @@ HANDLERS = {"local": _run_local, "render": _run_render, "lint": _run_lint,
             "serve-config": _run_serve_config}
 
 
+def _main(argv: list[str] | None) -> int:
+    # Subparsers inherit the parser class, so every subcommand's flags answer in one line.
+    args = build_parser().parse_args(argv)
+    return HANDLERS[args.command](args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    try:
-        # Subparsers inherit the parser class, so every subcommand's flags answer in one line.
-        args = build_parser().parse_args(argv)
-        return HANDLERS[args.command](args)
-    except RayfleetError as err:
-        print(f"rayfleet: error: {err}", file=sys.stderr)
-        return err.exit_code
-    except KeyboardInterrupt:
-        print("rayfleet: interrupted", file=sys.stderr)
-        return 130
+    return run_main(_main, argv, "rayfleet")
 
 
 if __name__ == "__main__":

@@ -24,14 +24,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rayfleet import catalog
+from rayfleet.catalog import InstanceSpec
 from rayfleet.errors import ConfigError, did_you_mean
+from rayfleet.facts import (
+    CLUSTER_NAME,
+    IMDS_HOP_LIMIT,
+    IMDS_HOP_LIMIT_CONTAINERS,
+    RAY_CLUSTER_TAG,
+    RAY_PORTS,
+    RayPort,
+)
 from rayfleet.rules import rule
 
 NAMESPACE = "rayfleet"
-
-# Tag the Ray autoscaler puts on every instance it launches (ray/autoscaler/tags.py,
-# TAG_RAY_CLUSTER_NAME). The head role's EC2 permissions are conditioned on it.
-RAY_CLUSTER_TAG = "ray-cluster-name"
 
 
 # ----------------------------------------------------------------------------- tables
@@ -47,109 +53,15 @@ AWS_REGIONS = (
     "ap-southeast-5", "ap-southeast-7",
 )
 
-# Regions that offer each A100 instance type. Source: the AWS P4 instance pages and
-# `aws ec2 describe-instance-type-offerings --location-type region --filters
-# Name=instance-type,Values=p4d.24xlarge` as published in mid-2025; not re-checked live here.
-# The table only decides which regions the config accepts; `rayfleet preflight` should confirm
-# with describe_instance_type_offerings (and the AZ) before a launch. Extend it when AWS does.
-A100_REGIONS: Mapping[str, tuple[str, ...]] = {
-    "p4d.24xlarge": (
-        "us-east-1", "us-east-2", "us-west-2", "us-gov-west-1",
-        "eu-central-1", "eu-west-1", "ap-northeast-1", "ap-northeast-2",
-    ),
-    # p4de (A100 80 GB) was launched in two regions and has stayed there.
-    "p4de.24xlarge": ("us-east-1", "us-west-2"),
-}
-
-
-@dataclass(frozen=True)
-class InstanceSpec:
-    """What a node type offers; render declares these as Ray resources (convention 3)."""
-
-    name: str
-    vcpus: int
-    memory_gib: int
-    gpus: int = 0
-    gpu_memory_gib: int = 0
-    # Elastic Fabric Adapters: one per network card (p4d: 4 cards x 100 Gbps).
-    efa_interfaces: int = 0
-
-
-# A100 workers (https://aws.amazon.com/ec2/instance-types/p4/).
-WORKER_INSTANCE_TYPES: Mapping[str, InstanceSpec] = {
-    "p4d.24xlarge": InstanceSpec("p4d.24xlarge", 96, 1152, gpus=8, gpu_memory_gib=40,
-                                 efa_interfaces=4),
-    "p4de.24xlarge": InstanceSpec("p4de.24xlarge", 96, 1152, gpus=8, gpu_memory_gib=80,
-                                  efa_interfaces=4),
-}
-
-
-def _cpu_instance_types() -> dict[str, InstanceSpec]:
-    # x86 families only: the head boots the same Deep Learning AMI as the workers so that Ray
-    # and Python are identical on every node (rule 25); a Graviton head would need an
-    # arm64 image. GiB per vCPU: c=2, m=4, r=8.
-    gib_per_vcpu = {"c": 2, "m": 4, "r": 8}
-    sizes = {"large": 2, "xlarge": 4, "2xlarge": 8, "4xlarge": 16, "8xlarge": 32,
-             "12xlarge": 48, "16xlarge": 64}
-    out = {}
-    for family in ("m5", "m6i", "m6a", "m7i", "m7a", "c6i", "c7i", "r6i", "r7i"):
-        for size, vcpus in sizes.items():
-            name = f"{family}.{size}"
-            out[name] = InstanceSpec(name, vcpus, vcpus * gib_per_vcpu[family[0]])
-    return out
-
-
-HEAD_INSTANCE_TYPES: Mapping[str, InstanceSpec] = _cpu_instance_types()
+# Regions that offer each A100 worker type, and what each node type offers: the catalog's.
+A100_REGIONS: Mapping[str, tuple[str, ...]] = catalog.worker_regions()
+WORKER_INSTANCE_TYPES: Mapping[str, InstanceSpec] = catalog.worker_types()
+HEAD_INSTANCE_TYPES: Mapping[str, InstanceSpec] = catalog.head_types()
 
 # The only values CloudWatch Logs accepts for retentionInDays (PutRetentionPolicy API);
 # 0 ("never expire") is left out on purpose: rule 8 wants a retention.
 LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096,
                       1827, 2192, 2557, 2922, 3288, 3653)
-
-
-@dataclass(frozen=True)
-class RayPort:
-    """A port Ray listens on, the `ray start` flag that pins it, and why peers need it."""
-
-    name: str
-    from_port: int
-    to_port: int
-    flag: str
-    why: str
-
-
-# Every port a Ray node accepts from other nodes. infra/ opens exactly these, and only from the
-# cluster's own security group (rule 4); render passes each `flag` to `ray start` so that none
-# is left to Ray's default of a random port, which no firewall rule could name.
-# https://docs.ray.io/en/latest/ray-core/configure.html#ports-configurations
-RAY_PORTS: tuple[RayPort, ...] = (
-    RayPort("ssh", 22, 22, "",
-            "SSH from the head: the autoscaler runs setup and start commands on workers"),
-    RayPort("gcs", 6379, 6379, "--port",
-            "GCS on the head: every node registers and heartbeats here"),
-    RayPort("dashboard", 8265, 8265, "--dashboard-port",
-            "Dashboard and Jobs API on the head: runs arbitrary code, so never public"),
-    RayPort("client", 10001, 10001, "--ray-client-server-port",
-            "Ray Client server on the head (ray:// connections)"),
-    RayPort("object-manager", 8076, 8076, "--object-manager-port",
-            "Object manager on every node: object transfers between nodes"),
-    RayPort("node-manager", 8077, 8077, "--node-manager-port",
-            "Raylet on every node: task scheduling and worker leases"),
-    RayPort("runtime-env-agent", 8078, 8078, "--runtime-env-agent-port",
-            "Runtime env agent on every node: sets up working_dir and pip envs"),
-    RayPort("metrics-export", 8079, 8079, "--metrics-export-port",
-            "Metrics endpoint on every node, scraped for the dashboard"),
-    RayPort("dashboard-agent-grpc", 52366, 52366, "--dashboard-agent-grpc-port",
-            "Dashboard agent gRPC on every node: the head dashboard queries it"),
-    RayPort("dashboard-agent-http", 52365, 52365, "--dashboard-agent-listen-port",
-            "Dashboard agent HTTP on every node: the Jobs API hands submissions to it"),
-    RayPort("serve-http", 8000, 8000, "serve http_options.port",
-            "Ray Serve HTTP proxy on every node"),
-    RayPort("serve-grpc", 9000, 9000, "serve grpc_options.port",
-            "Ray Serve gRPC proxy on every node"),
-    RayPort("worker-ports", 10002, 19999, "--min-worker-port/--max-worker-port",
-            "One port per worker process: direct task and actor calls"),
-)
 
 
 # ----------------------------------------------------------------------------- schema
@@ -291,10 +203,7 @@ class NodesConfig:
 
     @property
     def imds_hop_limit(self) -> int:
-        # IMDSv2 answers carry an IP TTL of the hop limit; a container on Docker's bridge is one
-        # hop further than the host, so it needs 2. Without containers, 1 keeps any forwarded or
-        # proxied request from reaching instance credentials (rule 9).
-        return 2 if self.ray_in_docker else 1
+        return IMDS_HOP_LIMIT_CONTAINERS if self.ray_in_docker else IMDS_HOP_LIMIT
 
     # The Ray autoscaler gets two worker node types from these: on-demand first (it fills
     # min_workers with them), spot for the rest.
@@ -391,7 +300,7 @@ class StackConfig:
         return "aws-us-gov" if self.region.startswith("us-gov-") else "aws"
 
     def to_mapping(self) -> dict[str, Any]:
-        """The config as ``{"rayfleet:key": value}``; ``from_mapping`` of it is equal."""
+        """The config as ``{"rayfleet:<key>": value}``; ``from_mapping`` of it is equal."""
         return {f"{NAMESPACE}:{k}": val for k, val in self.values.items()}
 
 
@@ -555,9 +464,7 @@ def _slug(value: str) -> str:
 
 
 def _cluster_name(value: str) -> str:
-    # The name goes into resource names, IAM policy conditions and Ray's cluster_name, so keep
-    # it to what all of them accept.
-    if re.fullmatch(r"[a-z][a-z0-9-]{1,30}[a-z0-9]", value) and "--" not in value:
+    if CLUSTER_NAME.fullmatch(value) and "--" not in value:
         return value
     slug = _slug(value)
     hint = _suggest(slug) if slug and slug != value and 3 <= len(slug) <= 32 else ""
@@ -650,9 +557,10 @@ def _nodes(v: Mapping[str, Any], worker_type: str) -> NodesConfig:
                                                   "node (it runs no training)",
                           allowed=["m6i.2xlarge", "m6i.4xlarge", "m7i.2xlarge"])
     if head not in HEAD_INSTANCE_TYPES:
+        families, sizes = catalog.data()["head_families"], list(catalog.data()["head_sizes"])
         raise ConfigError(_q("headInstanceType"), f"{head!r} is not a supported head type "
-                                                  "(m5 m6i m6a m7i m7a c6i c7i r6i r7i, large to "
-                                                  "16xlarge)"
+                                                  f"({' '.join(families)}, {sizes[0]} to "
+                                                  f"{sizes[-1]})"
                                                   f"{did_you_mean(head, HEAD_INSTANCE_TYPES)}")
     min_w = _int_range("minWorkers", v["minWorkers"], 0, 64)
     max_w = _int_range("maxWorkers", v["maxWorkers"], 1, 64)

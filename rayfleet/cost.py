@@ -1,28 +1,26 @@
 """`rayfleet cost CONFIG`: what a cluster YAML costs per hour and per month.
 
-Prices come from ``rayfleet/prices.json``, a dated table in the repo: EC2 prices cannot be
-fetched offline (the Pricing API needs credentials and the network), so the table says when
-it was taken and every report repeats that date. Per node type: on-demand, and spot where the
-node type is a spot one. Head + min workers is the floor (an idle cluster), head + max workers
-the ceiling; the monthly ceiling is compared with the stack's budget.
+Prices come from the instance catalog (``rayfleet/catalog.py``), a dated table shipped with
+the kit: EC2 prices cannot be fetched offline (the Pricing API needs credentials and the
+network), so the table says when it was taken and every report repeats that date. Per node
+type: on-demand, and spot where the node type is a spot one. Head + min workers is the floor
+(an idle cluster), head + max workers the ceiling; the monthly ceiling is compared with the
+stack's budget.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
+from rayfleet import catalog
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
 from rayfleet.lint import load_yaml
 
-PRICES = Path(__file__).with_name("prices.json")
 
-
-def load_prices(path: Path = PRICES) -> dict[str, Any]:
-    return json.loads(path.read_text())
+def load_prices() -> dict[str, Any]:
+    return catalog.prices()
 
 
 def hourly(instance_type: str, market: str, prices: dict[str, Any]) -> float:
@@ -31,13 +29,12 @@ def hourly(instance_type: str, market: str, prices: dict[str, Any]) -> float:
         return prices["gpu"][instance_type][market]
     family, _, size = instance_type.partition(".")
     per_vcpu = prices["cpu_per_vcpu_hour"].get(family)
-    from rayfleet.config import HEAD_INSTANCE_TYPES
-
-    if per_vcpu is None or instance_type not in HEAD_INSTANCE_TYPES:
-        known = list(prices["gpu"]) + list(HEAD_INSTANCE_TYPES)
+    heads = catalog.head_types()
+    if per_vcpu is None or instance_type not in heads:
+        known = list(prices["gpu"]) + list(heads)
         raise ConfigError("InstanceType", f"{instance_type!r} is not in the price table of "
                                           f"{prices['as_of']}{did_you_mean(instance_type, known)}")
-    return round(per_vcpu[market] * HEAD_INSTANCE_TYPES[instance_type].vcpus, 4)
+    return round(per_vcpu[market] * heads[instance_type].vcpus, 4)
 
 
 def estimate(cfg: dict[str, Any], prices: dict[str, Any] | None = None,
@@ -115,7 +112,7 @@ def main(path: str, stack_file: str | None = None, budget_usd: float | None = No
         budget_usd = float(load_stack_file(stack_file).budget.monthly_usd) or None
     cfg, _ = load_yaml(path)
     e = estimate(cfg, hours_per_month=hours_per_month)
-    print(f"Prices: rayfleet/prices.json as of {e['as_of']} ({e['region']}); they cannot be "
+    print(f"Prices: rayfleet's catalog as of {e['as_of']} ({e['region']}); they cannot be "
           "fetched offline - check https://aws.amazon.com/ec2/pricing/ before budgeting. "
           "EBS, NAT, transfer and S3 not included.", file=out)
     print(f"{'node type':28} {'instance':16} {'market':10} {'$/h each':>9} {'min':>4} "

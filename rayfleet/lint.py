@@ -20,23 +20,12 @@ from typing import Any
 
 import yaml
 
-from rayfleet.config import RAY_PORTS
+from rayfleet import catalog
 from rayfleet.errors import RayfleetError
+from rayfleet.facts import RAY_PORTS, SECRET_PATTERNS
 from rayfleet.rules import RULES
 
 ERROR, WARNING = "error", "warning"
-
-# GPU families of EC2 (NVIDIA: p2-p6, g3-g6, g5g; AMD: g4ad). Trainium/Inferentia are not GPUs.
-GPU_TYPE = re.compile(r"^(p\d+[a-z]*|g\d+[a-z]*|gr\d+[a-z]*)\.")
-
-SECRET_PATTERNS = (
-    (re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"), "an AWS access key id"),
-    (re.compile(r"aws_secret_access_key|AWS_SECRET_ACCESS_KEY\s*[=:]"), "an AWS secret key"),
-    (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"), "a private key"),
-    (re.compile(r"RAY_AUTH_TOKEN=(?!\$)\S{8,}"), "a Ray auth token value"),
-    (re.compile(r"(?i)\b(password|passwd|api[_-]?key|hf_token|wandb_api_key)\s*[=:]\s*\S{6,}"),
-     "a password or API key"),
-)
 
 
 @dataclass(frozen=True)
@@ -95,7 +84,7 @@ def lint_config(cfg: dict[str, Any], text: str = "") -> list[Finding]:
     for name, nt in node_types.items():
         itype = str(((nt or {}).get("node_config") or {}).get("InstanceType", ""))
         res = (nt or {}).get("resources")
-        if GPU_TYPE.match(itype) and not (isinstance(res, dict) and res.get("GPU")):
+        if catalog.is_gpu_type(itype) and not (isinstance(res, dict) and res.get("GPU")):
             f.append(Finding(WARNING, 3, f"available_node_types.{name}.resources",
                              f"{itype} is a GPU type but the node type declares no GPU resource",
                              "declare resources: {CPU: n, GPU: n, accelerator_type:<X>: 1} so "
@@ -130,7 +119,7 @@ def lint_config(cfg: dict[str, Any], text: str = "") -> list[Finding]:
             f.append(Finding(WARNING, 4, "head_start_ray_commands",
                              f"ports left to Ray's defaults or random picks: {', '.join(missing)}"
                              "; a security group can only open ports it can name",
-                             "pin every port as rayfleet.config.RAY_PORTS lists"))
+                             "pin every port as rayfleet.facts.RAY_PORTS lists"))
 
     setup = _commands(cfg, "initialization_commands", "setup_commands", "head_setup_commands",
                       "worker_setup_commands")

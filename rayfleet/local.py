@@ -27,13 +27,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError
+from rayfleet.facts import port
 
-DEFAULT_GCS_PORT = 6379
-DEFAULT_DASHBOARD_PORT = 8265
+# Ray's own defaults, the ports a cluster of the stack uses too.
+DEFAULT_GCS_PORT = port("gcs")
+DEFAULT_DASHBOARD_PORT = port("dashboard")
 # Auxiliary ports: Ray's defaults when free, otherwise any free port, so a second cluster
 # (the test suite's, say) can run beside the user's.
-DEFAULT_CLIENT_PORT = 10001
-DEFAULT_AGENT_PORT = 52365
+DEFAULT_CLIENT_PORT = port("client")
+DEFAULT_AGENT_PORT = port("dashboard-agent-http")
 # The node's Prometheus endpoint (plain HTTP, no token; README, "What listens"): pinned, as
 # Ray otherwise picks a random port on every start.
 DEFAULT_METRICS_PORT = 8080
@@ -299,8 +301,8 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     # On SIGTERM, Ray 2.60's `ray start --block` first drains its node for up to 30 s, waiting
     # for it to go idle so Serve can move replicas elsewhere. A one-node cluster has nowhere
     # to move them, and a head that has run any job never goes idle (Ray Data's autoscaling
-    # coordinator actor lives on): `down` sat out its whole grace period and then SIGKILLed
-    # everything (16 s measured after one training run, against 4 s with no drain).
+    # coordinator actor lives on), so `down` would sit out the whole grace period before
+    # SIGKILLing everything; without the drain it stops the node at once.
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
     with open(log, "ab") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
@@ -318,8 +320,8 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
             raise ClusterError(f"ray start exited with code {proc.returncode}: "
                                f"{_last_line(log)} (full log: {log})")
         # The Jobs API answers before the head's dashboard agent has registered, and until it
-        # has, `ray job submit` fails with "No available agent to submit job" (seen on a
-        # loaded 2-core machine): ready means both.
+        # has, `ray job submit` fails with "No available agent to submit job" (on a busy
+        # machine the gap is seconds): ready means both.
         # And `ray start` names the cluster in <temp dir>/ray_current_cluster only after the
         # dashboard is up; a job submitted before that has its driver pointed elsewhere.
         if (jobs_api_ready(cluster.dashboard_url, secret) and _listening(agent_port)

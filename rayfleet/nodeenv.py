@@ -1,7 +1,9 @@
 """The node environment: what every Ray node needs to run every workload, declared once.
 
 It is ``[project].dependencies`` of pyproject.toml plus its ``deepspeed`` extra (DeepSpeed's
-sdist imports torch at build time, so it goes in a second step without build isolation).
+sdist imports torch at build time, so it goes in a second step without build isolation), read
+from the installed kit's metadata (``importlib.metadata``): the same from a checkout's editable
+install and from a wheel installed anywhere, and never a file of the folder a command runs in.
 Three builders read it from here: ``rayfleet render`` (the cluster YAML's setup commands),
 the Ansible role (its defaults, kept equal by a test) and ``rayfleet local up`` (which checks
 the interpreter it starts Ray from). The kit's own code is not part of it: jobs bring it with
@@ -19,7 +21,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 # The node venv the cluster YAML builds and every start command runs from.
 VENV = "~/rayfleet-venv"
 # pandas 3 and numpy 2.4 need 3.11; Ubuntu 22.04's python3 (the DLAMI's system Python) is 3.10.
@@ -48,13 +49,13 @@ def _normal(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def load(pyproject: Path = PYPROJECT) -> NodeEnv:
+def load(pyproject: Path | None = None) -> NodeEnv:
+    """The node environment of the installed kit, or of the pyproject.toml given."""
     import tomllib
 
     from rayfleet.errors import RayfleetError
 
-    if pyproject == PYPROJECT and not pyproject.exists():
-        # The kit installed from a wheel, not a checkout: its metadata is pyproject's.
+    if pyproject is None:
         return _from_metadata()
     try:
         project = tomllib.loads(pyproject.read_text())["project"]
@@ -69,7 +70,14 @@ def load(pyproject: Path = PYPROJECT) -> NodeEnv:
 def _from_metadata() -> NodeEnv:
     from importlib import metadata
 
-    lines = metadata.requires("rayfleet") or []
+    from rayfleet.errors import RayfleetError
+
+    try:
+        lines = metadata.requires("rayfleet") or []
+    except metadata.PackageNotFoundError:
+        raise RayfleetError("the rayfleet package is not installed, and its metadata declares "
+                            "the node environment: run `make setup` (or pip install the kit)") \
+            from None
     reqs = tuple(r for r in lines if ";" not in r)
     after = tuple(r.split(";")[0].strip() for r in lines
                   if ";" in r and re.search(r"extra\s*==\s*['\"]deepspeed['\"]", r))

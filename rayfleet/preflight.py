@@ -19,7 +19,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rayfleet import catalog
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError
+from rayfleet.facts import S3_BUCKET_NAME
 from rayfleet.lint import load_yaml
 
 PASS, FAIL, UNKNOWN = "PASS", "FAIL", "UNKNOWN"
@@ -164,7 +166,8 @@ class Preflight:
                          "set it: Ray would attach ray-autoscaler-v1 (full access)")
             if nc.get("KeyName") or lt.get("KeyName"):
                 keys.add(nc.get("KeyName") or lt.get("KeyName"))
-            if itype and re.match(r"p\d", itype) and name != self.cfg.get("head_node_type"):
+            if itype and catalog.quota_group(itype) == "P" \
+                    and name != self.cfg.get("head_node_type"):
                 market = (nc.get("InstanceMarketOptions") or lt.get("InstanceMarketOptions")
                           or {}).get("MarketType", "on-demand")
                 cpus = int(((nt or {}).get("resources") or {}).get("CPU", 0) or 0)
@@ -262,7 +265,7 @@ class Preflight:
                      "" if ok else f"request {code} >= {need} in Service Quotas (takes days)")
 
     def check_bucket(self, uri: str) -> None:
-        m = re.fullmatch(r"s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/?(.*)", uri)
+        m = re.fullmatch(rf"s3://({S3_BUCKET_NAME.pattern})/?(.*)", uri)
         if not m:
             self.add(FAIL, "bucket", f"{uri!r} is not s3://bucket/prefix")
             return

@@ -1,7 +1,7 @@
 """`rayfleet render`: the stack outputs of `pulumi up` -> a Ray cluster-launcher YAML.
 
-The outputs (schema in ``infra/components/__init__.py``, schema_version 1) come from a file,
-stdin (``-``) or ``pulumi stack output --json`` (the ``rayfleet`` key). Every ID in the YAML is
+The outputs (the contract is ``rayfleet/stack.py``) come from a file, stdin (``-``) or
+``pulumi stack output --json`` (the ``rayfleet`` key). Every ID in the YAML is
 copied from them — none is hand-typed (convention 3) — so Ray's bootstrap finds a security
 group, subnets and an instance profile on every node type and creates none of its permissive
 defaults (rule 3). The result is written to ``cluster-configs/generated/<stack>.yaml``.
@@ -14,9 +14,7 @@ template and leave both out; the head (no EFA) names them explicitly.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -25,20 +23,14 @@ from typing import Any
 
 import yaml
 
-from rayfleet.config import (
-    HEAD_INSTANCE_TYPES,
-    RAY_CLUSTER_TAG,
-    RAY_PORTS,
-    WORKER_INSTANCE_TYPES,
-)
 from rayfleet import nodeenv
-from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
+from rayfleet.errors import ConfigError, RayfleetError
+from rayfleet.facts import HEAD_ONLY_PORTS, RAY_CLUSTER_TAG, RAY_PORTS, port
+from rayfleet.stack import StackOutputs, WorkerNodeType
+from rayfleet.stack import parse as parse_outputs
 
-REPO = Path(__file__).resolve().parents[1]
-PYPROJECT = REPO / "pyproject.toml"
 # Relative to where the command runs (the user's checkout), as README shows it.
 GENERATED = Path("cluster-configs") / "generated"
-SCHEMA_VERSION = 1
 
 # Where the token lands on every node, and the venv the setup commands build there.
 REMOTE_TOKEN = "~/.rayfleet/auth_token"
@@ -46,87 +38,9 @@ REMOTE_TOKEN_ENV = "$HOME/.rayfleet/auth_token"
 VENV = nodeenv.VENV
 RAY_BIN = f"{VENV}/bin/ray"
 
-# Every key render reads, dotted; a missing one is refused with its name.
-REQUIRED_KEYS = (
-    "schema_version", "stack", "cluster_name", "region", "availability_zones",
-    "private_subnet_ids", "worker_subnet_id", "cluster_security_group_id",
-    "instance_profiles.head.arn", "instance_profiles.worker.arn",
-    "launch_templates.head.id", "launch_templates.worker_ondemand.id",
-    "launch_templates.worker_spot.id",
-    "node_types.head.instance_type", "node_types.head.vcpus",
-    "node_types.worker_ondemand.instance_type", "node_types.worker_ondemand.min_workers",
-    "node_types.worker_ondemand.max_workers", "node_types.worker_spot.instance_type",
-    "node_types.worker_spot.min_workers", "node_types.worker_spot.max_workers",
-    "storage_uri",
-)
-
-
 # ----------------------------------------------------------------------------- outputs
 
-def _get(d: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(d, dict) or part not in d:
-            raise KeyError(dotted)
-        d = d[part]
-    return d
-
-
-def parse_outputs(text: str, source: str = "outputs") -> dict[str, Any]:
-    """The ``rayfleet`` output from JSON text: either ``pulumi stack output --json`` (a dict
-    with a ``rayfleet`` key) or the ``rayfleet`` object itself. Validated; one-line errors."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RayfleetError(f"{source}: not JSON ({e.msg} at line {e.lineno}); pass the output "
-                            "of `pulumi stack output --json`") from None
-    if isinstance(data, dict) and isinstance(data.get("rayfleet"), dict):
-        data = data["rayfleet"]
-    if not isinstance(data, dict) or "schema_version" not in data:
-        raise RayfleetError(f"{source}: no `rayfleet` stack output found; pass the output of "
-                            "`pulumi stack output --json` for a rayfleet stack")
-    if data["schema_version"] != SCHEMA_VERSION:
-        raise RayfleetError(f"{source}: schema_version {data['schema_version']!r} is not "
-                            f"{SCHEMA_VERSION}; upgrade rayfleet or re-run `pulumi up`")
-    missing = []
-    for key in REQUIRED_KEYS:
-        try:
-            value = _get(data, key)
-        except KeyError:
-            missing.append(key)
-            continue
-        if value is None or value == "" or value == []:
-            missing.append(key)
-    if missing:
-        raise RayfleetError(f"{source}: stack output `rayfleet` lacks {', '.join(missing)}; "
-                            "re-run `pulumi up` and pass the fresh `pulumi stack output --json`")
-    _check_types(data, source)
-    return data
-
-
-def _check_types(o: dict[str, Any], source: str) -> None:
-    head = o["node_types"]["head"]["instance_type"]
-    if head not in HEAD_INSTANCE_TYPES:
-        raise ConfigError(f"{source}: node_types.head.instance_type",
-                          f"{head!r} is not a known head type"
-                          f"{did_you_mean(head, HEAD_INSTANCE_TYPES)}")
-    for kind in ("worker_ondemand", "worker_spot"):
-        nt = o["node_types"][kind]
-        t = nt["instance_type"]
-        if t not in WORKER_INSTANCE_TYPES:
-            raise ConfigError(f"{source}: node_types.{kind}.instance_type",
-                              f"{t!r} is not a known A100 worker type"
-                              f"{did_you_mean(t, WORKER_INSTANCE_TYPES)}")
-        lo, hi = nt["min_workers"], nt["max_workers"]
-        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi):
-            raise ConfigError(f"{source}: node_types.{kind}",
-                              f"min_workers {lo!r} must be an integer between 0 and max_workers "
-                              f"{hi!r}")
-    if not re.fullmatch(r"[a-z][a-z0-9-]{1,30}[a-z0-9]", str(o["cluster_name"])):
-        raise ConfigError(f"{source}: cluster_name", f"{o['cluster_name']!r} is not a rayfleet "
-                                                     "cluster name")
-
-
-def load_outputs(source: str, stdin=None) -> dict[str, Any]:
+def load_outputs(source: str, stdin=None) -> StackOutputs:
     """Outputs from a file path, or ``-`` for stdin."""
     if source == "-":
         return parse_outputs((stdin or sys.stdin).read(), "stdin")
@@ -162,9 +76,13 @@ def setup_commands(env: nodeenv.NodeEnv) -> list[str]:
         f"environment needs one (add python3.12-venv or python3.11-venv to the image)' >&2; "
         f"exit 1; }}; }}",
         f"{VENV}/bin/pip install --quiet --upgrade pip setuptools wheel",
-        f"{VENV}/bin/pip install --quiet " + " ".join(shlex.quote(r) for r in env.requirements),
+        # --no-compile: Python compiles what a process imports, once, when it first imports
+        # it; compiling every file of torch, Ray and transformers up front is more than half
+        # of the install's CPU time and delays every node's start.
+        f"{VENV}/bin/pip install --quiet --no-compile "
+        + " ".join(shlex.quote(r) for r in env.requirements),
         # DeepSpeed's sdist imports torch when it builds: after torch, without isolation.
-        *([f"{VENV}/bin/pip install --quiet --no-build-isolation "
+        *([f"{VENV}/bin/pip install --quiet --no-compile --no-build-isolation "
            + " ".join(shlex.quote(r) for r in env.after_torch)] if env.after_torch else []),
         "chmod 700 ~/.rayfleet && chmod 600 " + REMOTE_TOKEN,
     ]
@@ -225,7 +143,7 @@ def port_flags(head: bool) -> str:
     for p in RAY_PORTS:
         if not p.flag.startswith("--"):
             continue  # ssh, and Serve's ports (set in the Serve config, not by ray start)
-        if p.name in ("gcs", "dashboard", "client") and not head:
+        if p.name in HEAD_ONLY_PORTS and not head:
             continue  # head-only listeners
         if "/" in p.flag:
             lo_flag, hi_flag = p.flag.split("/")
@@ -248,32 +166,33 @@ def ensure_token(path: str) -> Path:
     return _ensure(path)
 
 
-def build_config(o: dict[str, Any], token_file: str, key_name: str | None = None,
+def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                  idle_timeout_minutes: int = 10,
-                 pyproject: Path = PYPROJECT) -> dict[str, Any]:
-    """The cluster YAML as a mapping (values possibly wrapped in :class:`Why`)."""
-    c = o["cluster_name"]
-    region = o["region"]
+                 pyproject: Path | None = None) -> dict[str, Any]:
+    """The cluster YAML as a mapping (values possibly wrapped in :class:`Why`). The node
+    environment is the installed kit's (``pyproject``: another declaration, for tests)."""
+    c = o.cluster_name
+    region = o.region
     key_name = key_name or f"{c}-operator"
     node_env = nodeenv.load(pyproject)
-    nt = o["node_types"]
-    head_t, spot_t, od_t = nt["head"], nt["worker_spot"], nt["worker_ondemand"]
-    profiles = o["instance_profiles"]
-    lts = o["launch_templates"]
-    max_workers = spot_t["max_workers"] + od_t["max_workers"]
+    nt = o.node_types
+    profiles = o.instance_profiles
+    lts = o.launch_templates
+    max_workers = nt.worker_spot.max_workers + nt.worker_ondemand.max_workers
 
-    def worker(t: dict, lt: dict, spot: bool) -> dict:
-        spec = WORKER_INSTANCE_TYPES[t["instance_type"]]
+    # Resources as the stack declares its node types: what was deployed, not what this
+    # version of the kit would deploy today.
+    def worker(t: WorkerNodeType, template_id: str, spot: bool) -> dict:
         node_config: dict[str, Any] = {
-            "InstanceType": spec.name,
+            "InstanceType": t.instance_type,
             "LaunchTemplate": Why(
-                {"LaunchTemplateId": lt["id"], "Version": "$Default"},
+                {"LaunchTemplateId": template_id, "Version": "$Default"},
                 "The launch template brings the AMI, IMDSv2, encrypted roots, the placement "
                 "group and the EFA interfaces with their subnet and security groups; Ray's "
                 "bootstrap copies those up, and raises ValueError if SubnetIds or "
                 "SecurityGroupIds are also set here, so they are left out on purpose."),
             "IamInstanceProfile": Why(
-                {"Arn": profiles["worker"]["arn"]},
+                {"Arn": profiles.worker.arn},
                 "Set explicitly so Ray never attaches its default ray-autoscaler-v1 role "
                 "(EC2 and S3 full access); the worker role reaches only the bucket prefix."),
             "KeyName": key_name,
@@ -286,16 +205,15 @@ def build_config(o: dict[str, Any], token_file: str, key_name: str | None = None
                 "Spot, one-time, terminate on interruption: a reclaimed worker is gone and "
                 "the autoscaler replaces it; nothing stopped lingers to bill EBS.")
         return {
-            "min_workers": t["min_workers"],
-            "max_workers": t["max_workers"],
+            "min_workers": t.min_workers,
+            "max_workers": t.max_workers,
             "resources": Why(
-                {"CPU": spec.vcpus, "GPU": spec.gpus, "accelerator_type:A100": 1},
+                {"CPU": t.vcpus, "GPU": t.gpus, "accelerator_type:A100": 1},
                 "Declared, not detected: a job asking for GPUs or accelerator_type:A100 is "
                 "matched to this type before any instance exists."),
             "node_config": node_config,
         }
 
-    head_spec = HEAD_INSTANCE_TYPES[head_t["instance_type"]]
     # PATH: a job's entrypoint (`python -m workloads...`) runs with the node's PATH, and
     # `python` must be the node environment's, not the image's.
     auth_env = (f"export PATH={VENV.replace('~', '$HOME', 1)}/bin:$PATH RAY_AUTH_MODE=token "
@@ -339,23 +257,23 @@ def build_config(o: dict[str, Any], token_file: str, key_name: str | None = None
         },
         "available_node_types": {
             "ray.head.default": {
-                "resources": Why({"CPU": head_spec.vcpus, "GPU": 0},
+                "resources": Why({"CPU": nt.head.vcpus, "GPU": 0},
                                  "The CPU head runs drivers and light CPU tasks; it has no "
                                  "GPU, so no GPU task is ever placed here."),
                 "node_config": {
-                    "InstanceType": head_spec.name,
-                    "LaunchTemplate": Why({"LaunchTemplateId": lts["head"]["id"],
+                    "InstanceType": nt.head.instance_type,
+                    "LaunchTemplate": Why({"LaunchTemplateId": lts.head.id,
                                            "Version": "$Default"},
                                           "AMI, IMDSv2, encrypted root and tags come from "
                                           "the stack's head launch template."),
-                    "SubnetIds": Why(list(o["private_subnet_ids"]),
+                    "SubnetIds": Why(list(o.private_subnet_ids),
                                      "Private subnets of every AZ: on a capacity error Ray "
                                      "moves on to the next subnet."),
-                    "SecurityGroupIds": Why([o["cluster_security_group_id"]],
+                    "SecurityGroupIds": Why([o.cluster_security_group_id],
                                             "The stack's cluster group; without it Ray "
                                             "creates ray-autoscaler-* with SSH open to the "
                                             "world (rule 3)."),
-                    "IamInstanceProfile": Why({"Arn": profiles["head"]["arn"]},
+                    "IamInstanceProfile": Why({"Arn": profiles.head.arn},
                                               "The head role: EC2 actions limited to this "
                                               "cluster's tag, PassRole on the worker role "
                                               "only."),
@@ -363,8 +281,9 @@ def build_config(o: dict[str, Any], token_file: str, key_name: str | None = None
                 },
             },
             # Spot first in the file; on-demand keeps onDemandWorkers always launchable.
-            "ray.worker.a100.spot": worker(spot_t, lts["worker_spot"], spot=True),
-            "ray.worker.a100.ondemand": worker(od_t, lts["worker_ondemand"], spot=False),
+            "ray.worker.a100.spot": worker(nt.worker_spot, lts.worker_spot.id, spot=True),
+            "ray.worker.a100.ondemand": worker(nt.worker_ondemand, lts.worker_ondemand.id,
+                                               spot=False),
         },
         "head_node_type": "ray.head.default",
         "file_mounts": Why({REMOTE_TOKEN: token_file},
@@ -395,16 +314,16 @@ def build_config(o: dict[str, Any], token_file: str, key_name: str | None = None
            "opens."),
         "worker_start_ray_commands": Why([
             f"{RAY_BIN} stop",
-            f"ulimit -n 65536; {auth_env}; {RAY_BIN} start --address=$RAY_HEAD_IP:6379 "
+            f"ulimit -n 65536; {auth_env}; {RAY_BIN} start --address=$RAY_HEAD_IP:{port('gcs')} "
             + port_flags(head=False),
         ], "Same token and pinned ports on every worker."),
     }
 
 
-def header(o: dict[str, Any]) -> str:
-    return (f"# Generated by `rayfleet render` from the outputs of stack {o['stack']!r} "
-            f"(schema_version {o['schema_version']}). Do not edit: re-render after `pulumi up`.\n"
-            f"# Storage for jobs: {o['storage_uri']}\n"
+def header(o: StackOutputs) -> str:
+    return (f"# Generated by `rayfleet render` from the outputs of stack {o.stack!r} "
+            f"(schema_version {o.schema_version}). Do not edit: re-render after `pulumi up`.\n"
+            f"# Storage for jobs: {o.storage_uri}\n"
             f"# Next: rayfleet preflight <this file>; ray up <this file>\n")
 
 
@@ -419,12 +338,14 @@ def plain(value: Any) -> Any:
     return value
 
 
-def render_text(o: dict[str, Any], token_file: str, key_name: str | None = None,
+def render_text(o: StackOutputs, token_file: str, key_name: str | None = None,
                 idle_timeout_minutes: int = 10) -> str:
     cfg = build_config(o, token_file, key_name, idle_timeout_minutes)
     text = header(o) + "\n".join(_emit(cfg)).lstrip("\n") + "\n"
     # The comments are ours; the data must round-trip exactly.
-    assert yaml.safe_load(text) == plain(cfg)
+    if yaml.safe_load(text) != plain(cfg):
+        raise RayfleetError("render: the cluster YAML would not load back as the stack output's "
+                            "values; check them for unusual characters, or report it as a bug")
     return text
 
 
@@ -435,9 +356,9 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
         raise ConfigError("--idle-timeout", f"must be at least 1 minute, got "
                                             f"{idle_timeout_minutes}")
     o = load_outputs(source, stdin)
-    token_file = token_file or default_token_file(o["cluster_name"])
+    token_file = token_file or default_token_file(o.cluster_name)
     text = render_text(o, token_file, key_name, idle_timeout_minutes)
-    path = Path(out) if out else GENERATED / f"{o['stack']}.yaml"
+    path = Path(out) if out else GENERATED / f"{o.stack}.yaml"
     # Everything that can fail is checked before anything is created, so a bad --out leaves
     # no token behind and a bad --token-file leaves no YAML behind.
     if path.is_dir():

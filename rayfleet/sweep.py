@@ -15,10 +15,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from rayfleet.config import AWS_REGIONS, RAY_CLUSTER_TAG
+from rayfleet.config import AWS_REGIONS
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
+from rayfleet.facts import MANAGED_BY_PULUMI, RAY_CLUSTER_TAG, TAG_MANAGED_BY
 
-MANAGED_BY = ("rayfleet:managed-by", "pulumi")
 LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
 
 
@@ -34,7 +34,7 @@ def _tags(resource: dict) -> dict[str, str]:
 
 
 def _ours(resource: dict) -> bool:
-    return _tags(resource).get(MANAGED_BY[0]) == MANAGED_BY[1]
+    return _tags(resource).get(TAG_MANAGED_BY) == MANAGED_BY_PULUMI
 
 
 def check_cluster_name(name: str) -> str:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# `make demo-hf`: README's "Your own Hugging Face model" section, its blocks run as written
-# (scripts/readme_blocks.py reads them from README, the same way tests/cluster/test_readme.py
-# runs them), on a real local Ray cluster with token auth:
+# `make demo-hf`: the "Your own Hugging Face model" section of docs/workloads.md, its blocks
+# run as written (scripts/readme_blocks.py reads them from the page, the same way
+# tests/cluster/test_readme.py runs them), on a real local Ray cluster with token auth:
 #   a stand-in model folder (tiny Llama + BPE tokenizer, made offline) and instruction records
 #   -> ray job submit workloads.data --tokenizer --shape instruction
 #   -> ray job submit workloads.train --model <folder> --strategy fsdp (2 workers, hf/ export)
@@ -18,7 +18,7 @@ T_START=$(date +%s)
 source scripts/demo_cluster.sh
 
 python scripts/readme_blocks.py "Your own Hugging Face model" > "$LOGS/readme-blocks.sh"
-step "README's Hugging Face section, as written ($LOGS/readme-blocks.sh)"
+step "docs/workloads.md's Hugging Face section, as written ($LOGS/readme-blocks.sh)"
 bash -e -o pipefail "$LOGS/readme-blocks.sh" 2>&1 | tee "$LOGS/demo.log" \
   | grep -E '^\[rayfleet\]|\[rayfleet\] (step|run)|== run|  (loss|checkpoint|hf export) |^A: |Sent deploy'
 echo "  total $(( $(date +%s) - T_START ))s; full output in $LOGS/demo.log"

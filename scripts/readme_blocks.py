@@ -1,11 +1,12 @@
-"""README's runnable examples: every fenced ```bash block in README.md follows a marker,
+"""The runnable examples of README.md and the docs/ pages: every fenced ```bash block follows
+a marker,
 
     <!-- readme-test expect="REGEX" [expect="REGEX" ...] -->   run it; it must exit 0 and
                                                                  print every REGEX
     <!-- readme-test skip: why -->                              not runnable here, and why
 
-read by tests/cluster/test_readme.py (which runs them all, in order) and by `make demo-hf`
-(which runs one section's):
+read by tests/cluster/test_readme.py (which runs them all, in the order of PAGES, each page's
+in its own order) and by `make demo-hf` (which runs one section's):
 
     python scripts/readme_blocks.py "Your own Hugging Face model"   # that section's blocks
 """
@@ -16,13 +17,20 @@ import re
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# The order the examples run in: README's quickstarts first, then the pages that continue them
+# (docs/workloads.md picks up the README's local cluster and shell state). Every page of docs/
+# is listed, so a new page's examples cannot be missed (tests/cluster/test_readme.py).
+PAGES = ("README.md", "docs/local-cluster.md", "docs/workloads.md", "docs/nodes.md",
+         "docs/on-prem.md", "docs/security.md", "docs/testing.md", "docs/faults.md",
+         "docs/benchmarks.md")
 MARKER = re.compile(r'<!-- readme-test(?P<opts>[^\n]*?)-->\n```bash\n(?P<body>.*?)\n```', re.S)
 EXPECT = re.compile(r'expect="((?:[^"\\]|\\.)*)"')
 FENCE = re.compile(r"^```bash$", re.M)
 
 
-def examples(text: str) -> list[tuple[int, str, list[str] | None]]:
+def examples(text: str, page: str = "README") -> list[tuple[int, str, list[str] | None]]:
     """(line, body, expected regexes or None for a skipped block) for each marked block."""
     out = []
     for m in MARKER.finditer(text):
@@ -30,15 +38,21 @@ def examples(text: str) -> list[tuple[int, str, list[str] | None]]:
         opts = m.group("opts").strip()
         if opts.startswith("skip:"):
             if not opts[len("skip:"):].strip():
-                raise ValueError(f"README line {line}: skip without a reason")
+                raise ValueError(f"{page} line {line}: skip without a reason")
             out.append((line, m.group("body"), None))
         else:
             expects = [e.replace('\\"', '"') for e in EXPECT.findall(opts)]
             if not expects:
-                raise ValueError(f"README line {line}: a readme-test marker with nothing to "
+                raise ValueError(f"{page} line {line}: a readme-test marker with nothing to "
                                  "expect")
             out.append((line, m.group("body"), expects))
     return out
+
+
+def all_examples(root: Path = ROOT) -> list[tuple[str, str, list[str] | None]]:
+    """("<page> line N", body, expects) for every marked block of every page, in run order."""
+    return [(f"{page} line {line}", body, expects) for page in PAGES
+            for line, body, expects in examples((root / page).read_text(), page)]
 
 
 def section(text: str, heading: str) -> str:
@@ -49,13 +63,23 @@ def section(text: str, heading: str) -> str:
     return m.group("body")
 
 
+def find_section(heading: str, root: Path = ROOT) -> tuple[str, str]:
+    """(page, text) of the first `## heading` section in README or the docs pages."""
+    for page in PAGES:
+        try:
+            return page, section((root / page).read_text(), heading)
+        except ValueError:
+            continue
+    raise ValueError(f"README has no section '## {heading}'")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: readme_blocks.py SECTION-HEADING", file=sys.stderr)
         return 2
     try:
-        runnable = [body for _, body, expects in examples(section(README.read_text(), argv[0]))
-                    if expects is not None]
+        page, text = find_section(argv[0])
+        runnable = [body for _, body, expects in examples(text, page) if expects is not None]
     except ValueError as e:
         print(f"readme_blocks: {e}", file=sys.stderr)
         return 2

@@ -53,7 +53,40 @@ def pytest_collection_finish(session):
         test_ray_up.start_prebuild()
 
 
+# `make test` runs two pytest-xdist workers with `--dist loadgroup --no-loadscope-reorder`:
+# each group below runs whole on one worker, groups are handed out in this order.
+FIRST_GROUPS = ("fakecloud", "cluster", "tests/cluster/test_ansible.py")
+
+
+def xdist_group(module: str, uses_cluster: bool) -> str:
+    """The rehearsal alone ("fakecloud"), every module that uses the session's Ray cluster
+    together ("cluster": one worker, one cluster), any other module on its own (its module
+    fixtures made once)."""
+    if module.startswith("tests/fakecloud/"):
+        return "fakecloud"
+    return "cluster" if uses_cluster else module
+
+
+def group_for_xdist(items) -> None:
+    """Marks every item with its xdist group and orders the items so that the longest groups
+    start first, side by side: the rehearsal (minutes of waiting on its nodes) on one worker
+    while the other works through the cluster's tests; the rest fill in after."""
+    uses = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        uses[module] = uses.get(module, False) or "ray_cluster" in item.fixturenames
+    groups = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        groups[item.nodeid] = xdist_group(module, uses[module])
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    first = {g: i for i, g in enumerate(FIRST_GROUPS)}
+    items.sort(key=lambda it: first.get(groups[it.nodeid], len(first)))  # stable
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist appends the group to each node id
 def pytest_collection_modifyitems(config, items):
+    group_for_xdist(items)
     try:
         import torch
 

@@ -5,37 +5,7 @@ args dataclass.
 returns the stack outputs; ``infra/__main__.py`` only loads the config, calls it, and exports.
 
 The one stack output, ``rayfleet``, is what ``rayfleet render`` turns into a cluster-launcher
-YAML. Its schema (``schema_version`` 1)::
-
-    schema_version: 1
-    stack, cluster_name, region: str
-    availability_zones: [str]            # the workers' AZ first
-    worker_availability_zone: str
-    vpc_id: str
-    private_subnet_ids: [str]            # one per AZ, same order; nodes go only here
-    worker_subnet_id: str                # private subnet of the workers' AZ (placement group)
-    cluster_security_group_id: str       # every node; Ray ports from itself only
-    efa_security_group_id: str           # A100 EFA interfaces (set by the worker templates)
-    operator_access: "ssm" | "ssm+cidr"
-    operator_cidrs: [str]
-    instance_profiles: {head: {arn, name}, worker: {arn, name}}
-    roles: {head: {arn}, worker: {arn}}
-    launch_templates: {head: {id, name}, worker_ondemand: {id, name}, worker_spot: {id, name}}
-    node_types:
-      head:            {instance_type, vcpus, memory_gib, gpus: 0}
-      worker_ondemand: {instance_type, vcpus, memory_gib, gpus, gpu_memory_gib,
-                        efa_interfaces, market: "on-demand", min_workers, max_workers}
-      worker_spot:     {... same, market: "spot"}
-    placement_group: str
-    ami_id: str
-    imds_hop_limit: int
-    bucket: str
-    bucket_arn: str
-    bucket_key_prefix: str               # e.g. "rayfleet/"
-    storage_uri: str                     # s3://<bucket>/<bucket_key_prefix>
-    kms_key_arn: str | null              # null with bucketEncryption: s3
-    ray_ports: {name: [from_port, to_port]}   # rayfleet.config.RAY_PORTS
-    budget_name: str | null
+YAML: a :class:`rayfleet.stack.StackOutputs` (the contract and its schema live there).
 """
 
 from __future__ import annotations
@@ -45,7 +15,9 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from rayfleet.config import RAY_PORTS, StackConfig
+from rayfleet import stack as contract
+from rayfleet.config import StackConfig
+from rayfleet.facts import MANAGED_BY_PULUMI, RAY_PORTS, TAG_CLUSTER, TAG_MANAGED_BY, TAG_STACK
 
 from .budget import Budget, BudgetArgs
 from .gpu_nodes import GpuNodes, GpuNodesArgs
@@ -54,16 +26,14 @@ from .network import Network, NetworkArgs
 from .security import Security, SecurityArgs
 from .storage import Storage, StorageArgs
 
-SCHEMA_VERSION = 1
-
 __all__ = [
-    "SCHEMA_VERSION", "Budget", "BudgetArgs", "GpuNodes", "GpuNodesArgs", "Iam", "IamArgs",
+    "Budget", "BudgetArgs", "GpuNodes", "GpuNodesArgs", "Iam", "IamArgs",
     "Network", "NetworkArgs", "Security", "SecurityArgs", "Storage", "StorageArgs", "build",
 ]
 
 
 def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
-    """Create every resource of the stack; return ``{"rayfleet": <the schema above>}``."""
+    """Create every resource of the stack; return ``{"rayfleet": <StackOutputs as a dict>}``."""
     stack = stack or pulumi.get_stack()
     c = cfg.cluster_name
     # An explicit provider: every resource gets the validated region and these tags, whatever
@@ -72,9 +42,9 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         f"{c}-aws",
         region=cfg.region,
         default_tags=aws.ProviderDefaultTagsArgs(tags={
-            "rayfleet:cluster": c,
-            "rayfleet:stack": stack,
-            "rayfleet:managed-by": "pulumi",
+            TAG_CLUSTER: c,
+            TAG_STACK: stack,
+            TAG_MANAGED_BY: MANAGED_BY_PULUMI,
         }),
     )
     opts = pulumi.ResourceOptions(providers={"aws": provider})
@@ -136,55 +106,46 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         ), opts)
 
     head, worker = cfg.nodes.head, cfg.nodes.worker
-    worker_type = {
-        "instance_type": worker.name, "vcpus": worker.vcpus, "memory_gib": worker.memory_gib,
-        "gpus": worker.gpus, "gpu_memory_gib": worker.gpu_memory_gib,
-        "efa_interfaces": worker.efa_interfaces,
-    }
-    return {"rayfleet": {
-        "schema_version": SCHEMA_VERSION,
-        "stack": stack,
-        "cluster_name": c,
-        "region": cfg.region,
-        "availability_zones": network.availability_zones,
-        "worker_availability_zone": network.availability_zones[0],
-        "vpc_id": network.vpc.id,
-        "private_subnet_ids": network.private_subnet_ids,
-        "worker_subnet_id": network.worker_subnet.id,
-        "cluster_security_group_id": security.cluster.id,
-        "efa_security_group_id": security.efa.id,
-        "operator_access": cfg.access.mode,
-        "operator_cidrs": list(cfg.access.operator_cidrs),
-        "instance_profiles": {
-            "head": {"arn": iam.head_profile.arn, "name": iam.head_profile.name},
-            "worker": {"arn": iam.worker_profile.arn, "name": iam.worker_profile.name},
-        },
-        "roles": {"head": {"arn": iam.head_role.arn}, "worker": {"arn": iam.worker_role.arn}},
-        "launch_templates": {
-            "head": {"id": nodes.head.id, "name": nodes.head.name},
-            "worker_ondemand": {"id": nodes.worker_ondemand.id,
-                                "name": nodes.worker_ondemand.name},
-            "worker_spot": {"id": nodes.worker_spot.id, "name": nodes.worker_spot.name},
-        },
-        "node_types": {
-            "head": {"instance_type": head.name, "vcpus": head.vcpus,
-                     "memory_gib": head.memory_gib, "gpus": 0},
-            "worker_ondemand": {**worker_type, "market": "on-demand",
-                                "min_workers": cfg.nodes.on_demand_min,
-                                "max_workers": cfg.nodes.on_demand_max},
-            "worker_spot": {**worker_type, "market": "spot",
-                            "min_workers": cfg.nodes.spot_min,
-                            "max_workers": cfg.nodes.spot_max},
-        },
-        "placement_group": nodes.placement_group.name,
-        "ami_id": nodes.ami_id,
-        "imds_hop_limit": cfg.nodes.imds_hop_limit,
-        "bucket": storage.bucket.bucket,
-        "bucket_arn": storage.bucket.arn,
-        "bucket_key_prefix": cfg.storage.key_prefix,
-        "storage_uri": pulumi.Output.concat("s3://", storage.bucket.bucket, "/",
-                                            cfg.storage.key_prefix),
-        "kms_key_arn": storage.kms_key_arn,
-        "ray_ports": {p.name: [p.from_port, p.to_port] for p in RAY_PORTS},
-        "budget_name": budget.budget.name if budget is not None else None,
-    }}
+
+    def workers(min_workers: int, max_workers: int) -> contract.WorkerNodeType:
+        return contract.WorkerNodeType(
+            instance_type=worker.name, vcpus=worker.vcpus, gpus=worker.gpus,
+            efa_interfaces=worker.efa_interfaces, min_workers=min_workers,
+            max_workers=max_workers)
+
+    return {"rayfleet": contract.StackOutputs(
+        stack=stack,
+        cluster_name=c,
+        region=cfg.region,
+        availability_zones=network.availability_zones,
+        worker_availability_zone=network.availability_zones[0],
+        vpc_id=network.vpc.id,
+        private_subnet_ids=network.private_subnet_ids,
+        worker_subnet_id=network.worker_subnet.id,
+        cluster_security_group_id=security.cluster.id,
+        efa_security_group_id=security.efa.id,
+        operator_access=cfg.access.mode,
+        operator_cidrs=list(cfg.access.operator_cidrs),
+        instance_profiles=contract.ByRole(head=contract.Arn(iam.head_profile.arn),
+                                          worker=contract.Arn(iam.worker_profile.arn)),
+        roles=contract.ByRole(head=contract.Arn(iam.head_role.arn),
+                              worker=contract.Arn(iam.worker_role.arn)),
+        launch_templates=contract.ByNodeType(
+            head=contract.TemplateId(nodes.head.id),
+            worker_ondemand=contract.TemplateId(nodes.worker_ondemand.id),
+            worker_spot=contract.TemplateId(nodes.worker_spot.id)),
+        node_types=contract.ByNodeType(
+            head=contract.HeadNodeType(instance_type=head.name, vcpus=head.vcpus, gpus=0),
+            worker_ondemand=workers(cfg.nodes.on_demand_min, cfg.nodes.on_demand_max),
+            worker_spot=workers(cfg.nodes.spot_min, cfg.nodes.spot_max)),
+        placement_group=nodes.placement_group.name,
+        ami_id=nodes.ami_id,
+        imds_hop_limit=cfg.nodes.imds_hop_limit,
+        bucket=storage.bucket.bucket,
+        bucket_arn=storage.bucket.arn,
+        storage_uri=pulumi.Output.concat("s3://", storage.bucket.bucket, "/",
+                                         cfg.storage.key_prefix),
+        kms_key_arn=storage.kms_key_arn,
+        ray_ports={p.name: [p.from_port, p.to_port] for p in RAY_PORTS},
+        budget_name=budget.budget.name if budget is not None else None,
+    ).to_dict()}

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from rayfleet.config import RAY_CLUSTER_TAG, InstanceSpec
+from rayfleet.catalog import InstanceSpec
+from rayfleet.facts import RAY_CLUSTER_TAG, TAG_CLUSTER, TAG_NODE_KIND, TAG_STACK
+# Module-level, so a test can swap it and watch the policy pack notice.
+from rayfleet.facts import TAG_HOP_LIMIT_REASON as HOP_LIMIT_REASON_TAG
 
 # AWS Deep Learning AMI with the open-source NVIDIA driver, CUDA, EFA installer, NCCL and
 # PyTorch preinstalled (https://docs.aws.amazon.com/dlami/latest/devguide/appendix-ami-release-notes.html).
 # The same image on the head keeps Python and Ray identical on every node (rule 25).
 DLAMI_NAME_FILTER = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch * (Ubuntu 22.04) *"
-
-# Tag that says why a launch template raised the IMDS hop limit above 1 (rule 9).
-HOP_LIMIT_REASON_TAG = "rayfleet:imds-hop-limit-reason"
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ class GpuNodes(pulumi.ComponentResource):
         )
 
     def _common(self, args: GpuNodesArgs, kind: str, profile_arn: pulumi.Input[str]) -> dict:
-        tags = {"Name": f"{args.cluster_name}-{kind}", "rayfleet:node-kind": kind}
+        tags = {"Name": f"{args.cluster_name}-{kind}", TAG_NODE_KIND: kind}
         if args.imds_hop_limit > 1:
             tags[HOP_LIMIT_REASON_TAG] = ("rayInDocker: Ray runs in containers, one network hop "
                                           "further from IMDS than the host")
@@ -219,8 +219,8 @@ def _efa_interfaces(args: GpuNodesArgs) -> list:
 def _tag_specs(args: GpuNodesArgs, kind: str, spot: bool, efa: bool) -> list:
     # Tags ray-cluster-name too, so an instance launched from a template by hand is still
     # one `rayfleet sweep` finds and the head may terminate.
-    tags = {RAY_CLUSTER_TAG: args.cluster_name, "rayfleet:cluster": args.cluster_name,
-            "rayfleet:stack": args.stack, "rayfleet:node-kind": kind}
+    tags = {RAY_CLUSTER_TAG: args.cluster_name, TAG_CLUSTER: args.cluster_name,
+            TAG_STACK: args.stack, TAG_NODE_KIND: kind}
     kinds = ["instance", "volume"] + (["network-interface"] if efa else []) + \
         (["spot-instances-request"] if spot else [])
     return [aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=k, tags=tags)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from rayfleet.config import RAY_CLUSTER_TAG
+from rayfleet.facts import RAY_CLUSTER_TAG, TAG_NODE_ROLE
 
 # The EC2 reads Ray 2.60's AWS node provider makes with the head's credentials
 # (ray/autoscaler/_private/aws/node_provider.py): DescribeInstances to list and re-read its
@@ -60,7 +60,7 @@ class Iam(pulumi.ComponentResource):
             f"{name}-worker",
             description=f"Ray A100 workers of {args.cluster_name}: bucket prefix and SSM only",
             assume_role_policy=EC2_TRUST,
-            tags={"rayfleet:node-role": "worker"},
+            tags={TAG_NODE_ROLE: "worker"},
             opts=child,
         )
         self.head_role = aws.iam.Role(
@@ -68,7 +68,7 @@ class Iam(pulumi.ComponentResource):
             description=(f"Ray head of {args.cluster_name}: launches and ends its own "
                          "tagged workers, bucket prefix, SSM"),
             assume_role_policy=EC2_TRUST,
-            tags={"rayfleet:node-role": "head"},
+            tags={TAG_NODE_ROLE: "head"},
             opts=child,
         )
 

@@ -14,6 +14,7 @@ import pulumi
 import pulumi_aws as aws
 
 from rayfleet.errors import ConfigError
+from rayfleet.facts import TAG_TIER
 
 from .storage import stack_key
 
@@ -81,7 +82,7 @@ class Network(pulumi.ComponentResource):
                 cidr_block=cidr,
                 # Only NAT gateways live here, and they bring their own Elastic IP.
                 map_public_ip_on_launch=False,
-                tags={"Name": f"{tag}-public-{letter}", "rayfleet:tier": "public"},
+                tags={"Name": f"{tag}-public-{letter}", TAG_TIER: "public"},
                 opts=child,
             )
             aws.ec2.RouteTableAssociation(f"{name}-public-{letter}", subnet_id=subnet.id,
@@ -111,7 +112,7 @@ class Network(pulumi.ComponentResource):
                 availability_zone=az,
                 cidr_block=cidr,
                 map_public_ip_on_launch=False,
-                tags={"Name": f"{tag}-private-{letter}", "rayfleet:tier": "private"},
+                tags={"Name": f"{tag}-private-{letter}", TAG_TIER: "private"},
                 opts=child,
             )
             rt = aws.ec2.RouteTable(f"{name}-private-{letter}", vpc_id=self.vpc.id,

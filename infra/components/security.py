@@ -1,6 +1,6 @@
 """Security groups: Ray's ports open only between the cluster's own nodes.
 
-The cluster group admits each port of ``rayfleet.config.RAY_PORTS`` from itself alone
+The cluster group admits each port of ``rayfleet.facts.RAY_PORTS`` from itself alone
 (rule 4), never from 0.0.0.0/0 (rules 1, 2). Operators reach the head through SSM Session
 Manager, which needs no inbound rule at all; only when ``rayfleet:operatorCidrs`` names ranges
 (a VPN, an office) do SSH and the dashboard also open to exactly those ranges. Every group and
@@ -15,13 +15,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from rayfleet.config import RAY_PORTS, RayPort
-
-# What operators may reach from rayfleet:operatorCidrs, and nothing else.
-OPERATOR_PORTS = (
-    (22, "SSH (ray up, ray attach)"),
-    (8265, "Ray dashboard and Jobs API (ray job submit)"),
-)
+from rayfleet.facts import OPERATOR_PORTS, RAY_PORTS, RayPort, port
 
 
 @dataclass(frozen=True)
@@ -50,29 +44,30 @@ class Security(pulumi.ComponentResource):
             tags={"Name": f"{args.cluster_name}-cluster"},
             opts=child,
         )
-        for port in args.ray_ports:
+        for ray_port in args.ray_ports:
             aws.vpc.SecurityGroupIngressRule(
-                f"{name}-{port.name}",
+                f"{name}-{ray_port.name}",
                 security_group_id=self.cluster.id,
                 referenced_security_group_id=self.cluster.id,
                 ip_protocol="tcp",
-                from_port=port.from_port,
-                to_port=port.to_port,
-                description=f"{port.why} - from cluster nodes only",
+                from_port=ray_port.from_port,
+                to_port=ray_port.to_port,
+                description=f"{ray_port.why} - from cluster nodes only",
                 opts=child,
             )
 
         for i, cidr in enumerate(args.operator_cidrs):
             v6 = ipaddress.ip_network(cidr).version == 6
-            for port, what in OPERATOR_PORTS:
+            for port_name, what in OPERATOR_PORTS:
+                number = port(port_name)
                 aws.vpc.SecurityGroupIngressRule(
-                    f"{name}-operator-{port}-{i}",
+                    f"{name}-operator-{number}-{i}",
                     security_group_id=self.cluster.id,
                     cidr_ipv4=None if v6 else cidr,
                     cidr_ipv6=cidr if v6 else None,
                     ip_protocol="tcp",
-                    from_port=port,
-                    to_port=port,
+                    from_port=number,
+                    to_port=number,
                     description=f"{what} from operator range {cidr} (rayfleet:operatorCidrs)",
                     opts=child,
                 )

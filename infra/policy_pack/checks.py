@@ -28,7 +28,19 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayfleet.config import RAY_CLUSTER_TAG, RAY_PORTS
+from rayfleet.facts import (
+    IMDS_HOP_LIMIT,
+    IMDS_HOP_LIMIT_CONTAINERS,
+    OPERATOR_PORTS,
+    RAY_CLUSTER_TAG,
+    RAY_PORTS,
+    RAY_PORTS_BY_NAME,
+    SECRET_PATTERNS,
+    TAG_HOP_LIMIT_REASON,
+    TAG_NODE_ROLE,
+    WORLD_FORBIDDEN,
+    port,
+)
 from rayfleet.rules import RULES as REGISTRY
 
 
@@ -109,12 +121,12 @@ POLICY_ATTACHMENTS = ("aws:iam/policyAttachment:PolicyAttachment",
 INSTANCE_PROFILE = "aws:iam/instanceProfile:InstanceProfile"
 
 # Rule 1's ports: Ray's unauthenticated-by-default surfaces and Serve.
-WORLD_FORBIDDEN_PORTS = ((6379, 6379), (8265, 8265), (10001, 10001), (8000, 8000),
-                         (9000, 9000), (52365, 52365), (10002, 19999))
+WORLD_FORBIDDEN_PORTS = tuple((RAY_PORTS_BY_NAME[n].from_port, RAY_PORTS_BY_NAME[n].to_port)
+                              for n in WORLD_FORBIDDEN)
 # Rule 4's ports: every port Ray listens on between nodes (ssh is rule 2's).
 RAY_ONLY_PORTS = tuple((p.from_port, p.to_port) for p in RAY_PORTS if p.name != "ssh")
 # What rayfleet:operatorCidrs may open: SSH and the dashboard/Jobs API.
-OPERATOR_PORTS = (22, 8265)
+OPERATOR_PORT_NUMBERS = tuple(port(name) for name, _ in OPERATOR_PORTS)
 
 # Characters EC2 accepts in security group and rule descriptions (CreateSecurityGroup API).
 _SG_DESCRIPTION = re.compile(r"[a-zA-Z0-9. _\-:/()#,@\[\]+=&;{}!$*]+")
@@ -122,20 +134,6 @@ _TOOL_DEFAULT_DESCRIPTIONS = {"managed by pulumi", "managed by terraform"}
 
 FORBIDDEN_MANAGED_POLICIES = ("AdministratorAccess", "AmazonEC2FullAccess",
                               "AmazonS3FullAccess", "PowerUserAccess", "IAMFullAccess")
-HOP_LIMIT_REASON_TAG = "rayfleet:imds-hop-limit-reason"
-NODE_ROLE_TAG = "rayfleet:node-role"
-
-# Credentials and secrets that must never sit in user data (rule 20).
-SECRET_PATTERNS = (
-    (re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"), "an AWS access key id"),
-    (re.compile(r"aws_secret_access_key|AWS_SECRET_ACCESS_KEY|AWS_SESSION_TOKEN"),
-     "an AWS secret key variable"),
-    (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"), "a private key"),
-    (re.compile(r"RAY_AUTH_TOKEN\s*="), "the Ray auth token"),
-    (re.compile(r"(?i)\b\w*(password|passwd|secret|api_?key|token)\w*\s*[=:]\s*['\"]?"
-                r"[A-Za-z0-9+/_\-.]{8,}"), "a password or token assignment"),
-    (re.compile(r"\bhf_[A-Za-z0-9]{30,}\b"), "a Hugging Face token"),
-)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -339,13 +337,13 @@ def _node_roles(resources: Sequence[Resource]) -> dict[str, Resource]:
     out = {}
     for r in _all(resources, ROLE):
         if any(_points_to(p, "role", r) for p in profiles) \
-                or (r.inputs.get("tags") or {}).get(NODE_ROLE_TAG):
+                or (r.inputs.get("tags") or {}).get(TAG_NODE_ROLE):
             out[r.name] = r
     return out
 
 
 def _role_kind(role: Resource) -> str:
-    return str((role.inputs.get("tags") or {}).get(NODE_ROLE_TAG, ""))
+    return str((role.inputs.get("tags") or {}).get(TAG_NODE_ROLE, ""))
 
 
 def _inline_policies(resources: Sequence[Resource], role: Resource) -> list[tuple[Resource,
@@ -384,7 +382,7 @@ def rule_2_no_world_ssh(resources: Sequence[Resource], **_: Any) -> Iterator[Vio
         if p.direction != "ingress" or not p.tcp_or_all:
             continue
         world = [c for c in p.cidrs if _is_world(c)]
-        if world and _overlaps(*p.port_range, [(22, 22)]):
+        if world and _overlaps(*p.port_range, [(port("ssh"), port("ssh"))]):
             yield _v(2, p.resource, f"admits SSH (22) from {world[0]}; use SSM Session Manager "
                                     "or rayfleet:operatorCidrs")
 
@@ -400,7 +398,7 @@ def rule_4_ray_ports_from_cluster_only(resources: Sequence[Resource],
         if not hits:
             continue
         lo, hi = p.port_range
-        operator_rule = (lo == hi and lo in OPERATOR_PORTS and not p.groups
+        operator_rule = (lo == hi and lo in OPERATOR_PORT_NUMBERS and not p.groups
                          and not p.prefix_lists and p.cidrs
                          and all(_norm(c) in allowed for c in p.cidrs))
         if operator_rule:
@@ -506,14 +504,15 @@ def rule_9_imdsv2(resources: Sequence[Resource], **_: Any) -> Iterator[Violation
             yield _v(9, r, f"allows IMDSv1 (httpTokens={meta.get('httpTokens')!r}, "
                            "must be 'required')")
         hop = meta.get("httpPutResponseHopLimit")
-        reason = (r.inputs.get("tags") or {}).get(HOP_LIMIT_REASON_TAG)
+        reason = (r.inputs.get("tags") or {}).get(TAG_HOP_LIMIT_REASON)
         if hop is None:
-            yield _v(9, r, "leaves the IMDS hop limit to the AMI (set 1)")
-        elif int(hop) == 2 and not reason:
-            yield _v(9, r, f"sets IMDS hop limit 2 without a {HOP_LIMIT_REASON_TAG} tag "
+            yield _v(9, r, f"leaves the IMDS hop limit to the AMI (set {IMDS_HOP_LIMIT})")
+        elif int(hop) == IMDS_HOP_LIMIT_CONTAINERS and not reason:
+            yield _v(9, r, f"sets IMDS hop limit {hop} without a {TAG_HOP_LIMIT_REASON} tag "
                            "saying why")
-        elif int(hop) > 2:
-            yield _v(9, r, f"sets IMDS hop limit {hop}; 1, or 2 for containers")
+        elif int(hop) > IMDS_HOP_LIMIT_CONTAINERS:
+            yield _v(9, r, f"sets IMDS hop limit {hop}; {IMDS_HOP_LIMIT}, or "
+                           f"{IMDS_HOP_LIMIT_CONTAINERS} for containers")
 
 
 def rule_10_ebs_encrypted(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:

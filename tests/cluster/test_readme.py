@@ -1,15 +1,16 @@
-"""README's examples, run as written, in order, against the session's cluster.
+"""The examples of README and docs/, run as written, in order, against the session's cluster.
 
-Every fenced ```bash block in README.md is preceded by a marker:
+Every fenced ```bash block in README.md and the docs/ pages is preceded by a marker:
     <!-- readme-test expect="REGEX" [expect="REGEX" ...] -->   run it; it must exit 0 and
                                                                  print every REGEX
     <!-- readme-test skip: why -->                              not runnable here, and why
-The blocks are read from README itself (scripts/readme_blocks.py), so an example cannot drift
-from what is tested; `make demo-hf` runs one section's blocks the same way. They
-run in a copy of the repository's files (so `$PWD/runs/...` and `cluster-configs/generated/`
-land there), with the session cluster's client environment (what `eval "$(rayfleet local
-env)"` exports) and the venv's bin first on PATH (what `source .venv/bin/activate` does). The
-one change made to them: the committed Serve configs' port 8000 becomes a free port.
+The blocks are read from the pages themselves (scripts/readme_blocks.py: README first, then
+the docs pages in its PAGES order), so an example cannot drift from what is tested; `make
+demo-hf` runs one section's blocks the same way. They run in a copy of the repository's files
+(so `$PWD/runs/...` and `cluster-configs/generated/` land there), with the session cluster's
+client environment (what `eval "$(rayfleet local env)"` exports) and the venv's bin first on
+PATH (what `source .venv/bin/activate` does). The one change made to them: the committed Serve
+configs' port 8000 becomes a free port.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.readme_blocks import FENCE, examples, section
+from scripts.readme_blocks import FENCE, PAGES, all_examples, examples, find_section
 from tests.conftest import BIN, REPO, free_port, run
 from tests.workloads.conftest import post_json, serve_shutdown
 
@@ -40,9 +41,9 @@ def _copy_of_repo(dest: Path) -> Path:
     return dest
 
 
-def _runnable() -> list[tuple[int, str, list[str]]]:
-    return [(line, body, expects) for line, body, expects
-            in examples((REPO / "README.md").read_text()) if expects is not None]
+def _runnable() -> list[tuple[str, str, list[str]]]:
+    return [(where, body, expects) for where, body, expects in all_examples(REPO)
+            if expects is not None]
 
 
 def _split() -> int:
@@ -53,12 +54,12 @@ def _split() -> int:
 
 
 def _run_blocks(blocks, work: Path, env: dict, port: int) -> None:
-    for line, body, expects in blocks:
+    for where, body, expects in blocks:
         body = body.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         proc = run(["bash", "-e", "-o", "pipefail", "-c", body], env=env, cwd=work,
                    timeout=420)
         out = proc.stdout + proc.stderr
-        where = f"README line {line}: exit {proc.returncode}\n{out[-4000:]}"
+        where = f"{where}: exit {proc.returncode}\n{out[-4000:]}"
         assert proc.returncode == 0, where
         for pattern in expects:
             assert re.search(pattern, out), f"{where}\nexpected: {pattern}"
@@ -66,7 +67,7 @@ def _run_blocks(blocks, work: Path, env: dict, port: int) -> None:
 
 @pytest.fixture(scope="module")
 def readme(ray_cluster, tmp_path_factory):
-    """The runnable blocks up to the `rag` deploy, in README's order; what they leave (files,
+    """The runnable blocks up to the `rag` deploy, in the pages' order; what they leave (files,
     and the `rag` app) is what the tests below look at."""
     work = _copy_of_repo(tmp_path_factory.mktemp("readme") / "checkout")
     port = free_port()
@@ -95,8 +96,9 @@ def readme_rest(readme, ray_cluster):
 
 
 def test_demo_hf_runs_the_hugging_face_sections_blocks():
-    text = (REPO / "README.md").read_text()
-    blocks = [b for _, b, e in examples(section(text, "Your own Hugging Face model")) if e]
+    page, text = find_section("Your own Hugging Face model", REPO)
+    assert page == "docs/workloads.md"
+    blocks = [b for _, b, e in examples(text, page) if e]
     assert len(blocks) == 3 and "workloads.train --model" in blocks[0]
     proc = run([str(BIN / "python"), str(REPO / "scripts" / "readme_blocks.py"),
                 "Your own Hugging Face model"], check=True)
@@ -109,9 +111,15 @@ def test_demo_hf_runs_the_hugging_face_sections_blocks():
 
 
 def test_every_bash_example_in_readme_is_marked():
-    text = (REPO / "README.md").read_text()
-    found = examples(text)
-    assert len(found) == len(FENCE.findall(text)), "a ```bash block without a readme-test marker"
+    # Every page of docs/ is one the examples are read from, so none of its blocks is skipped.
+    assert {p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")} <= set(PAGES)
+    found = []
+    for page in PAGES:
+        text = (REPO / page).read_text()
+        on_page = examples(text, page)
+        assert len(on_page) == len(FENCE.findall(text)), \
+            f"{page}: a ```bash block without a readme-test marker"
+        found += on_page
     assert sum(e is not None for _, _, e in found) >= 6
 
 

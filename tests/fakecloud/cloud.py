@@ -24,6 +24,7 @@ a failure; use it as a context manager.
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import json
 import os
@@ -442,6 +443,16 @@ def wheelhouse(pip: Path, cache: Path | None = None) -> Path:
     dest = (cache or Path.home() / ".cache" / "rayfleet") / f"wheelhouse-{key}"
     if (dest / ".complete").exists():
         return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time (each pytest-xdist worker starts one): the others wait for it.
+    with open(dest.with_name(dest.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (dest / ".complete").exists():
+            _build_wheelhouse(pip, env, dest)
+    return dest
+
+
+def _build_wheelhouse(pip: Path, env, dest: Path) -> None:
     part = dest.with_name(dest.name + ".part")
     shutil.rmtree(part, ignore_errors=True)
     part.mkdir(parents=True)
@@ -456,4 +467,3 @@ def wheelhouse(pip: Path, cache: Path | None = None) -> Path:
     (part / ".complete").touch()
     shutil.rmtree(dest, ignore_errors=True)
     part.rename(dest)
-    return dest

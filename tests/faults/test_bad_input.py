@@ -1,4 +1,4 @@
-"""The bad-input suite (README, "What survives what"), issue 6: wrong inputs across the kit,
+"""The bad-input suite (docs/faults.md), issue 6: wrong inputs across the kit,
 each refused the same way.
 
 Every case in CASES is a wrong input a user could plausibly type or hand over: a flag of the
@@ -490,7 +490,7 @@ def _main(program: str) -> Callable[[list[str]], int]:
 def _as_entry_point(case: Case, tmp: Path) -> Callable[[list[str]], int]:
     """Validators are not programs: run them as an entry point runs its work, so their error
     reaches the user the same way (run_main: one line, exit code 2)."""
-    from workloads.common.cli import run_main
+    from rayfleet.entrypoint import run_main
 
     def work(_argv) -> int:
         case.call(tmp)

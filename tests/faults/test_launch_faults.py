@@ -1,4 +1,4 @@
-"""Fault 6 (README's fault table): a launch interrupted half-way leaves nothing
+"""Fault 6 (docs/faults.md): a launch interrupted half-way leaves nothing
 `rayfleet sweep` misses.
 
 The example stack is built in moto by infra/ itself (tests/moto/pulumi_moto.py) and rendered.

@@ -1,4 +1,4 @@
-"""Fault 3 (README's fault table): a Serve replica killed while a load generator sends
+"""Fault 3 (docs/faults.md): a Serve replica killed while a load generator sends
 requests. At least 99% of the requests succeed (for a client that retries as the openai client
 does: twice, on a connection error or a 5xx), Serve replaces the replica, and the app reports
 healthy with its full replica count again."""

@@ -1,4 +1,4 @@
-"""Training faults (faults 1, 2, 4, 5 of README's fault table) on real local Ray clusters.
+"""Training faults (faults 1, 2, 4, 5 of docs/faults.md) on real local Ray clusters.
 
 1. A Ray Train worker killed mid-run: FailureConfig restarts the worker group, which resumes
    from the latest checkpoint and redoes at most one checkpoint interval.

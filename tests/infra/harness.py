@@ -5,7 +5,7 @@ No engine runs: Pulumi's mock monitor hands every resource registration and ever
 with plausible ids/ARNs and records what the program asked for. What comes back is the
 resource graph the policy pack (infra/policy_pack) checks and the stack outputs the program
 exported. This
-proves what the program *requests*; it does not prove AWS accepts it (see the README).
+proves what the program *requests*; it does not prove AWS accepts it (see docs/testing.md).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pulumi
 import pytest
 
 from infra.policy_pack import checks as policy
-from infra.components import SCHEMA_VERSION
+from rayfleet.stack import SCHEMA_VERSION
 from rayfleet.config import RAY_CLUSTER_TAG, RAY_PORTS, StackConfig
 
 from .conftest import MAXIMAL
@@ -269,7 +269,7 @@ def test_stack_output_schema(stack):
         "cluster_security_group_id", "efa_security_group_id", "operator_access",
         "operator_cidrs", "instance_profiles", "roles", "launch_templates", "node_types",
         "placement_group", "ami_id", "imds_hop_limit", "bucket", "bucket_arn",
-        "bucket_key_prefix", "storage_uri", "kms_key_arn", "ray_ports", "budget_name"}
+        "storage_uri", "kms_key_arn", "ray_ports", "budget_name"}
     assert (out["cluster_name"], out["region"]) == (c.cluster_name, c.region)
     assert out["storage_uri"] == f"s3://{out['bucket']}/{c.storage.key_prefix}"
     assert out["bucket"].startswith(c.storage.bucket_prefix)
@@ -282,6 +282,19 @@ def test_stack_output_schema(stack):
     assert (out["budget_name"] is not None) == c.budget.enabled
     assert out["ray_ports"]["gcs"] == [6379, 6379]
     json.dumps(out)  # plain JSON: what `pulumi stack output --json` hands render
+
+
+def test_render_reads_back_what_the_program_exports(stack):
+    """The contract both ends share: the export parses into the same StackOutputs, whose
+    node types are the catalog's for the configured instance types."""
+    from rayfleet import stack as contract
+
+    _, values, b = stack
+    c = config_of(values)
+    parsed = contract.parse(json.dumps(b.outputs))
+    assert parsed.to_dict() == b.outputs["rayfleet"]
+    assert parsed.node_types.worker_spot.vcpus == c.nodes.worker.vcpus
+    assert parsed.node_types.head.vcpus == c.nodes.head.vcpus
 
 
 def test_budget_alerts_the_configured_addresses(built):

@@ -32,6 +32,11 @@ def test_cell_stats_and_serve_comparison():
     out = serve_latency.compare(results)
     assert out["overhead_p50_ms"] == {"on/c16": 2.0, "off/c1": 1.0, "off/c16": 2.5}
     assert out["batching_gain_c16"] == {"serve": 3.0, "bare": 2.0}
+    assert out["serve_vs_bare_rps_c16"] == 0.75 and "lm_over_floor_p50_ms_c1" not in out
+    # With the no-op floor measured, lm's own share is its overhead minus the floor's.
+    results["serve"]["noop"], results["bare"]["noop"] = {1: r(3.5, 280)}, {1: r(3.0, 330)}
+    out = serve_latency.compare(results)
+    assert out["overhead_p50_ms"]["noop/c1"] == 0.5 and out["lm_over_floor_p50_ms_c1"] == 0.5
 
 
 def test_data_summary_ratios_and_wait_share():
@@ -103,6 +108,7 @@ def test_benchmarks_md_renders_goals_from_the_numbers():
     assert ">= 1.7x on 2 cores — **missed**" in text
     assert "<= 2 ms p50 overhead —\n**missed** at c=1" in text and "(3.5 ms" in text
     assert "c=16 — met under Serve (3.2x)" in text
+    assert "adds <= 1 ms p50\nover that floor at c=1 — **missed**\n(None ms" in text
     assert "| on | 16 | 10.0 / 20.0 ms, 50.0 req/s |" in text
     assert "which says little" not in text
     # The cold start's stages, seconds from launch and since the stage before, both sides.

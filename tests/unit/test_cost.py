@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -38,7 +37,7 @@ def test_cli_reports_date_offline_note_and_budget(capsys):
 def test_price_table_is_dated_and_covers_every_worker_type():
     from rayfleet.config import WORKER_INSTANCE_TYPES
 
-    p = json.loads(cost.PRICES.read_text())
+    p = cost.load_prices()
     assert p["as_of"] and "offline" in p["source"]
     assert set(WORKER_INSTANCE_TYPES) <= set(p["gpu"])
     for t in p["gpu"].values():

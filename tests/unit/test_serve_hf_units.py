@@ -46,7 +46,8 @@ def _refusal(args: dict) -> str:
 # --------------------------------------------------------------------------- checkpoint
 
 def test_hf_folder_is_accepted_as_it_is(hf_model_dir):
-    from workloads.serve.lm import check_args, check_checkpoint
+    from workloads.serve.lm import check_args
+    from workloads.serve.model_source import check_checkpoint
 
     args = check_args({"checkpoint": str(hf_model_dir)})
     assert args["checkpoint"] == str(hf_model_dir)
@@ -57,7 +58,8 @@ def test_hf_folder_is_accepted_as_it_is(hf_model_dir):
 
 
 def test_run_checkpoint_serves_its_hf_export_also_as_latest(tmp_path, hf_model_dir, monkeypatch):
-    from workloads.serve.lm import check_args, check_checkpoint
+    from workloads.serve.lm import check_args
+    from workloads.serve.model_source import check_checkpoint
 
     ckpt = _checkpoint_with_export(tmp_path / "runs", hf_model_dir)
     info = check_checkpoint(str(ckpt))

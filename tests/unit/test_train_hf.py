@@ -6,6 +6,7 @@ dataset is workloads.data's instruction output."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -22,10 +23,9 @@ from workloads.train.loop import LoopConfig, train_loop
 
 
 def _spec(hf_model_dir, sft_data):
-    args = driver.build_parser().parse_args(["--model", str(hf_model_dir), "--dataset",
-                                             str(sft_data)])
-    assert driver.validate_args(args) is None
-    return driver.resolve_hf(args, driver.dataset_manifest(str(sft_data)))
+    opts = driver.TrainOptions.parse(["--model", str(hf_model_dir), "--dataset", str(sft_data)])
+    assert driver.check_options(opts) is None
+    return driver.resolve_hf(opts, driver.dataset_manifest(str(sft_data)))
 
 
 def _loop(root, spec, source, tokenizer, data, max_steps, **kw) -> tuple[TorchrunContext, dict]:
@@ -177,13 +177,13 @@ def test_bad_hf_inputs_are_one_line_before_any_worker(hf_model_dir, sft_data, tm
 
 def test_memory_estimate_reads_the_hf_config(hf_model_dir, sft_data):
     spec, _, _ = _spec(hf_model_dir, sft_data)
-    args = driver.build_parser().parse_args(["--model", str(hf_model_dir), "--dataset", "x",
-                                             "--batch-size", "8"])
-    driver.validate_args(args)
-    base = driver.memory_estimate_bytes(spec, args)
+    opts = driver.TrainOptions.parse(["--model", str(hf_model_dir), "--dataset", "x",
+                                      "--batch-size", "8"])
+    driver.check_options(opts)
+    base = driver.memory_estimate_bytes(spec, opts)
     assert base["params"] == 4.0 * spec.n_params
-    args.activation_checkpointing = True
-    assert driver.memory_estimate_bytes(spec, args)["activations"] < base["activations"] / 10
+    opts = dataclasses.replace(opts, activation_checkpointing=True)
+    assert driver.memory_estimate_bytes(spec, opts)["activations"] < base["activations"] / 10
 
 
 def test_torchrun_entry_point_is_importable_without_ray():
@@ -194,14 +194,12 @@ def test_torchrun_entry_point_is_importable_without_ray():
 
 def test_relative_model_paths_are_made_absolute_for_the_workers(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = driver.build_parser().parse_args(["--model", "./models/m", "--tokenizer", "tok",
-                                             "--dataset", "d"])
-    driver.absolute_hf_paths(args)
-    assert args.model == str(tmp_path / "models" / "m")
-    assert args.tokenizer == str(tmp_path / "tok")
-    args = driver.build_parser().parse_args(["--model", "tiny"])
-    driver.absolute_hf_paths(args)
-    assert args.model == "tiny"                     # a preset, not a path
+    opts = driver.absolute_hf_paths(driver.TrainOptions.parse(
+        ["--model", "./models/m", "--tokenizer", "tok", "--dataset", "d"]))
+    assert opts.model == str(tmp_path / "models" / "m")
+    assert opts.tokenizer == str(tmp_path / "tok")
+    opts = driver.absolute_hf_paths(driver.TrainOptions.parse(["--model", "tiny"]))
+    assert opts.model == "tiny"                     # a preset, not a path
 
 
 def test_a_model_folder_named_without_a_slash_is_a_folder_a_preset_name_a_preset(

@@ -13,19 +13,19 @@ from rayfleet.errors import CheckpointError, ClusterError, ConfigError, Rayfleet
 from workloads.train import checkpoint as ckpt
 from workloads.train.context import TorchrunContext
 from workloads.train.driver import (
-    build_parser,
+    TrainOptions,
     check_memory,
+    check_options,
     check_resources,
     memory_estimate_bytes,
-    validate_args,
 )
 from workloads.train.loop import LoopConfig, lr_at, train_loop
 from workloads.train.model import GPT, PRESETS
 
 
 def args_of(*argv):
-    args = build_parser().parse_args(list(argv))
-    return args, validate_args(args)
+    opts = TrainOptions.parse(list(argv))
+    return opts, check_options(opts)
 
 
 def test_parameter_count_formula_matches_the_module():
@@ -253,3 +253,16 @@ def test_the_training_corpus_is_the_sorted_standard_library_without_tests():
     assert len(corpus) == 1 << 20
     assert corpus.startswith(expected[0].read_bytes()[:4096])
     assert stdlib_corpus(1 << 16) == corpus[:1 << 16]
+
+
+def test_training_options_are_every_flag_parsed_once_and_frozen():
+    import dataclasses
+
+    from workloads.train.driver import build_parser
+
+    dests = {a.dest for a in build_parser()._actions if a.dest != "help"}
+    assert {f.name for f in dataclasses.fields(TrainOptions)} == dests
+    opts, _ = args_of("--smoke-test", "--num-workers", "8", "--env", "A=1")
+    assert opts.num_workers == 2 and opts.batch_size == 8 and opts.env == ("A=1",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.num_workers = 4

@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import yaml
 
-from scripts.readme_blocks import examples
+from scripts.readme_blocks import all_examples
 from tests.conftest import BIN, REPO, free_port, run
 
 SHIM = r'''
@@ -132,9 +132,9 @@ def endpoint():
 
 
 def _readme_command(module: str) -> list[str]:
-    """README's `ray job submit ... -m <module> --smoke-test ...` line (run for real by
-    tests/cluster/test_readme.py), as argv."""
-    for _, body, expects in examples((REPO / "README.md").read_text()):
+    """README's (or a docs page's) `ray job submit ... -m <module> --smoke-test ...` line (run
+    for real by tests/cluster/test_readme.py), as argv."""
+    for _, body, expects in all_examples(REPO):
         for line in body.replace("\\\n", " ").splitlines():
             if expects is not None and f"-m {module} --smoke-test" in line:
                 return shlex.split(line.split("#", 1)[0])
@@ -176,8 +176,8 @@ def test_demo_script_wires_every_stage(tmp_path, endpoint, running):
     assert train[:3] == ["python", "-m", "workloads.train"]
     from workloads.train import driver
 
-    args = driver.build_parser().parse_args(train[3:])
-    driver.validate_args(args)
+    args = driver.TrainOptions.parse(train[3:])
+    driver.check_options(args)
     assert args.smoke_test and args.dataset == dataset and args.num_workers == 2
     assert args.storage_path == str(runs) and args.name.startswith("demo-")
     assert args.max_steps == 300 and args.checkpoint_every == 100  # `make demo`'s defaults

@@ -8,7 +8,6 @@ typo in a bucket name costs seconds, not a failed run at the first checkpoint.
 from __future__ import annotations
 
 import os
-import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +15,8 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from rayfleet.errors import ConfigError, StorageError
-
-# S3 bucket naming rules (3-63 chars, lowercase letters, digits, dots, hyphens).
-BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+from rayfleet.facts import S3_BUCKET_NAME as BUCKET_NAME  # noqa: F401 (workloads.train's)
+from rayfleet.facts import is_bucket_name
 
 
 def default_root() -> str:
@@ -119,7 +117,7 @@ def resolve(uri: str, *, endpoint: str | None = None, check_writable: bool = Tru
     if uri.startswith("s3://"):
         rest = uri[len("s3://"):].strip("/")
         bucket, _, prefix = rest.partition("/")
-        if not BUCKET_NAME.match(bucket) or ".." in bucket:
+        if not is_bucket_name(bucket):
             raise StorageError(f"{uri}: {bucket!r} is not a valid S3 bucket name "
                                "(3-63 lowercase letters, digits, dots, hyphens)")
         fs = s3_filesystem(endpoint)

@@ -95,7 +95,7 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workloads.common.cli import ArgumentParser, run_main
+    from rayfleet.entrypoint import ArgumentParser, run_main
 
     def _run(argv):
         p = ArgumentParser(prog="workloads.common.tiny_hf",

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from rayfleet.errors import ConfigError, RayfleetError
-from workloads.common.cli import ArgumentParser, run_main
+from rayfleet.entrypoint import ArgumentParser, run_main
 from workloads.common.deps import require
 from workloads.common.storage import default_root, user_path
 from workloads.data.tokenize import (  # noqa: F401  (ByteTokenizer: bench imports it here)

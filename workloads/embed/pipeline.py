@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from rayfleet.errors import ConfigError, RayfleetError
-from workloads.common.cli import ArgumentParser, run_main
+from rayfleet.entrypoint import ArgumentParser, run_main
 from workloads.common.deps import require
 from workloads.common.storage import default_root, user_path
 

@@ -32,7 +32,8 @@ from pathlib import Path
 import yaml
 
 from rayfleet.errors import ConfigError, RayfleetError
-from workloads.common.cli import ArgumentParser, parse_env_pairs, run_main
+from rayfleet.entrypoint import ArgumentParser, run_main
+from workloads.common.cli import parse_env_pairs
 
 PROG = "workloads.serve.llm_config"
 ACCELERATORS = ("A100", "A100-40G", "A100-80G", "H100", "H200", "L4", "A10G")

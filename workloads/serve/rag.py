@@ -16,26 +16,29 @@ byte-level model with a short context: the question and as much of the best docu
 go into its prompt. On GPU clusters point the same retriever at the `llm` app instead.
 """
 
-# No `from __future__ import annotations`: FastAPI reads the request models as classes.
+# No `from __future__ import annotations`: FastAPI reads the request models as classes, and
+# Serve the builder's args model.
 import asyncio
 import os
 import time
-import uuid
+from typing import ClassVar
 
 from pydantic import BaseModel, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from rayfleet.errors import CheckpointError, ConfigError
-from workloads.serve.lm import (
+from rayfleet.errors import CheckpointError
+from workloads.serve.app_args import LATEST, AppArgs, app_path, builder_errors, resolve_checkpoint
+from workloads.serve.lm import DEFAULT_MODEL_NAME as GENERATOR_MODEL_NAME
+from workloads.serve.lm import LMGenerator
+from workloads.serve.model_source import check_checkpoint
+from workloads.serve.openai_api import (
     APIError,
     ChatRequest,
-    LMGenerator,
-    app_path,
-    builder_errors,
-    check_checkpoint,
+    chat_completion,
+    check_model,
     openai_app,
-    resolve_checkpoint,
+    usage,
 )
 
 DEFAULT_MODEL_NAME = "rayfleet-rag"
@@ -183,10 +186,7 @@ class RAGServer:
 
     @api.post("/v1/chat/completions")
     async def chat(self, body: RAGChatRequest):
-        if body.model != self.model_name:
-            raise APIError(404, f"The model '{body.model}' does not exist; this server has "
-                           f"'{self.model_name}' (GET /v1/models)", param="model",
-                           code="model_not_found")
+        check_model(body.model, self.model_name)
         if body.stream:
             raise APIError(400, "stream: the rag app answers in one response; drop "
                            "`stream`", param="stream", code="invalid_request")
@@ -194,55 +194,50 @@ class RAGServer:
         if not question.strip():
             raise APIError(400, "messages: no user message with content to answer",
                            param="messages", code="invalid_request")
-        max_tokens = body.max_completion_tokens or body.max_tokens or 64
         # Both sub-calls go through handles: Serve routes, queues and load-balances them.
         info_ref = self.generator.info.remote()
         sources = await self.retriever.search.remote(question, body.k)
         info = await info_ref
         prompt = rag_prompt(question, sources, info["context_length"])
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        out = await self.generator.generate.remote(prompt, max_tokens, body.temperature,
-                                                   body.seed, stop, body.top_k)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion",
-                "created": int(time.time()), "model": self.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant",
-                                                     "content": out["text"]},
-                             "logprobs": None, "finish_reason": out["finish_reason"]}],
-                "usage": {"prompt_tokens": out["prompt_tokens"],
-                          "completion_tokens": out["completion_tokens"],
-                          "total_tokens": out["prompt_tokens"] + out["completion_tokens"]},
-                "rayfleet": {"sources": sources, "generator": info["model"],
-                             "prompt": prompt}}
+        out = await self.generator.generate.remote(prompt, body.answer_tokens(),
+                                                   body.temperature, body.seed,
+                                                   body.stop_list(), body.top_k)
+        return chat_completion(self.model_name, out["text"], out["finish_reason"],
+                               usage(out["prompt_tokens"], out["completion_tokens"]),
+                               {"sources": sources, "generator": info["model"],
+                                "prompt": prompt})
 
 
-def check_args(args: dict | None) -> dict:
+class RAGArgs(AppArgs):
+    """`args` of the rag app (cluster-configs/serve/rag.yaml): embeddings (workloads.embed
+    output, folder or s3://; default the embed job's default output), checkpoint (the
+    generator's workloads.train checkpoint or Hugging Face folder; default `latest`),
+    model_name, generator_model_name."""
+
+    APP: ClassVar[str] = "rag"
+    embeddings: str = ""
+    checkpoint: str = LATEST
+    model_name: str = DEFAULT_MODEL_NAME
+    generator_model_name: str = GENERATOR_MODEL_NAME
+
+
+def check_args(args: "dict | RAGArgs | None") -> dict:
     """The app's arguments checked, paths resolved; or one line (RayfleetError)."""
     from workloads.common.storage import default_root
 
-    args = dict(args or {})
-    known = {"embeddings", "checkpoint", "model_name", "generator_model_name"}
-    unknown = sorted(set(args) - known)
-    if unknown:
-        raise ConfigError(f"args.{unknown[0]}", "unknown argument for the rag app",
-                          sorted(known), unknown[0])
+    a = RAGArgs.parse(args)
     # Defaults: where workloads.embed and workloads.train write when given no path.
-    embeddings = app_path(args, "embeddings", os.path.join(default_root(), "embeddings"))
+    embeddings = app_path(a.embeddings or os.path.join(default_root(), "embeddings"),
+                          "embeddings")
     # The generator: a workloads.train checkpoint (its hf/ export if any) or a HF model folder.
-    checkpoint = check_checkpoint(resolve_checkpoint(args))["source"]
+    checkpoint = check_checkpoint(resolve_checkpoint(a.checkpoint))["source"]
     check_index(embeddings)  # a missing or unfinished index fails the deploy, not a replica
-    return {"embeddings": embeddings, "checkpoint": checkpoint,
-            "model_name": str(args.get("model_name", DEFAULT_MODEL_NAME)),
-            "generator_model_name": str(args.get("generator_model_name", "rayfleet-lm"))}
+    return {**a.model_dump(), "embeddings": embeddings, "checkpoint": checkpoint}
 
 
 @builder_errors("rag")
-def app_builder(args: dict) -> serve.Application:
-    """Serve config entry point (`import_path: workloads.serve.rag:app_builder`).
-
-    args: embeddings (workloads.embed output, folder or s3://; default the embed job's
-    default output), checkpoint (the generator's workloads.train checkpoint; default
-    `latest`), model_name, generator_model_name.
-    """
+def app_builder(args: RAGArgs) -> serve.Application:
+    """Serve config entry point (`import_path: workloads.serve.rag:app_builder`)."""
     a = check_args(args)
     generator = LMGenerator.bind(a["checkpoint"], model_name=a["generator_model_name"])
     return RAGServer.bind(Retriever.bind(a["embeddings"]), generator, model_name=a["model_name"])

@@ -17,7 +17,7 @@ directory and Ray merges them into one folder in storage. Layout:
                 gathered weights plus the tokenizer (from_pretrained, `lm`, vLLM)
 
 A checkpoint without a valid marker, or whose files are missing or short, is never resumed
-from (fault 4 of README's fault table): the marker is the last thing written and records the sizes.
+from (fault 4 of docs/faults.md): the marker is the last thing written and records the sizes.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 
 from rayfleet.errors import CheckpointError
@@ -87,9 +88,23 @@ def write_marker(dirpath: Path, *, step: int, strategy: str, world_size: int,
     os.replace(tmp, dirpath / MARKER)
 
 
-def read_marker(dirpath: Path) -> dict:
-    path = Path(dirpath) / MARKER
-    return parse_marker(str(dirpath), path.read_bytes() if path.exists() else None)
+def read_file(fs: pafs.FileSystem, path: str) -> bytes | None:
+    """A file's bytes on any pyarrow filesystem, or None when it cannot be read."""
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read()
+    except (FileNotFoundError, OSError):
+        return None
+
+
+def list_files(fs: pafs.FileSystem, path: str) -> dict[str, int]:
+    """{relative path: size} of every file under `path` ({} when there is no such folder)."""
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    except NotADirectoryError:
+        return {}
+    return {i.path[len(path):].lstrip("/"): i.size for i in infos
+            if i.type == pafs.FileType.File}
 
 
 def check_listing(where: str, marker: dict, listing: dict[str, int],
@@ -116,13 +131,25 @@ def check_listing(where: str, marker: dict, listing: dict[str, int],
     return marker
 
 
+def validate_on(fs: pafs.FileSystem, path: str, where: str, *,
+                expect_strategy: str | None = None,
+                listing: dict[str, int] | None = None) -> dict:
+    """The checkpoint at `path` on `fs` (a local folder or an s3:// prefix alike): its marker
+    parses and every file it lists is there, whole. Returns the marker; CheckpointError naming
+    `where` (the path as the user wrote it) otherwise. `listing`: one already taken."""
+    if listing is None:
+        listing = list_files(fs, path)
+    marker = parse_marker(where, read_file(fs, f"{path.rstrip('/')}/{MARKER}"))
+    return check_listing(where, marker, listing, expect_strategy)
+
+
 def validate(dirpath: Path | str, *, expect_strategy: str | None = None) -> dict:
+    """validate_on for a local folder."""
     dirpath = Path(dirpath)
     if not dirpath.is_dir():
         raise CheckpointError(f"checkpoint {dirpath} does not exist")
-    listing = {str(p.relative_to(dirpath)): p.stat().st_size
-               for p in dirpath.rglob("*") if p.is_file()}
-    return check_listing(str(dirpath), read_marker(dirpath), listing, expect_strategy)
+    return validate_on(pafs.LocalFileSystem(), str(dirpath.resolve()), str(dirpath),
+                       expect_strategy=expect_strategy)
 
 
 def parse_marker(where: str, raw: bytes | None) -> dict:

@@ -12,13 +12,16 @@ than hang) and a per-worker memory estimate is compared with what a worker has.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import re
 import sys
 import time
+from dataclasses import dataclass, fields, replace
 
+from rayfleet import catalog
 from rayfleet.errors import (
     CheckpointError,
     ClusterError,
@@ -26,7 +29,8 @@ from rayfleet.errors import (
     RayfleetError,
     StorageError,
 )
-from workloads.common.cli import ArgumentParser, parse_env_pairs, run_main
+from rayfleet.entrypoint import ArgumentParser, run_main
+from workloads.common.cli import parse_env_pairs
 from workloads.common.deps import require
 from workloads.common.hf import is_hf_spec
 from workloads.common.storage import BUCKET_NAME, default_root, user_path
@@ -35,9 +39,6 @@ from workloads.train.loop import STRATEGIES, LoopConfig
 from workloads.train.model import PRESETS, GPTConfig
 
 PROG = "workloads.train"
-# Per-GPU memory by Ray accelerator type, for the OOM warning (GiB).
-GPU_MEMORY_GIB = {"A100": 40, "A100-40G": 40, "A100-80G": 80, "H100": 80, "H200": 141,
-                  "A10G": 24, "L4": 24, "T4": 16}
 
 
 # Run names become a folder under --storage-path (and Ray Train's experiment name).
@@ -112,72 +113,127 @@ def build_parser() -> ArgumentParser:
     return p
 
 
-def validate_args(args) -> GPTConfig | None:
+@dataclass(frozen=True)
+class TrainOptions:
+    """The training flags, parsed once (TrainOptions.from_args): flags left unset take the
+    smoke-test values (tiny, seconds on 2 CPUs) or the defaults, and flags given explicitly
+    always win, so `--smoke-test --max-steps 3` works. Nothing changes it afterwards; paths
+    made absolute are a new TrainOptions (`dataclasses.replace`)."""
+
+    smoke_test: bool
+    model: str | None
+    model_config: str | None
+    tokenizer: str | None
+    activation_checkpointing: bool
+    deepspeed_config: str | None
+    offload_params: bool
+    seq_len: int | None
+    strategy: str
+    zero_stage: int
+    offload: bool
+    num_workers: int
+    use_gpu: bool
+    cpus_per_worker: float
+    resources_per_worker: str | None
+    batch_size: int
+    grad_accum: int
+    lr: float
+    max_steps: int
+    warmup_steps: int | None
+    checkpoint_every: int
+    log_every: int
+    num_to_keep: int
+    max_failures: int
+    corpus_bytes: int
+    dataset: str | None
+    storage_path: str
+    s3_endpoint: str | None
+    name: str | None
+    allow_changes: bool
+    env: tuple[str, ...]
+    seed: int
+    compile: bool
+    gpu_memory_gib: float | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **given) -> TrainOptions:
+        """From build_parser()'s namespace (other flags a caller added are left out);
+        `given` overrides flags before the defaults are applied (torchrun's world size)."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls)} | given
+        defaults = SMOKE if values["smoke_test"] else DEFAULTS
+        for key, value in defaults.items():
+            # --model-config names the architecture: no preset is filled in beside it.
+            if values[key] is None and not (key == "model" and values["model_config"]):
+                values[key] = value
+        if values["smoke_test"] and values["num_workers"] >= 1:
+            values["num_workers"] = min(values["num_workers"], 2)
+        values["env"] = tuple(values["env"] or ())
+        return cls(**values)
+
+    @classmethod
+    def parse(cls, argv: list[str] | None) -> TrainOptions:
+        return cls.from_args(build_parser().parse_args(argv))
+
+
+def check_options(opts: TrainOptions) -> GPTConfig | None:
     """The flags checked; the kit's GPT config, or None for a Hugging Face model (whose config
     and sequence length come from its folder and the dataset: resolve_hf)."""
-    hf = is_hf_spec(args.model, PRESETS) or args.model_config is not None
-    if args.model_config is not None and args.model is not None:
+    hf = is_hf_spec(opts.model, PRESETS) or opts.model_config is not None
+    if opts.model_config is not None and opts.model is not None:
         raise ConfigError("--model-config", "give --model (a preset or a model folder) or "
                                             "--model-config (fresh weights), not both")
-    # Flags left unset take the smoke-test values (tiny, seconds on 2 CPUs) or the defaults;
-    # flags given explicitly always win, so `--smoke-test --max-steps 3` works.
-    defaults = SMOKE if args.smoke_test else DEFAULTS
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.smoke_test:
-        args.num_workers = min(args.num_workers, 2) if args.num_workers >= 1 else args.num_workers
-    if args.strategy not in STRATEGIES:
-        raise ConfigError("--strategy", f"unknown strategy {args.strategy!r}", STRATEGIES,
-                          args.strategy)
-    if not hf and args.model not in PRESETS:
-        raise ConfigError("--model", f"unknown model size {args.model!r}", PRESETS, args.model)
-    if args.num_workers < 1:
-        raise ConfigError("--num-workers", f"must be at least 1, got {args.num_workers}")
-    if args.compile and args.strategy == "deepspeed":
+    defaults = SMOKE if opts.smoke_test else DEFAULTS
+    if opts.strategy not in STRATEGIES:
+        raise ConfigError("--strategy", f"unknown strategy {opts.strategy!r}", STRATEGIES,
+                          opts.strategy)
+    if not hf and opts.model not in PRESETS:
+        raise ConfigError("--model", f"unknown model size {opts.model!r}", PRESETS, opts.model)
+    if opts.num_workers < 1:
+        raise ConfigError("--num-workers", f"must be at least 1, got {opts.num_workers}")
+    if opts.compile and opts.strategy == "deepspeed":
         raise ConfigError("--compile", "works with --strategy ddp or fsdp; DeepSpeed wraps the "
                           "model in its own engine, which --compile does not reach")
-    if args.zero_stage not in (2, 3):
-        raise ConfigError("--zero-stage", f"must be 2 or 3, got {args.zero_stage}")
-    if args.offload_params and not (args.strategy == "deepspeed" and args.zero_stage == 3):
+    if opts.zero_stage not in (2, 3):
+        raise ConfigError("--zero-stage", f"must be 2 or 3, got {opts.zero_stage}")
+    if opts.offload_params and not (opts.strategy == "deepspeed" and opts.zero_stage == 3):
         raise ConfigError("--offload-params", "needs --strategy deepspeed --zero-stage 3")
-    if args.deepspeed_config and args.strategy != "deepspeed":
+    if opts.deepspeed_config and opts.strategy != "deepspeed":
         raise ConfigError("--deepspeed-config", "needs --strategy deepspeed")
     if not hf:
         for flag in ("tokenizer", "activation_checkpointing"):
-            if getattr(args, flag):
+            if getattr(opts, flag):
                 raise ConfigError(f"--{flag.replace('_', '-')}", "is for Hugging Face models "
                                                                  "(--model <folder>)")
     for flag in ("batch_size", "grad_accum", "max_steps", "checkpoint_every", "log_every",
                  "num_to_keep"):
-        if getattr(args, flag) < 1:
+        if getattr(opts, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')}", "must be at least 1")
-    if args.max_failures < -1:
+    if opts.max_failures < -1:
         raise ConfigError("--max-failures", "must be -1 (retry forever) or more")
     # `not x > 0` rather than `x <= 0`: argparse's float() accepts "nan", which fails every
     # comparison and would otherwise reach the workers as a NaN learning rate.
-    if not 0 < args.cpus_per_worker < math.inf:
-        raise ConfigError("--cpus-per-worker", f"must be more than 0, got {args.cpus_per_worker}")
-    if not 0 < args.lr < math.inf:
-        raise ConfigError("--lr", f"must be a positive finite number, got {args.lr}; the "
+    if not 0 < opts.cpus_per_worker < math.inf:
+        raise ConfigError("--cpus-per-worker", f"must be more than 0, got {opts.cpus_per_worker}")
+    if not 0 < opts.lr < math.inf:
+        raise ConfigError("--lr", f"must be a positive finite number, got {opts.lr}; the "
                                   f"default is {defaults['lr']:g}")
-    if args.gpu_memory_gib is not None and not 0 < args.gpu_memory_gib < math.inf:
-        raise ConfigError("--gpu-memory-gib", f"must be more than 0, got {args.gpu_memory_gib}")
-    if args.warmup_steps is not None and args.warmup_steps < 0:
-        raise ConfigError("--warmup-steps", f"must be 0 or more, got {args.warmup_steps}")
-    if args.seed < 0:
+    if opts.gpu_memory_gib is not None and not 0 < opts.gpu_memory_gib < math.inf:
+        raise ConfigError("--gpu-memory-gib", f"must be more than 0, got {opts.gpu_memory_gib}")
+    if opts.warmup_steps is not None and opts.warmup_steps < 0:
+        raise ConfigError("--warmup-steps", f"must be 0 or more, got {opts.warmup_steps}")
+    if opts.seed < 0:
         # numpy's seed() refuses negatives, on every worker, after the cluster is booked.
-        raise ConfigError("--seed", f"must be 0 or more, got {args.seed}")
-    if args.seq_len is not None and args.seq_len < 1:
-        raise ConfigError("--seq-len", f"must be at least 1, got {args.seq_len}")
-    if args.name is not None and not RUN_NAME.fullmatch(args.name):
+        raise ConfigError("--seed", f"must be 0 or more, got {opts.seed}")
+    if opts.seq_len is not None and opts.seq_len < 1:
+        raise ConfigError("--seq-len", f"must be at least 1, got {opts.seq_len}")
+    if opts.name is not None and not RUN_NAME.fullmatch(opts.name):
         # The name is a folder under --storage-path; "../x" or "a/b" would write outside it.
-        raise ConfigError("--name", f"{args.name!r} must be letters, digits, - _ . (no "
+        raise ConfigError("--name", f"{opts.name!r} must be letters, digits, - _ . (no "
                                     "slashes), starting with a letter or digit")
-    if args.resources_per_worker:
+    if opts.resources_per_worker:
         # Not an `assert`: `python -O` would drop it and let a list or a string through.
         try:
-            extra = json.loads(args.resources_per_worker)
+            extra = json.loads(opts.resources_per_worker)
         except ValueError:
             extra = None
         if not isinstance(extra, dict) or not all(
@@ -185,29 +241,29 @@ def validate_args(args) -> GPTConfig | None:
             raise ConfigError("--resources-per-worker",
                               'must be a JSON object of numbers, e.g. {"memory": 4e9}')
     if hf:
-        if args.dataset in (None, "stdlib"):
+        if opts.dataset in (None, "stdlib"):
             raise ConfigError("--dataset", "a Hugging Face model trains on a dataset tokenized "
                                            "with its tokenizer: python -m workloads.data "
                                            "--tokenizer <model folder> --output <folder>, then "
                                            "--dataset <folder>")
-        if args.seq_len:
+        if opts.seq_len:
             raise ConfigError("--seq-len", "comes from the dataset for Hugging Face models "
                                            "(workloads.data --max-length)")
         return None
-    model = PRESETS[args.model]
-    if args.seq_len:
-        model = GPTConfig.from_dict({**model.to_dict(), "seq_len": args.seq_len})
-    if args.dataset is None:
+    model = PRESETS[opts.model]
+    if opts.seq_len:
+        model = GPTConfig.from_dict({**model.to_dict(), "seq_len": opts.seq_len})
+    if opts.dataset is None:
         # The built-in corpus is cut into seq_len+1 windows and split over the workers; with
         # fewer windows than one batch per worker every rank fails its first epoch, and
         # FailureConfig would restart the group --max-failures times before giving up.
-        windows = max(0, (args.corpus_bytes - 1) // model.seq_len)
-        need = args.batch_size * args.num_workers
+        windows = max(0, (opts.corpus_bytes - 1) // model.seq_len)
+        need = opts.batch_size * opts.num_workers
         if windows < need:
-            raise ConfigError("--corpus-bytes", f"{args.corpus_bytes} bytes make {windows} "
+            raise ConfigError("--corpus-bytes", f"{opts.corpus_bytes} bytes make {windows} "
                                                 f"sequences of {model.seq_len + 1} tokens, fewer "
-                                                f"than one batch ({args.batch_size}) per worker "
-                                                f"({args.num_workers}); use at least "
+                                                f"than one batch ({opts.batch_size}) per worker "
+                                                f"({opts.num_workers}); use at least "
                                                 f"{need * model.seq_len + 1}")
     return model
 
@@ -292,27 +348,27 @@ def check_byte_dataset(spec: str | None, manifest: dict | None) -> None:
                                        "--tokenizer")
 
 
-def resolve_hf(args, manifest: dict | None):
+def resolve_hf(opts: TrainOptions, manifest: dict | None):
     """A Hugging Face run checked before Ray starts: the model folder (or config) loads, the
     dataset was made with this model's tokenizer, fits its vocabulary and its context.
     Returns (HFSpec, source or None, tokenizer spec)."""
     from workloads.common import hf
     from workloads.train.hf_model import HFSpec, count_params
 
-    endpoint = args.s3_endpoint
-    if args.model_config is not None:
+    endpoint = opts.s3_endpoint
+    if opts.model_config is not None:
         flag, source = "--model-config", None
-        config = hf.load_config(args.model_config, flag, endpoint)
+        config = hf.load_config(opts.model_config, flag, endpoint)
         folder = None
     else:
-        flag, source = "--model", args.model
-        folder = hf.fetch(args.model, flag, endpoint)
+        flag, source = "--model", opts.model
+        folder = hf.fetch(opts.model, flag, endpoint)
         if not hf.has_model(folder):
-            raise ConfigError(flag, f"{args.model} holds no model (config.json and "
+            raise ConfigError(flag, f"{opts.model} holds no model (config.json and "
                                     "*.safetensors weights, as save_pretrained writes them); "
                                     "give a model folder, a preset, or --model-config for fresh "
                                     "weights")
-        config = hf.load_config(args.model, flag, endpoint)
+        config = hf.load_config(opts.model, flag, endpoint)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -321,16 +377,16 @@ def resolve_hf(args, manifest: dict | None):
     config_d = hf.config_dict(config)
     data_tok = (manifest or {}).get("tokenizer")
     if not data_tok or data_tok.get("sha256") == "byte":
-        raise ConfigError("--dataset", f"{args.dataset} was not tokenized with a Hugging Face "
+        raise ConfigError("--dataset", f"{opts.dataset} was not tokenized with a Hugging Face "
                                        "tokenizer (no tokenizer in its _manifest.json); make "
                                        "it with python -m workloads.data --tokenizer "
                                        f"{source or '<tokenizer folder>'}")
-    tokenizer = args.tokenizer or (source if folder is not None and hf.has_tokenizer(folder)
+    tokenizer = opts.tokenizer or (source if folder is not None and hf.has_tokenizer(folder)
                                    else None) or data_tok.get("name")
     tok = hf.load_tokenizer(tokenizer, "--tokenizer", endpoint)
     ident = hf.tokenizer_identity(tok, tokenizer)
     if ident["sha256"] != data_tok.get("sha256"):
-        raise ConfigError("--dataset", f"{args.dataset} was tokenized with another tokenizer "
+        raise ConfigError("--dataset", f"{opts.dataset} was tokenized with another tokenizer "
                                        f"({data_tok.get('name')}, {data_tok.get('sha256')}) "
                                        f"than this model's ({tokenizer}, {ident['sha256']}); "
                                        "re-tokenize it with workloads.data --tokenizer "
@@ -342,7 +398,7 @@ def resolve_hf(args, manifest: dict | None):
                                 "(resize the model's embeddings, or use its own tokenizer)")
     seq_len = int((manifest or {}).get("seq_len") or 0)
     if seq_len < 1:
-        raise ConfigError("--dataset", f"{args.dataset}/{MANIFEST} records no seq_len; re-run "
+        raise ConfigError("--dataset", f"{opts.dataset}/{MANIFEST} records no seq_len; re-run "
                                        "workloads.data")
     spec = HFSpec(config=config_d, seq_len=seq_len, n_params=count_params(config_d))
     if spec.max_positions and seq_len > spec.max_positions:
@@ -352,64 +408,66 @@ def resolve_hf(args, manifest: dict | None):
     return spec, source, tokenizer
 
 
-def absolute_hf_paths(args) -> None:
+def absolute_hf_paths(opts: TrainOptions) -> TrainOptions:
     """--model / --model-config / --tokenizer folders made absolute (the workers do not run in
     this folder; inside a Ray job a relative one must have been uploaded with it)."""
+    paths = {}
     for flag in ("model", "model_config", "tokenizer"):
-        value = getattr(args, flag)
+        value = getattr(opts, flag)
         if value is not None and (flag != "model" or is_hf_spec(value, PRESETS)):
-            setattr(args, flag, user_path(value, f"--{flag.replace('_', '-')}", output=False))
+            paths[flag] = user_path(value, f"--{flag.replace('_', '-')}", output=False)
+    return replace(opts, **paths)
 
 
-def run_name(args, hf_source: str | None) -> str:
-    if args.name:
-        return args.name
-    if args.smoke_test and hf_source is None and args.model_config is None:
-        return f"smoke-{args.strategy}"
-    if args.model_config is not None or hf_source is not None:
-        base = (hf_source or args.model_config).rstrip("/").rsplit("/", 1)[-1]
+def run_name(opts: TrainOptions, hf_source: str | None) -> str:
+    if opts.name:
+        return opts.name
+    if opts.smoke_test and hf_source is None and opts.model_config is None:
+        return f"smoke-{opts.strategy}"
+    if opts.model_config is not None or hf_source is not None:
+        base = (hf_source or opts.model_config).rstrip("/").rsplit("/", 1)[-1]
         base = re.sub(r"[^A-Za-z0-9_.-]", "-", base).strip("-.") or "model"
-        return f"hf-{base}-{args.strategy}"[:128]
-    return f"gpt-{args.model}-{args.strategy}"
+        return f"hf-{base}-{opts.strategy}"[:128]
+    return f"gpt-{opts.model}-{opts.strategy}"
 
 
-def loop_config(args, model, hf_source: str | None, tokenizer: str | None, world: int,
+def loop_config(opts: TrainOptions, model, hf_source: str | None, tokenizer: str | None, world: int,
                 data_workers: int, ray_dataset: bool) -> LoopConfig:
     """The per-worker options of a run (the Ray driver's and torchrun's alike)."""
     from workloads.common.storage import s3_endpoint
     from workloads.train import ds_config
 
     return LoopConfig(
-        model=model.to_dict(), strategy=args.strategy, zero_stage=args.zero_stage,
-        offload=args.offload, batch_size=args.batch_size, grad_accum=args.grad_accum,
-        lr=args.lr * world,  # linear LR scaling (Goyal et al. 2017)
-        warmup_steps=args.warmup_steps if args.warmup_steps is not None
-        else max(1, min(100, args.max_steps // 10)),
-        max_steps=args.max_steps, checkpoint_every=args.checkpoint_every,
-        log_every=args.log_every, corpus_bytes=args.corpus_bytes, seed=args.seed,
-        use_ray_dataset=ray_dataset, compile=args.compile, num_workers=data_workers,
-        hf_source=hf_source, tokenizer=tokenizer, s3_endpoint=s3_endpoint(args.s3_endpoint),
-        activation_checkpointing=args.activation_checkpointing,
-        offload_params=args.offload_params,
-        deepspeed_config=ds_config.load(args.deepspeed_config),
-        dataset_path=None if ray_dataset or args.dataset in (None, "stdlib") else args.dataset)
+        model=model.to_dict(), strategy=opts.strategy, zero_stage=opts.zero_stage,
+        offload=opts.offload, batch_size=opts.batch_size, grad_accum=opts.grad_accum,
+        lr=opts.lr * world,  # linear LR scaling (Goyal et al. 2017)
+        warmup_steps=opts.warmup_steps if opts.warmup_steps is not None
+        else max(1, min(100, opts.max_steps // 10)),
+        max_steps=opts.max_steps, checkpoint_every=opts.checkpoint_every,
+        log_every=opts.log_every, corpus_bytes=opts.corpus_bytes, seed=opts.seed,
+        use_ray_dataset=ray_dataset, compile=opts.compile, num_workers=data_workers,
+        hf_source=hf_source, tokenizer=tokenizer, s3_endpoint=s3_endpoint(opts.s3_endpoint),
+        activation_checkpointing=opts.activation_checkpointing,
+        offload_params=opts.offload_params,
+        deepspeed_config=ds_config.load(opts.deepspeed_config),
+        dataset_path=None if ray_dataset or opts.dataset in (None, "stdlib") else opts.dataset)
 
 
-def check_deepspeed(args) -> None:
-    if args.strategy == "deepspeed" and args.deepspeed_config:
+def check_deepspeed(opts: TrainOptions) -> None:
+    if opts.strategy == "deepspeed" and opts.deepspeed_config:
         from workloads.train import ds_config
 
-        ds_config.check(ds_config.load(args.deepspeed_config),
-                        {"batch_size": args.batch_size, "grad_accum": args.grad_accum,
+        ds_config.check(ds_config.load(opts.deepspeed_config),
+                        {"batch_size": opts.batch_size, "grad_accum": opts.grad_accum,
                          "grad_clip": LoopConfig.grad_clip})
 
 
-def worker_bundle(args) -> dict[str, float]:
-    bundle = {"CPU": args.cpus_per_worker}
-    if args.use_gpu:
+def worker_bundle(opts: TrainOptions) -> dict[str, float]:
+    bundle = {"CPU": opts.cpus_per_worker}
+    if opts.use_gpu:
         bundle["GPU"] = 1.0
-    if args.resources_per_worker:
-        bundle.update(json.loads(args.resources_per_worker))
+    if opts.resources_per_worker:
+        bundle.update(json.loads(opts.resources_per_worker))
     return bundle
 
 
@@ -445,27 +503,27 @@ def launchable_nodes(path: str = AUTOSCALER_CONFIG) -> list[dict]:
     return out
 
 
-def check_resources(args, nodes: list[dict], total: dict) -> None:
+def check_resources(opts: TrainOptions, nodes: list[dict], total: dict) -> None:
     """Fail in seconds, naming what is missing, when no placement can exist (instead of
     Ray Train waiting forever for resources)."""
-    bundle = worker_bundle(args)
+    bundle = worker_bundle(opts)
     alive = [n["Resources"] for n in nodes if n.get("Alive")]
     for key, need in bundle.items():
         if need > 0 and total.get(key, 0) == 0:
             what = {"GPU": "GPUs (use_gpu)", "CPU": "CPUs"}.get(key, f"resource {key!r}")
             raise ClusterError(
-                f"the job asks for {args.num_workers} workers with {need:g} {what} each, "
+                f"the job asks for {opts.num_workers} workers with {need:g} {what} each, "
                 f"but the cluster has no {key} at all; drop --use-gpu or add GPU nodes"
                 if key == "GPU" else
                 f"the job asks for {key}={need:g} per worker, but no node has {key}")
     fits = sum(min(math.floor(res.get(k, 0) / v + 1e-9) for k, v in bundle.items() if v > 0)
                for res in alive)
-    if fits < args.num_workers:
+    if fits < opts.num_workers:
         largest = max(alive, key=lambda r: r.get("GPU", 0) * 1000 + r.get("CPU", 0), default={})
         have = ", ".join(f"{k} {largest.get(k, 0):g}" for k in bundle)
         totals = ", ".join(f"{k} {total.get(k, 0):g}" for k in bundle)
         raise ClusterError(
-            f"the job needs {args.num_workers} workers x {_fmt(bundle)} but the cluster fits "
+            f"the job needs {opts.num_workers} workers x {_fmt(bundle)} but the cluster fits "
             f"only {fits} (cluster total: {totals}; largest node: {have}); lower "
             "--num-workers or the per-worker resources, or add nodes")
 
@@ -474,43 +532,43 @@ def _fmt(bundle: dict) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in bundle.items()) + "}"
 
 
-def memory_estimate_bytes(model: GPTConfig, args) -> dict[str, float]:
+def memory_estimate_bytes(model: GPTConfig, opts: TrainOptions) -> dict[str, float]:
     """Per-worker bytes: parameters, gradients, optimizer state (AdamW: 2 fp32 moments)
     for the strategy, plus activations (Korthikanti et al. 2022: ~34·s·b·h per layer)."""
-    n, w = model.num_params(), args.num_workers
+    n, w = model.num_params(), opts.num_workers
     p, g, o = 4.0 * n, 4.0 * n, 8.0 * n  # fp32 master weights, grads, Adam moments
-    if args.strategy == "fsdp":
+    if opts.strategy == "fsdp":
         p, g, o = p / w, g / w, o / w
-    elif args.strategy == "deepspeed":
+    elif opts.strategy == "deepspeed":
         g, o = g / w, o / w
-        if args.zero_stage == 3:
+        if opts.zero_stage == 3:
             p = p / w
-        if args.offload:
+        if opts.offload:
             o = 0.0  # on the host instead
-        if args.offload_params:
+        if opts.offload_params:
             p = 0.0
-    act = 34.0 * model.seq_len * args.batch_size * model.d_model * model.n_layer
-    if args.activation_checkpointing:
+    act = 34.0 * model.seq_len * opts.batch_size * model.d_model * model.n_layer
+    if opts.activation_checkpointing:
         act /= 17  # only each layer's input (2·s·b·h) is kept; the rest is recomputed
-    if args.use_gpu:
+    if opts.use_gpu:
         act /= 2  # bf16 activations
     return {"params": p, "grads": g, "optimizer": o, "activations": act,
             "total": p + g + o + act}
 
 
-def check_memory(model: GPTConfig, args, nodes: list[dict]) -> str | None:
-    est = memory_estimate_bytes(model, args)
-    if args.use_gpu:
-        have = args.gpu_memory_gib
+def check_memory(model: GPTConfig, opts: TrainOptions, nodes: list[dict]) -> str | None:
+    est = memory_estimate_bytes(model, opts)
+    if opts.use_gpu:
+        have = opts.gpu_memory_gib
         if have is None:
             kinds = [k.split(":", 1)[1] for n in nodes for k in n.get("Resources", {})
                      if k.startswith("accelerator_type:")]
-            have = max((GPU_MEMORY_GIB.get(k, 0) for k in kinds), default=0) or None
+            have = max((catalog.gpu_memory_gib(k) for k in kinds), default=0) or None
         where = "GPU"
         have_b = have * 2**30 if have else None
     else:
         alive = [n["Resources"] for n in nodes if n.get("Alive")]
-        per_node = [r.get("memory", 0) / max(1, math.floor(r.get("CPU", 1) / args.cpus_per_worker))
+        per_node = [r.get("memory", 0) / max(1, math.floor(r.get("CPU", 1) / opts.cpus_per_worker))
                     for r in alive]
         have_b, where = (max(per_node) if per_node else None), "host"
     if not have_b:
@@ -552,34 +610,34 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    model = validate_args(args)
-    env_vars = parse_env_pairs(args.env)
-    if args.dataset not in (None, "stdlib"):
-        args.dataset = user_path(args.dataset, "--dataset", output=False)
-    args.storage_path = user_path(args.storage_path, "--storage-path", output=True)
-    absolute_hf_paths(args)
-    check_dataset(args.dataset)
-    check_deepspeed(args)
-    manifest = dataset_manifest(args.dataset, args.s3_endpoint)
+    opts = TrainOptions.parse(argv)
+    model = check_options(opts)
+    env_vars = parse_env_pairs(list(opts.env))
+    opts = absolute_hf_paths(replace(
+        opts, storage_path=user_path(opts.storage_path, "--storage-path", output=True),
+        **({"dataset": user_path(opts.dataset, "--dataset", output=False)}
+           if opts.dataset not in (None, "stdlib") else {})))
+    check_dataset(opts.dataset)
+    check_deepspeed(opts)
+    manifest = dataset_manifest(opts.dataset, opts.s3_endpoint)
     hf_source = tokenizer = None
     if model is None:
-        model, hf_source, tokenizer = resolve_hf(args, manifest)
+        model, hf_source, tokenizer = resolve_hf(opts, manifest)
     else:
-        check_byte_dataset(args.dataset, manifest)
+        check_byte_dataset(opts.dataset, manifest)
     from workloads.common import storage as st
     from workloads.train import runinfo
 
-    storage = st.resolve(args.storage_path, endpoint=args.s3_endpoint)
-    name = run_name(args, hf_source)
+    storage = st.resolve(opts.storage_path, endpoint=opts.s3_endpoint)
+    name = run_name(opts, hf_source)
     # A corrupt latest checkpoint, or one of another run under the same name, stops the run
     # here, before Ray is started, before any worker starts and before anything in storage is
     # overwritten; a finished run says so and trains nothing.
     identity = runinfo.run_identity({**model.to_dict(), **({"source": hf_source or "fresh"}
                                                             if tokenizer else {})},
-                                    args.strategy, args.zero_stage, args.dataset)
+                                    opts.strategy, opts.zero_stage, opts.dataset)
     try:
-        runinfo.check_run(storage, name, identity, args.max_steps, args.allow_changes)
+        runinfo.check_run(storage, name, identity, opts.max_steps, opts.allow_changes)
     except runinfo.RunFinished as done:
         print(f"[rayfleet] {done}", flush=True)
         return 0
@@ -592,8 +650,8 @@ def _main(argv: list[str] | None) -> int:
              "matplotlib": "matplotlib",
              **({"transformers": "transformers", "safetensors": "safetensors"}
                 if tokenizer else {}),
-             **({"deepspeed": "deepspeed"} if args.strategy == "deepspeed" else {})},
-            f"workloads.train --strategy {args.strategy}")
+             **({"deepspeed": "deepspeed"} if opts.strategy == "deepspeed" else {})},
+            f"workloads.train --strategy {opts.strategy}")
     # Imported late: `--help` and bad flags answer without paying for Ray.
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
@@ -617,48 +675,48 @@ def _main(argv: list[str] | None) -> int:
     for n in launchable:
         for k, v in n["Resources"].items():
             capacity[k] = capacity.get(k, 0) + v
-    check_resources(args, nodes + launchable, capacity)
+    check_resources(opts, nodes + launchable, capacity)
     if launchable and failures.START_TIMEOUT_ENV not in os.environ:
         # Ray Train gives a worker group 60 s to be placed; a node the autoscaler launches
         # for it takes minutes (boot, setup commands, `ray start`).
         os.environ[failures.START_TIMEOUT_ENV] = str(AUTOSCALE_START_TIMEOUT_S)
-    warning = check_memory(model, args, nodes + launchable)
+    warning = check_memory(model, opts, nodes + launchable)
     if warning:
         print(f"[rayfleet] {warning}", flush=True)
 
-    world = args.num_workers
+    world = opts.num_workers
     # A DataLoader worker process only where the accelerator leaves host cores free (GPU).
     # On CPU it competes with the training processes for the same cores, and each batch
     # costs a socket round-trip to receive the worker's shared-memory fds (bench/: ~3% of
     # every step on 2 cores, and torchrun's loop does not pay it).
-    cfg = loop_config(args, model, hf_source, tokenizer, world,
-                      data_workers=1 if args.use_gpu and not args.smoke_test else 0,
-                      ray_dataset=args.dataset is not None)
+    cfg = loop_config(opts, model, hf_source, tokenizer, world,
+                      data_workers=1 if opts.use_gpu and not opts.smoke_test else 0,
+                      ray_dataset=opts.dataset is not None)
     lr = cfg.lr
-    global_batch = args.batch_size * args.grad_accum * world
+    global_batch = opts.batch_size * opts.grad_accum * world
     print(f"[rayfleet] run {name}: {model.num_params() / 1e6:.2f}M params, strategy "
-          f"{args.strategy}, {world} workers x {_fmt(worker_bundle(args))}, global batch "
-          f"{global_batch} seqs = {args.batch_size} x {args.grad_accum} accum x {world} "
-          f"workers ({global_batch * model.seq_len:,} tokens), lr {args.lr:g} x {world} = "
+          f"{opts.strategy}, {world} workers x {_fmt(worker_bundle(opts))}, global batch "
+          f"{global_batch} seqs = {opts.batch_size} x {opts.grad_accum} accum x {world} "
+          f"workers ({global_batch * model.seq_len:,} tokens), lr {opts.lr:g} x {world} = "
           f"{lr:g}", flush=True)
 
     datasets = None
-    if args.dataset:
+    if opts.dataset:
         from workloads.train.datasets import load_dataset
 
-        datasets = {"train": load_dataset(args.dataset, model.seq_len, args.corpus_bytes,
-                                          args.s3_endpoint)}
+        datasets = {"train": load_dataset(opts.dataset, model.seq_len, opts.corpus_bytes,
+                                          opts.s3_endpoint)}
     trainer = TorchTrainer(
         _train_func,
         train_loop_config=cfg.to_dict(),
-        scaling_config=ScalingConfig(num_workers=world, use_gpu=args.use_gpu,
-                                     resources_per_worker=worker_bundle(args)),
+        scaling_config=ScalingConfig(num_workers=world, use_gpu=opts.use_gpu,
+                                     resources_per_worker=worker_bundle(opts)),
         run_config=RunConfig(
             name=name, storage_path=storage.path, storage_filesystem=storage.filesystem,
-            checkpoint_config=CheckpointConfig(num_to_keep=args.num_to_keep),
+            checkpoint_config=CheckpointConfig(num_to_keep=opts.num_to_keep),
             # A finite controller_failure_limit: Ray's default (-1) retries a worker group
             # that cannot be placed (a node it needs is gone) forever, a silent hang.
-            failure_config=FailureConfig(max_failures=args.max_failures,
+            failure_config=FailureConfig(max_failures=opts.max_failures,
                                          controller_failure_limit=failures.PLACEMENT_RETRIES),
             worker_runtime_env={"env_vars": env_vars} if env_vars else None,
             logging_config=LoggingConfig(log_level="WARNING")),
@@ -671,7 +729,7 @@ def _main(argv: list[str] | None) -> int:
         result = trainer.fit()
     except Exception as e:
         cause = failures.explain(e, storage=storage, name=name, workers=world,
-                                 bundle=worker_bundle(args), nodes_at_start=nodes) \
+                                 bundle=worker_bundle(opts), nodes_at_start=nodes) \
             or _root_cause(e)
         if cause is not None:
             raise cause from None

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from rayfleet import catalog
 from workloads.train import checkpoint as ckpt
 from workloads.train import ds_config, hf_model
 from workloads.train.context import startup
@@ -36,8 +37,6 @@ from workloads.train.model import GPT, GPTConfig
 startup.mark("kit_imported")  # in a worker: torch and the kit's modules are loaded
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
-# Peak dense bf16 FLOP/s per GPU, for MFU. A100: 312 TFLOP/s; H100 SXM: 989 TFLOP/s.
-PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 
 
 @dataclass
@@ -99,8 +98,7 @@ def lr_at(step: int, cfg: LoopConfig) -> float:
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return catalog.peak_bf16_flops(torch.cuda.get_device_name(device))
 
 
 class _Engine:

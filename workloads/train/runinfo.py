@@ -17,27 +17,13 @@ from workloads.train import checkpoint as ckpt
 SNAPSHOT = "checkpoint_manager_snapshot.json"
 
 
-def _read(fs: pafs.FileSystem, path: str) -> bytes | None:
-    try:
-        with fs.open_input_stream(path) as f:
-            return f.read()
-    except (FileNotFoundError, OSError):
-        return None
-
-
-def _listing(fs: pafs.FileSystem, path: str) -> dict[str, int]:
-    infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-    return {i.path[len(path):].lstrip("/"): i.size for i in infos
-            if i.type == pafs.FileType.File}
-
-
 def uri(storage: Storage, path: str) -> str:
     """A storage path as the user wrote it (s3:// for S3)."""
     return path if storage.filesystem is None else f"s3://{path}"
 
 
 def latest_checkpoint_path(storage: Storage, name: str) -> str | None:
-    raw = _read(storage.fs, storage.join(name, SNAPSHOT))
+    raw = ckpt.read_file(storage.fs, storage.join(name, SNAPSHOT))
     if raw is None:
         return None
     try:
@@ -73,7 +59,7 @@ def latest_finished_checkpoint(storage: Storage) -> str | None:
                        key=lambda s: s.mtime_ns or 0, reverse=True):
         name = info.path[len(storage.path):].strip("/").split("/")[0]
         path = latest_checkpoint_path(storage, name)
-        raw = _read(storage.fs, f"{path}/{ckpt.MARKER}") if path else None
+        raw = ckpt.read_file(storage.fs, f"{path}/{ckpt.MARKER}") if path else None
         try:
             final = raw is not None and json.loads(raw).get("final")
         except json.JSONDecodeError:
@@ -90,12 +76,11 @@ def check_latest_checkpoint(storage: Storage, name: str, strategy: str) -> dict 
     if path is None:
         return None
     where = uri(storage, path)
-    listing = _listing(storage.fs, path)
+    listing = ckpt.list_files(storage.fs, path)
     if not listing:
         raise ckpt.CheckpointError(f"checkpoint {where} recorded by run {name!r} is missing "
                                    "from storage; use a new --name or restore the folder")
-    marker = ckpt.parse_marker(where, _read(storage.fs, f"{path}/{ckpt.MARKER}"))
-    ckpt.check_listing(where, marker, listing, expect_strategy=strategy)
+    marker = ckpt.validate_on(storage.fs, path, where, expect_strategy=strategy, listing=listing)
     return {**marker, "path": path, "where": where}
 
 
@@ -116,14 +101,14 @@ def run_identity(model: dict, strategy: str, zero_stage: int, dataset: str | Non
 
 
 def _recorded_identity(storage: Storage, name: str, latest: dict) -> dict:
-    raw = _read(storage.fs, storage.join(name, RUN_FILE))
+    raw = ckpt.read_file(storage.fs, storage.join(name, RUN_FILE))
     if raw is not None:
         try:
             return json.loads(raw)
         except json.JSONDecodeError:
             pass
     # A run from before the run file existed: what its checkpoint says about itself.
-    model = _read(storage.fs, f"{latest['path']}/model_config.json")
+    model = ckpt.read_file(storage.fs, f"{latest['path']}/model_config.json")
     return {"model": json.loads(model) if model else None, "strategy": latest.get("strategy")}
 
 
@@ -181,7 +166,7 @@ def record_run(storage: Storage, name: str, identity: dict) -> None:
 
 
 def _history(storage: Storage, checkpoint_path: str | None) -> list[dict]:
-    raw = _read(storage.fs, f"{checkpoint_path}/metrics.csv") if checkpoint_path else None
+    raw = ckpt.read_file(storage.fs, f"{checkpoint_path}/metrics.csv") if checkpoint_path else None
     if not raw:
         return []
     return ckpt.read_history(raw.decode())

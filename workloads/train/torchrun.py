@@ -10,9 +10,10 @@ import json
 import os
 import sys
 
-from workloads.common.cli import run_main
+from rayfleet.entrypoint import run_main
 from rayfleet.errors import ConfigError
 from workloads.train.driver import (
+    TrainOptions,
     absolute_hf_paths,
     build_parser,
     check_byte_dataset,
@@ -20,8 +21,8 @@ from workloads.train.driver import (
     check_deepspeed,
     dataset_manifest,
     loop_config,
+    check_options,
     resolve_hf,
-    validate_args,
 )
 from workloads.train.checkpoint import read_history
 from workloads.train.loop import train_loop
@@ -35,25 +36,25 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--output", default="runs/torchrun", help="checkpoint folder")
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    args.num_workers = world
-    model = validate_args(args)
-    check_deepspeed(args)
-    absolute_hf_paths(args)
-    if args.dataset not in (None, "stdlib") and args.dataset.startswith("s3://"):
+    opts = TrainOptions.from_args(args, num_workers=world)
+    model = check_options(opts)
+    check_deepspeed(opts)
+    opts = absolute_hf_paths(opts)
+    if opts.dataset not in (None, "stdlib") and opts.dataset.startswith("s3://"):
         raise ConfigError("--dataset", "torchrun reads a local dataset folder (Ray Train "
                                        "streams s3:// ones)")
-    check_dataset(args.dataset)
-    manifest = dataset_manifest(args.dataset)
+    check_dataset(opts.dataset)
+    manifest = dataset_manifest(opts.dataset)
     hf_source = tokenizer = None
     if model is None:
-        model, hf_source, tokenizer = resolve_hf(args, manifest)
+        model, hf_source, tokenizer = resolve_hf(opts, manifest)
     else:
-        check_byte_dataset(args.dataset, manifest)
+        check_byte_dataset(opts.dataset, manifest)
     from workloads.train.context import TorchrunContext
 
-    ctx = TorchrunContext(args.output, keep=args.num_to_keep)
+    ctx = TorchrunContext(args.output, keep=opts.num_to_keep)
     # As the Ray driver: a DataLoader process only beside a GPU.
-    cfg = loop_config(args, model, hf_source, tokenizer, world,
+    cfg = loop_config(opts, model, hf_source, tokenizer, world,
                       data_workers=1 if ctx.device.type == "cuda" else 0, ray_dataset=False)
     final = train_loop(cfg, ctx)
     if ctx.rank == 0:

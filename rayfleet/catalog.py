@@ -1,0 +1,118 @@
+"""The instance catalog: what the kit knows about EC2 instance types and GPUs, read from one
+dated data file shipped with the package (``rayfleet/catalog.json``).
+
+Config (which types a stack may use), render (a node type's resources come from the stack,
+which took them from here), lint ("is this a GPU type?"), preflight (which EC2 vCPU quota a
+type counts against), cost (prices) and the training loop and driver (GPU memory, peak FLOP/s)
+all ask here. The file holds:
+
+- ``gpu_families``: EC2 families whose instances carry GPUs (NVIDIA p2-p6, g3-g6, g5g; AMD
+  g4ad; Trainium and Inferentia are not GPUs), keyed by the letters before the generation
+  digit, with the vCPU quota group their instances count against (``P``: "Running On-Demand
+  P instances" and "All P Spot Instance Requests").
+- ``gpus``: by Ray accelerator type (the ``accelerator_type:X`` resource): memory per GPU and
+  dense bf16 peak FLOP/s for MFU (A100 312 TFLOP/s, H100/H200 SXM 989 TFLOP/s; null where the
+  kit has no figure).
+- ``worker_types``: the A100 workers (https://aws.amazon.com/ec2/instance-types/p4/): vCPUs,
+  memory, GPUs, Elastic Fabric Adapters (one per network card: p4d has 4 x 100 Gbps), the
+  regions that offer them and their $/hour. The regions are the AWS P4 pages and
+  ``aws ec2 describe-instance-type-offerings`` as published in mid-2025, not re-checked live:
+  they only decide which regions the config accepts, `rayfleet preflight` confirms with AWS.
+  p4de (A100 80 GB) was launched in two regions and has stayed there.
+- ``head_families`` x ``head_sizes``: the CPU head types. x86 families only: the head boots
+  the same Deep Learning AMI as the workers so that Ray and Python are identical on every node
+  (rule 25); a Graviton head would need an arm64 image. GiB per vCPU: c=2, m=4, r=8.
+- ``prices``: when and where the prices were taken. EC2 prices cannot be fetched offline (the
+  Pricing API needs credentials and the network), so every cost report repeats the date.
+
+Standard library only: the training loop reads it on GPU machines that carry torch but not
+the operator's packages.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """What a node type offers; render declares these as Ray resources (convention 3)."""
+
+    name: str
+    vcpus: int
+    memory_gib: int
+    gpus: int = 0
+    gpu_memory_gib: int = 0
+    # Elastic Fabric Adapters: one per network card (p4d: 4 cards x 100 Gbps).
+    efa_interfaces: int = 0
+
+
+@functools.cache
+def data() -> Mapping[str, Any]:
+    """The catalog file as loaded (package data: works from a wheel as from a checkout)."""
+    text = resources.files("rayfleet").joinpath("catalog.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+@functools.cache
+def worker_types() -> Mapping[str, InstanceSpec]:
+    gpus = data()["gpus"]
+    return {name: InstanceSpec(name, t["vcpus"], t["memory_gib"], gpus=t["gpus"],
+                               gpu_memory_gib=gpus[t["gpu"]]["memory_gib"],
+                               efa_interfaces=t["efa_interfaces"])
+            for name, t in data()["worker_types"].items()}
+
+
+@functools.cache
+def head_types() -> Mapping[str, InstanceSpec]:
+    out = {}
+    for family, f in data()["head_families"].items():
+        for size, vcpus in data()["head_sizes"].items():
+            name = f"{family}.{size}"
+            out[name] = InstanceSpec(name, vcpus, vcpus * f["gib_per_vcpu"])
+    return out
+
+
+@functools.cache
+def worker_regions() -> Mapping[str, tuple[str, ...]]:
+    """Regions that offer each worker type."""
+    return {name: tuple(t["regions"]) for name, t in data()["worker_types"].items()}
+
+
+def quota_group(instance_type: str) -> str | None:
+    """The EC2 vCPU quota group of a GPU instance type (``P``, ``G``); None if no GPU."""
+    m = re.fullmatch(r"([a-z]+)\d+[a-z0-9-]*", instance_type.partition(".")[0])
+    family = data()["gpu_families"].get(m.group(1)) if m and "." in instance_type else None
+    return family["quota_group"] if family else None
+
+
+def is_gpu_type(instance_type: str) -> bool:
+    return quota_group(instance_type) is not None
+
+
+def gpu_memory_gib(accelerator_type: str) -> float:
+    """Memory of one GPU of a Ray accelerator type (e.g. ``A100-80G``); 0 if unknown."""
+    return (data()["gpus"].get(accelerator_type) or {}).get("memory_gib", 0)
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a GPU by its device name (``NVIDIA A100-SXM4-80GB``)."""
+    return next((g["peak_bf16_flops"] for k, g in data()["gpus"].items()
+                 if g["peak_bf16_flops"] and k in device_name), None)
+
+
+def prices() -> dict[str, Any]:
+    """The dated price table: ``gpu`` ($/hour per worker type), ``cpu_per_vcpu_hour`` (per
+    head family), ``as_of``, ``source``, ``regions``, ``currency``; each price by market
+    (``on_demand``, ``spot``)."""
+    d = data()
+    return {**d["prices"],
+            "gpu": {n: dict(t["price_per_hour"]) for n, t in d["worker_types"].items()},
+            "cpu_per_vcpu_hour": {n: dict(f["price_per_vcpu_hour"])
+                                  for n, f in d["head_families"].items()}}

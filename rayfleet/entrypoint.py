@@ -1,0 +1,49 @@
+"""How every command line of the kit fails: `rayfleet`, each `python -m workloads.X` and
+`python -m bench.X`. An expected failure, a bad flag included, is one line on stderr,
+`<prog>: error: <what to do>`, and exit code 2; no usage block, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from collections.abc import Callable
+
+from rayfleet.errors import RayfleetError
+
+
+class UsageError(RayfleetError):
+    """A flag or argument the parser refused."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag raises UsageError (one line, exit 2 through `run_main`):
+    argparse's own error() prints the whole usage block first, which buries the one line that
+    says what is wrong. With `help_hint`, the line ends "(see <prog> --help)", each
+    subcommand naming its own prog."""
+
+    def __init__(self, *args, help_hint: bool = False, **kwargs):
+        self.help_hint = help_hint
+        super().__init__(*args, **kwargs)
+
+    def add_subparsers(self, **kwargs):
+        # Subparsers are built from parser_class: they inherit the one-line errors and the hint.
+        kwargs.setdefault("parser_class", functools.partial(type(self), help_hint=self.help_hint))
+        return super().add_subparsers(**kwargs)
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)" if self.help_hint else message)
+
+
+def run_main(fn: Callable[[list[str] | None], int | None], argv: list[str] | None,
+             prog: str) -> int:
+    """Call fn(argv) and return its exit code (None is 0); expected failures become one line
+    on stderr and their exit code (2), Ctrl-C one line and 130."""
+    try:
+        return fn(argv) or 0
+    except RayfleetError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        return 130

@@ -1,0 +1,147 @@
+"""Names and numbers that the stack, the cluster YAML, the Ansible role and the checks must
+agree on: tag keys, Ray's ports, the IMDS hop limits, the S3 bucket-name rule and what a
+secret looks like. Each is defined here once and imported everywhere else; tests keep the
+Ansible role's port defaults equal to :data:`RAY_PORTS` and find any ``rayfleet:`` tag key
+written out anywhere else.
+
+Standard library only: the workloads import it on nodes where only the job's working
+directory brings the kit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# ----------------------------------------------------------------------------- tags
+
+# Tag the Ray autoscaler puts on every instance it launches (ray/autoscaler/tags.py,
+# TAG_RAY_CLUSTER_NAME). The head role's EC2 permissions are conditioned on it.
+RAY_CLUSTER_TAG = "ray-cluster-name"
+
+# Default tags of every resource the stack creates (the explicit provider's default_tags).
+TAG_CLUSTER = "rayfleet:cluster"
+TAG_STACK = "rayfleet:stack"
+TAG_MANAGED_BY = "rayfleet:managed-by"
+# The value of TAG_MANAGED_BY: `rayfleet sweep` never touches what carries it.
+MANAGED_BY_PULUMI = "pulumi"
+# Launch templates and what they launch: head, worker-ondemand, worker-spot.
+TAG_NODE_KIND = "rayfleet:node-kind"
+# IAM roles nodes run as: head or worker (the policy pack finds node roles by it).
+TAG_NODE_ROLE = "rayfleet:node-role"
+# Subnets: public (NAT gateways only) or private (nodes).
+TAG_TIER = "rayfleet:tier"
+# Says why a launch template raised the IMDS hop limit above 1 (rule 9).
+TAG_HOP_LIMIT_REASON = "rayfleet:imds-hop-limit-reason"
+
+TAG_KEYS = (TAG_CLUSTER, TAG_STACK, TAG_MANAGED_BY, TAG_NODE_KIND, TAG_NODE_ROLE, TAG_TIER,
+            TAG_HOP_LIMIT_REASON)
+
+
+# ----------------------------------------------------------------------------- IMDS
+
+# IMDSv2 answers carry an IP TTL of the hop limit; a container on Docker's bridge is one hop
+# further than the host, so it needs 2. Without containers, 1 keeps any forwarded or proxied
+# request from reaching instance credentials (rule 9).
+IMDS_HOP_LIMIT = 1
+IMDS_HOP_LIMIT_CONTAINERS = 2
+
+
+# ----------------------------------------------------------------------------- ports
+
+@dataclass(frozen=True)
+class RayPort:
+    """A port Ray listens on, the `ray start` flag that pins it, and why peers need it."""
+
+    name: str
+    from_port: int
+    to_port: int
+    flag: str
+    why: str
+
+
+# Every port a Ray node accepts from other nodes. infra/ opens exactly these, and only from the
+# cluster's own security group (rule 4); render passes each `flag` to `ray start` so that none
+# is left to Ray's default of a random port, which no firewall rule could name. The Ansible
+# role's defaults carry the same numbers (a test keeps them equal).
+# https://docs.ray.io/en/latest/ray-core/configure.html#ports-configurations
+RAY_PORTS: tuple[RayPort, ...] = (
+    RayPort("ssh", 22, 22, "",
+            "SSH from the head: the autoscaler runs setup and start commands on workers"),
+    RayPort("gcs", 6379, 6379, "--port",
+            "GCS on the head: every node registers and heartbeats here"),
+    RayPort("dashboard", 8265, 8265, "--dashboard-port",
+            "Dashboard and Jobs API on the head: runs arbitrary code, so never public"),
+    RayPort("client", 10001, 10001, "--ray-client-server-port",
+            "Ray Client server on the head (ray:// connections)"),
+    RayPort("object-manager", 8076, 8076, "--object-manager-port",
+            "Object manager on every node: object transfers between nodes"),
+    RayPort("node-manager", 8077, 8077, "--node-manager-port",
+            "Raylet on every node: task scheduling and worker leases"),
+    RayPort("runtime-env-agent", 8078, 8078, "--runtime-env-agent-port",
+            "Runtime env agent on every node: sets up working_dir and pip envs"),
+    RayPort("metrics-export", 8079, 8079, "--metrics-export-port",
+            "Metrics endpoint on every node, scraped for the dashboard"),
+    RayPort("dashboard-agent-grpc", 52366, 52366, "--dashboard-agent-grpc-port",
+            "Dashboard agent gRPC on every node: the head dashboard queries it"),
+    RayPort("dashboard-agent-http", 52365, 52365, "--dashboard-agent-listen-port",
+            "Dashboard agent HTTP on every node: the Jobs API hands submissions to it"),
+    RayPort("serve-http", 8000, 8000, "serve http_options.port",
+            "Ray Serve HTTP proxy on every node"),
+    RayPort("serve-grpc", 9000, 9000, "serve grpc_options.port",
+            "Ray Serve gRPC proxy on every node"),
+    RayPort("worker-ports", 10002, 19999, "--min-worker-port/--max-worker-port",
+            "One port per worker process: direct task and actor calls"),
+)
+RAY_PORTS_BY_NAME = {p.name: p for p in RAY_PORTS}
+# Listeners only the head has.
+HEAD_ONLY_PORTS = ("gcs", "dashboard", "client")
+# Rule 1: Ray's unauthenticated-by-default surfaces and Serve, never open to the world.
+WORLD_FORBIDDEN = ("gcs", "dashboard", "client", "serve-http", "serve-grpc",
+                         "dashboard-agent-http", "worker-ports")
+
+# What rayfleet:operatorCidrs may open (and nothing else): Ray port name -> what it serves.
+OPERATOR_PORTS = (
+    ("ssh", "SSH (ray up, ray attach)"),
+    ("dashboard", "Ray dashboard and Jobs API (ray job submit)"),
+)
+
+
+def port(name: str) -> int:
+    """The (first) port number of a :data:`RAY_PORTS` entry, e.g. ``port("dashboard")``."""
+    return RAY_PORTS_BY_NAME[name].from_port
+
+
+# ----------------------------------------------------------------------------- names
+
+# A rayfleet cluster name goes into resource names, IAM policy conditions and Ray's
+# cluster_name, so it keeps to what all of them accept (config also refuses "--").
+CLUSTER_NAME = re.compile(r"[a-z][a-z0-9-]{1,30}[a-z0-9]")
+
+
+# S3 bucket naming rules for general purpose buckets: 3-63 characters, lowercase letters,
+# digits, dots and hyphens, starting and ending with a letter or digit, no two dots in a row
+# (https://docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html).
+S3_BUCKET_NAME = re.compile(r"(?![^/]*\.\.)[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def is_bucket_name(name: str) -> bool:
+    return S3_BUCKET_NAME.fullmatch(name) is not None
+
+
+# ----------------------------------------------------------------------------- secrets
+
+# What a credential or secret looks like in text a node or the launcher reads: user data
+# (the policy pack, rule 20) and cluster YAMLs (`rayfleet lint`, rule 20). A value that is a
+# reference (``$VAR``), a path (``/``, ``~``, ``.``) or shorter than 6 characters is not one.
+SECRET_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"), "an AWS access key id"),
+    (re.compile(r"aws_secret_access_key|AWS_SECRET_ACCESS_KEY|AWS_SESSION_TOKEN\s*[=:]"),
+     "an AWS secret key"),
+    (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"), "a private key"),
+    (re.compile(r"RAY_AUTH_TOKEN\s*=\s*(?![$\s])"), "the Ray auth token"),
+    (re.compile(r"(?i)\b\w*(password|passwd|secret|api[_-]?key|token)\w*\s*[=:]\s*['\"]?"
+                r"(?![/~.$])[A-Za-z0-9+/_\-.]{6,}"), "a password, API key or token"),
+    (re.compile(r"\bhf_[A-Za-z0-9]{30,}\b"), "a Hugging Face token"),
+)
+

@@ -1,0 +1,297 @@
+"""The stack-output contract: the one output, ``rayfleet``, that the Pulumi program exports
+and `rayfleet render` turns into a Ray cluster-launcher YAML.
+
+``infra/components`` builds a :class:`StackOutputs` (its values still Pulumi outputs) and
+exports :meth:`StackOutputs.to_dict`; :func:`parse` reads ``pulumi stack output --json`` (or
+the ``rayfleet`` object alone) back into one, checked, so that a stale or hand-edited output
+is refused with one line before anything is written. Keys are the field names below, as
+JSON::
+
+    schema_version: 1
+    stack, cluster_name, region: str
+    availability_zones: [str]            # the workers' AZ first
+    private_subnet_ids: [str]            # one per AZ, same order; nodes go only here
+    worker_subnet_id: str                # private subnet of the workers' AZ (placement group)
+    cluster_security_group_id: str       # every node; Ray ports from itself only
+    instance_profiles: {head: {arn}, worker: {arn}}
+    launch_templates: {head: {id}, worker_ondemand: {id}, worker_spot: {id}}
+    node_types:                          # from the catalog when the stack was deployed
+      head:            {instance_type, vcpus, gpus: 0}
+      worker_ondemand: {instance_type, vcpus, gpus, efa_interfaces, min_workers, max_workers}
+      worker_spot:     {... the same}
+    storage_uri: str                     # s3://<bucket>/<key prefix>: where jobs write
+    # Not read by render; what an operator (and the kit's tests) look up in the stack:
+    worker_availability_zone: str
+    vpc_id: str
+    efa_security_group_id: str           # A100 EFA interfaces (set by the worker templates)
+    operator_access: "ssm" | "ssm+cidr"
+    operator_cidrs: [str]
+    roles: {head: {arn}, worker: {arn}}
+    placement_group, ami_id: str
+    imds_hop_limit: int
+    bucket, bucket_arn: str
+    kms_key_arn: str | null              # null with bucketEncryption: s3
+    ray_ports: {name: [from_port, to_port]}   # rayfleet.facts.RAY_PORTS
+    budget_name: str | null
+
+Render trusts ``node_types``: a node type's Ray resources are what the stack says its instances
+have, so a newer kit never silently disagrees with a deployed stack. A key this version does
+not know is ignored (an older stack may export more); a change that would make an older
+render misread an output raises :data:`SCHEMA_VERSION`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from rayfleet import catalog
+from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
+from rayfleet.facts import CLUSTER_NAME
+
+SCHEMA_VERSION = 1
+
+# What `pulumi stack output --json` must be re-run for, named in every error.
+_RERUN = "re-run `pulumi up` and pass the fresh `pulumi stack output --json`"
+
+
+@dataclass(frozen=True)
+class HeadNodeType:
+    instance_type: str
+    vcpus: int
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerNodeType:
+    instance_type: str
+    vcpus: int
+    gpus: int
+    efa_interfaces: int
+    min_workers: int
+    max_workers: int
+
+
+H = TypeVar("H")
+W = TypeVar("W")
+
+
+@dataclass(frozen=True)
+class ByNodeType(Generic[H, W]):
+    """One value per node type of the cluster YAML: the head and the two worker markets."""
+
+    head: H
+    worker_ondemand: W
+    worker_spot: W
+
+
+@dataclass(frozen=True)
+class ByRole(Generic[H]):
+    """One value per node role (IAM): the head's and every worker's."""
+
+    head: H
+    worker: H
+
+
+@dataclass(frozen=True)
+class Arn:
+    arn: str
+
+
+@dataclass(frozen=True)
+class TemplateId:
+    id: str
+
+
+@dataclass(frozen=True)
+class StackOutputs:
+    # What render reads: each must be present and non-empty.
+    stack: str
+    cluster_name: str
+    region: str
+    availability_zones: list[str]
+    private_subnet_ids: list[str]
+    worker_subnet_id: str
+    cluster_security_group_id: str
+    instance_profiles: ByRole[Arn]
+    launch_templates: ByNodeType[TemplateId, TemplateId]
+    node_types: ByNodeType[HeadNodeType, WorkerNodeType]
+    storage_uri: str
+    # For operators and the kit's tests; optional when parsed.
+    worker_availability_zone: str | None = None
+    vpc_id: str | None = None
+    efa_security_group_id: str | None = None
+    operator_access: str | None = None
+    operator_cidrs: list[str] = field(default_factory=list)
+    roles: ByRole[Arn] | None = None
+    placement_group: str | None = None
+    ami_id: str | None = None
+    imds_hop_limit: int | None = None
+    bucket: str | None = None
+    bucket_arn: str | None = None
+    kms_key_arn: str | None = None
+    ray_ports: dict[str, list[int]] = field(default_factory=dict)
+    budget_name: str | None = None
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The exported object. Values are copied as they are (not deep-copied like
+        ``dataclasses.asdict`` would), so Pulumi outputs inside stay outputs."""
+        return _plain(self)
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# Every key render reads, dotted; a missing one is refused with its name.
+REQUIRED_KEYS = (
+    "schema_version", "stack", "cluster_name", "region", "availability_zones",
+    "private_subnet_ids", "worker_subnet_id", "cluster_security_group_id",
+    "instance_profiles.head.arn", "instance_profiles.worker.arn",
+    "launch_templates.head.id", "launch_templates.worker_ondemand.id",
+    "launch_templates.worker_spot.id",
+    "node_types.head.instance_type", "node_types.head.vcpus",
+    "node_types.worker_ondemand.instance_type", "node_types.worker_ondemand.vcpus",
+    "node_types.worker_ondemand.gpus", "node_types.worker_ondemand.min_workers",
+    "node_types.worker_ondemand.max_workers", "node_types.worker_spot.instance_type",
+    "node_types.worker_spot.vcpus", "node_types.worker_spot.gpus",
+    "node_types.worker_spot.min_workers", "node_types.worker_spot.max_workers",
+    "storage_uri",
+)
+
+
+def _get(d: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            raise KeyError(dotted)
+        d = d[part]
+    return d
+
+
+def parse(text: str, source: str = "outputs") -> StackOutputs:
+    """The ``rayfleet`` output from JSON text: either ``pulumi stack output --json`` (a dict
+    with a ``rayfleet`` key) or the ``rayfleet`` object itself. Validated; one-line errors."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RayfleetError(f"{source}: not JSON ({e.msg} at line {e.lineno}); pass the output "
+                            "of `pulumi stack output --json`") from None
+    if isinstance(data, dict) and isinstance(data.get("rayfleet"), dict):
+        data = data["rayfleet"]
+    if not isinstance(data, dict) or "schema_version" not in data:
+        raise RayfleetError(f"{source}: no `rayfleet` stack output found; pass the output of "
+                            "`pulumi stack output --json` for a rayfleet stack")
+    if data["schema_version"] != SCHEMA_VERSION:
+        raise RayfleetError(f"{source}: schema_version {data['schema_version']!r} is not "
+                            f"{SCHEMA_VERSION}; upgrade rayfleet or re-run `pulumi up`")
+    missing = []
+    for key in REQUIRED_KEYS:
+        try:
+            value = _get(data, key)
+        except KeyError:
+            missing.append(key)
+            continue
+        if value is None or value == "" or value == []:
+            missing.append(key)
+    if missing:
+        raise RayfleetError(f"{source}: stack output `rayfleet` lacks {', '.join(missing)}; "
+                            f"{_RERUN}")
+    _check(data, source)
+    return _build(data)
+
+
+def _check(o: dict[str, Any], source: str) -> None:
+    nt = o["node_types"]
+    head = nt["head"]["instance_type"]
+    heads = catalog.head_types()
+    if head not in heads:
+        raise ConfigError(f"{source}: node_types.head.instance_type",
+                          f"{head!r} is not a known head type{did_you_mean(head, heads)}")
+    _count(source, "node_types.head.vcpus", nt["head"]["vcpus"], 1)
+    workers = catalog.worker_types()
+    for kind in ("worker_ondemand", "worker_spot"):
+        t = nt[kind]["instance_type"]
+        if t not in workers:
+            raise ConfigError(f"{source}: node_types.{kind}.instance_type",
+                              f"{t!r} is not a known A100 worker type"
+                              f"{did_you_mean(t, workers)}")
+        lo, hi = nt[kind]["min_workers"], nt[kind]["max_workers"]
+        if not (_whole(lo) and _whole(hi) and 0 <= lo <= hi):
+            raise ConfigError(f"{source}: node_types.{kind}",
+                              f"min_workers {lo!r} must be an integer between 0 and max_workers "
+                              f"{hi!r}")
+        _count(source, f"node_types.{kind}.vcpus", nt[kind]["vcpus"], 1)
+        _count(source, f"node_types.{kind}.gpus", nt[kind]["gpus"], 1)
+        _count(source, f"node_types.{kind}.efa_interfaces", nt[kind].get("efa_interfaces", 0), 0)
+    if not CLUSTER_NAME.fullmatch(str(o["cluster_name"])):
+        raise ConfigError(f"{source}: cluster_name", f"{o['cluster_name']!r} is not a rayfleet "
+                                                     "cluster name")
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(source: str, key: str, value: Any, least: int) -> None:
+    if not (_whole(value) and value >= least):
+        raise ConfigError(f"{source}: {key}", f"must be a whole number >= {least}, got "
+                                              f"{value!r}; {_RERUN}")
+
+
+def _build(o: dict[str, Any]) -> StackOutputs:
+    nt = o["node_types"]
+
+    def worker(kind: str) -> WorkerNodeType:
+        w = nt[kind]
+        return WorkerNodeType(w["instance_type"], w["vcpus"], w["gpus"],
+                              w.get("efa_interfaces", 0), w["min_workers"], w["max_workers"])
+
+    def arns(d: dict[str, Any]) -> ByRole[Arn]:
+        return ByRole(Arn(d["head"]["arn"]), Arn(d["worker"]["arn"]))
+
+    lts = o["launch_templates"]
+    try:
+        roles = arns(o["roles"])
+    except (KeyError, TypeError):
+        roles = None  # not render's; an older or hand-made output may lack it
+    return StackOutputs(
+        schema_version=o["schema_version"],
+        stack=o["stack"],
+        cluster_name=o["cluster_name"],
+        region=o["region"],
+        availability_zones=list(o["availability_zones"]),
+        private_subnet_ids=list(o["private_subnet_ids"]),
+        worker_subnet_id=o["worker_subnet_id"],
+        cluster_security_group_id=o["cluster_security_group_id"],
+        instance_profiles=arns(o["instance_profiles"]),
+        launch_templates=ByNodeType(TemplateId(lts["head"]["id"]),
+                                    TemplateId(lts["worker_ondemand"]["id"]),
+                                    TemplateId(lts["worker_spot"]["id"])),
+        node_types=ByNodeType(HeadNodeType(nt["head"]["instance_type"], nt["head"]["vcpus"],
+                                           nt["head"].get("gpus", 0)),
+                              worker("worker_ondemand"), worker("worker_spot")),
+        storage_uri=o["storage_uri"],
+        worker_availability_zone=o.get("worker_availability_zone"),
+        vpc_id=o.get("vpc_id"),
+        efa_security_group_id=o.get("efa_security_group_id"),
+        operator_access=o.get("operator_access"),
+        operator_cidrs=list(o.get("operator_cidrs") or []),
+        roles=roles,
+        placement_group=o.get("placement_group"),
+        ami_id=o.get("ami_id"),
+        imds_hop_limit=o.get("imds_hop_limit"),
+        bucket=o.get("bucket"),
+        bucket_arn=o.get("bucket_arn"),
+        kms_key_arn=o.get("kms_key_arn"),
+        ray_ports=dict(o.get("ray_ports") or {}),
+        budget_name=o.get("budget_name"),
+    )

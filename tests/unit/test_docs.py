@@ -1,0 +1,53 @@
+"""README and the docs/ pages: every relative link leads somewhere in the repository."""
+
+from __future__ import annotations
+
+import re
+
+from scripts.readme_blocks import PAGES
+from tests.conftest import REPO
+
+# [text](target) outside code; images and links alike. Absolute URLs are not checked here.
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _links(text: str) -> list[str]:
+    """Link targets outside code blocks and code spans."""
+    return LINK.findall(CODE.sub("", text))
+
+
+def _anchors(path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    headings = {_anchor(h.replace("`", "")) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    return headings | set(re.findall(r'<a id="([^"]+)"></a>', text))
+
+
+def test_every_relative_link_in_readme_and_docs_resolves():
+    broken = []
+    for page in PAGES:
+        source = REPO / page
+        for target in _links(source.read_text()):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):   # https:, mailto: ...
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (source.parent / path).resolve() if path else source
+            if not dest.is_relative_to(REPO) or not dest.exists():
+                broken.append(f"{page}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{page}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_link_check_reads_links_and_headings_as_github_does():
+    assert _links("see [faults](docs/faults.md#bad-input), not `[x](code.md)`") == \
+        ["docs/faults.md#bad-input"]
+    assert _anchor("The Pulumi program: what the offline tests prove — and what they don't") \
+        == "the-pulumi-program-what-the-offline-tests-prove--and-what-they-dont"
+    assert _anchor("Data: workloads.data") == "data-workloadsdata"

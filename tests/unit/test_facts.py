@@ -1,0 +1,155 @@
+"""One home per fact: tag keys, ports, the IMDS hop limits, the bucket-name rule and the secret
+patterns live in rayfleet/facts.py, instance and GPU facts in rayfleet/catalog.py (its
+catalog.json). A second copy written anywhere else in the kit fails here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayfleet import catalog, config, cost, facts, lint
+
+REPO = Path(__file__).resolve().parents[2]
+ROLE = REPO / "infra" / "ansible" / "roles" / "ray_node"
+# The kit's own code and configuration; tests may spell a fact out to pin what users see.
+SOURCES = [p for folder in ("rayfleet", "infra", "workloads", "bench", "scripts")
+           for p in sorted((REPO / folder).rglob("*"))
+           if p.is_file() and p.suffix in (".py", ".yml", ".yaml", ".j2", ".sh", ".json")
+           and "__pycache__" not in p.parts]
+
+
+def _hits(pattern: str, *homes: Path) -> list[str]:
+    rx = re.compile(pattern)
+    out = []
+    for path in SOURCES:
+        if path in homes:
+            continue
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if rx.search(line):
+                out.append(f"{path.relative_to(REPO)}:{lineno}: {line.strip()}")
+    return out
+
+
+FACTS = REPO / "rayfleet" / "facts.py"
+CATALOG = [REPO / "rayfleet" / "catalog.py", REPO / "rayfleet" / "catalog.json"]
+
+
+# ----------------------------------------------------------------------------- tags, patterns
+
+def test_rayfleet_tag_keys_are_written_only_in_facts():
+    # A quoted "rayfleet:<lowercase-key>" is a tag key (config keys are camelCase and Pulumi
+    # type tokens have a second colon).
+    assert _hits(r"""["']rayfleet:[a-z]+(-[a-z]+)*["']""", FACTS) == []
+    for key in facts.TAG_KEYS:
+        assert _hits(f"[\"']{re.escape(key)}[\"']", FACTS) == [], key
+
+
+def test_secret_patterns_are_one_list_for_lint_and_the_policy_pack():
+    from infra.policy_pack import checks
+
+    assert lint.SECRET_PATTERNS is facts.SECRET_PATTERNS
+    assert checks.SECRET_PATTERNS is facts.SECRET_PATTERNS
+    assert _hits(r"AKIA\|ASIA|PRIVATE KEY-----", FACTS) == []
+
+
+@pytest.mark.parametrize("text", [
+    "export RAY_AUTH_TOKEN=abc", "RAY_AUTH_TOKEN=0123456789abcdef0123 ray start",
+    "aws configure set aws_access_key_id AKIAABCDEFGHIJKLMNOP", "DB_PASSWORD=hunter2hunter2",
+    "wandb_api_key: 0123456789", "HF_TOKEN=hf_abcdefghijklmnopqrstuvwxyz0123456789",
+    "-----BEGIN OPENSSH PRIVATE KEY-----", "aws_secret_access_key = wJalrXUtnFEMI",
+])
+def test_a_secret_is_one_to_lint_and_to_the_policy_pack(text):
+    assert any(p.search(text) for p, _ in facts.SECRET_PATTERNS)
+
+
+@pytest.mark.parametrize("text", [
+    "export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$HOME/.rayfleet/auth_token",
+    "  ~/.rayfleet/auth_token: /tmp/pytest-of-me/pytest-1/test0/token",
+    "RAY_AUTH_TOKEN=$(cat ~/.rayfleet/auth_token)", "token_file: ~/.rayfleet/token",
+])
+def test_references_to_secrets_are_not_secrets(text):
+    assert not any(p.search(text) for p, _ in facts.SECRET_PATTERNS)
+
+
+def test_bucket_and_cluster_name_rules_live_in_facts():
+    assert _hits(r"\{1,61\}|\{1,30\}", FACTS) == []
+    for good in ("rayfleet-data-0001", "a.b-c", "abc"):
+        assert facts.is_bucket_name(good), good
+    for bad in ("My_Bucket", "ab", "a..b", "-abc", "abc-", "a" * 64):
+        assert not facts.is_bucket_name(bad), bad
+
+
+def test_ports_and_hop_limits_are_not_respelled():
+    # A port number or hop limit as a value in code (an assignment, a keyword, a tuple):
+    # outside facts, only the Ansible role's defaults, which the next test ties to RAY_PORTS.
+    # (ssh's 22 is also a rule number; Serve's ports are the Serve configs' to set.)
+    numbers = "|".join(sorted({str(n) for p in facts.RAY_PORTS for n in (p.from_port, p.to_port)
+                               if p.flag.startswith("--")}))
+    code = rf"=\s*({numbers})\s*[,)]|\(\s*({numbers})\s*,|,\s*({numbers})\s*\)|=\s*({numbers})$"
+    assert _hits(code + r"|OPERATOR_PORTS\s*=\s*\(|RayPort\(|hop_limit\s*=\s*\d", FACTS,
+                 ROLE / "defaults" / "main.yml", ROLE / "meta" / "argument_specs.yml") == []
+    assert {name for name, _ in facts.OPERATOR_PORTS} <= set(facts.RAY_PORTS_BY_NAME)
+    assert set(facts.WORLD_FORBIDDEN) <= set(facts.RAY_PORTS_BY_NAME)
+
+
+def test_ansible_port_defaults_equal_ray_ports():
+    """The role pins every port with the same `ray start` flags render uses; its defaults (and
+    the argument spec's) must be RAY_PORTS' numbers."""
+    template = (ROLE / "templates" / "ray-node-run.sh.j2").read_text()
+    var_of_flag = dict(re.findall(r"(--[a-z-]+)=\{\{ (ray_node_\w+) \}\}", template))
+    defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+    spec = yaml.safe_load((ROLE / "meta" / "argument_specs.yml").read_text())
+    options = spec["argument_specs"]["main"]["options"]
+    expected = {}
+    for p in facts.RAY_PORTS:
+        if not p.flag.startswith("--"):
+            continue  # ssh, and Serve's ports (set in the Serve config)
+        flags = p.flag.split("/")  # --min-worker-port/--max-worker-port: from, to
+        for flag, number in zip(flags, (p.from_port, p.to_port), strict=False):
+            assert flag in var_of_flag, f"the role's start script does not pin {flag}"
+            expected[var_of_flag[flag]] = number
+    role_ports = {k: v for k, v in defaults.items() if re.fullmatch(r"ray_node_\w+_port", k)}
+    assert role_ports == expected
+    for var, number in expected.items():
+        if "default" in options.get(var, {}):
+            assert options[var]["default"] == number, var
+
+
+# ----------------------------------------------------------------------------- instance catalog
+
+def test_config_render_and_cost_read_the_catalog():
+    assert config.WORKER_INSTANCE_TYPES is catalog.worker_types()
+    assert config.HEAD_INSTANCE_TYPES is catalog.head_types()
+    assert config.A100_REGIONS is catalog.worker_regions()
+    assert cost.load_prices()["gpu"].keys() == catalog.worker_types().keys()
+    assert not (REPO / "rayfleet" / "prices.json").exists()
+
+
+def test_instance_facts_are_not_respelled():
+    # GPU-type regexes, FLOP/s figures, per-type memory tables, instance specs.
+    assert _hits(r"""r["']\^?\(?p\\d|g\\d\+|\d{3}e12\b|"A100-80G":\s*\d|InstanceSpec\(["']""",
+                 *CATALOG) == []
+
+
+@pytest.mark.parametrize("itype,gpu,quota", [
+    ("p4d.24xlarge", True, "P"), ("p5en.48xlarge", True, "P"), ("p3dn.24xlarge", True, "P"),
+    ("g5g.xlarge", True, "G"), ("g4ad.xlarge", True, "G"), ("gr6.4xlarge", True, "G"),
+    ("trn1.32xlarge", False, None), ("inf2.xlarge", False, None), ("m6i.2xlarge", False, None),
+    ("u-6tb1.metal", False, None), ("p4d", False, None),
+])
+def test_gpu_types_and_their_quota_group(itype, gpu, quota):
+    assert catalog.is_gpu_type(itype) is gpu
+    assert catalog.quota_group(itype) == quota
+
+
+def test_gpu_memory_and_peak_flops():
+    assert catalog.gpu_memory_gib("A100-80G") == 80 and catalog.gpu_memory_gib("A100") == 40
+    assert catalog.gpu_memory_gib("no-such-gpu") == 0
+    assert catalog.peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert catalog.peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert catalog.peak_bf16_flops("NVIDIA A10G") is None
+    for t in catalog.worker_types().values():
+        assert t.gpus and t.gpu_memory_gib and t.efa_interfaces
