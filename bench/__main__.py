@@ -82,19 +82,92 @@ Goal: >= 1.6x on 2 cores — {goal(b['speedup'] >= 1.6, b['load_avg'])}.
 """
 
 
-def render(t: dict, d: dict, s: dict, quick: bool, minutes: float | None = None) -> str:
-    import ray
-    import torch
+def startup_table(t: dict) -> str:
+    """Seconds from launch to each start-up stage, both launchers (rank 0's stages are the
+    same loop's), and the time each stage took since the one before it on that side."""
+    from bench.train_overhead import STAGES
 
-    today = datetime.date.today().isoformat()
-    took = f"; this run took {minutes:.1f} min" if minutes is not None else ""
-    train_rows = "\n".join([
+    sides = t.get("startup") or {}
+    prev: dict[str, float] = {}
+    rows = ["| stage | Ray Train: s from launch (+ since previous) | `torchrun` |",
+            "|---|---|---|"]
+    for key, label in STAGES:
+        cells = []
+        for side in ("ray", "torchrun"):
+            at = sides.get(side, {}).get(key)
+            if at is None:
+                cells.append("-")
+                continue
+            since = f" (+{at - prev[side]:.2f})" if side in prev else ""
+            cells.append(f"{round(at, 2) + 0.0:.2f}{since}")  # + 0.0: no "-0.00"
+            prev[side] = at
+        if cells != ["-", "-"]:
+            rows.append(_row(label, *cells))
+    return "\n".join(rows)
+
+
+def startup_summary(t: dict) -> str:
+    """The cold start in three spans per launcher, from the run's own marks."""
+    ray_m = (t.get("startup") or {}).get("ray", {})
+    tr_m = (t.get("startup") or {}).get("torchrun", {})
+
+    def span(m: dict, a: str | None, b: str) -> str:
+        if b not in m or (a is not None and a not in m):
+            return "?"
+        return f"{m[b] - (m[a] if a else 0):.1f}"
+
+    return (f"Under Ray Train: launch -> `trainer.fit()` "
+            f"{span(ray_m, None, 'driver.fit_called')} s (the driver: Python, torch and "
+            "ray.train imports, `ray.init`), `fit()` -> loop "
+            f"{span(ray_m, 'driver.fit_called', 'rank0.loop_entered')} s (Ray Train: controller "
+            "and helper actors, placement group, worker actors, each a Python process that "
+            "imports ray.train; torch and the gloo group in the workers), loop -> step 10 "
+            f"logged {span(ray_m, 'rank0.loop_entered', 'rank0.first_logged_step')} s. Under "
+            f"torchrun: launch -> loop {span(tr_m, None, 'rank0.loop_entered')} s, loop -> "
+            f"step 10 logged {span(tr_m, 'rank0.loop_entered', 'rank0.first_logged_step')} s.")
+
+
+def train_section(t: dict) -> str:
+    rows = "\n".join([
         _row("steady-state step", f"{t['ray_step_ms']} ms", f"{t['torchrun_step_ms']} ms",
              f"**{t['step_ratio']}**"),
         _row("launch -> step 10 logged (cold start)", f"{t['ray_first_s']} s",
              f"{t['torchrun_first_s']} s", t.get("first_ratio", "-")),
         _row("wall incl. start-up and checkpoint", f"{t['ray_wall_s']} s",
              f"{t['torchrun_wall_s']} s", t["wall_ratio"])])
+    first = t.get("ray_first_s")
+    return f"""## 1. Ray Train overhead vs torchrun (same loop, 2 CPU workers, gloo)
+
+The per-worker loop of `workloads/train/loop.py`, `--model small` (0.84M parameters, seq 128,
+batch 16 per worker), {t['steps']} steps, {t['rounds']} round(s) each, Ray then torchrun;
+step time = median over logged 10-step intervals after the first (warm-up); checkpoint only
+at the end.
+
+| | Ray Train | `torchrun` | ratio |
+|---|---|---|---|
+{rows}
+
+Goals (issue 16): steady-state ratio <= 1.02 — {goal(t['step_ratio'] <= 1.02, t['load_avg'])};
+<= 10 s from launch to the first logged step under Ray Train —
+{goal(first is not None and first <= 10, t['load_avg'])} ({first} s).
+
+Where the cold start goes (medians over the rounds; wall-clock marks printed by the Ray
+driver and by rank 0 with `RAYFLEET_TIMING=1`, read against the launch time, and Ray Train's
+own stages from Ray's task events; both launchers run rank 0's stages in the same loop).
+{startup_summary(t)} The wall-clock gap adds the final checkpoint's upload to storage.
+
+{startup_table(t)}
+
+{TRAIN_TRIED}
+"""
+
+
+def render(t: dict, d: dict, s: dict, quick: bool, minutes: float | None = None) -> str:
+    import ray
+    import torch
+
+    today = datetime.date.today().isoformat()
+    took = f"; this run took {minutes:.1f} min" if minutes is not None else ""
     data_row = _row("corpus -> packed rows",
                     f"{d['one_process_s']} s ({d['one_process_mb_s']} MiB/s)",
                     f"{d['ray_data_s']} s ({d['ray_data_mb_s']} MiB/s); first run "
@@ -127,22 +200,7 @@ Reproduce: `make bench` (all three, one throwaway cluster, writes this file{took
 time: `.venv/bin/python -m bench.train_overhead --steps 150 --rounds 2`,
 `python -m bench.data_throughput --mb 24`, `python -m bench.serve_latency --rounds 2`.
 
-## 1. Ray Train overhead vs torchrun (same loop, 2 CPU workers, gloo)
-
-The per-worker loop of `workloads/train/loop.py`, `--model small` (0.84M parameters, seq 128,
-batch 16 per worker), {t['steps']} steps, {t['rounds']} round(s) each, Ray then torchrun;
-step time = median over logged 10-step intervals after the first (warm-up); checkpoint only
-at the end.
-
-| | Ray Train | `torchrun` | ratio |
-|---|---|---|---|
-{train_rows}
-
-Goal (issue 7): steady-state ratio <= 1.02 — {goal(t['step_ratio'] <= 1.02, t['load_avg'])}.
-The cold-start gap is Ray's fixed start-up: the driver connecting, the Train controller,
-placement group and worker actors, gloo set-up through Ray; the wall gap adds the checkpoint
-upload to storage.
-
+{train_section(t)}
 ## 2. Ray Data pipeline vs one process; data wait while streaming into training
 
 `workloads.data`'s stages (JSON read, clean + filter as one batch UDF, tokenizer actor pool of 2,
@@ -196,6 +254,43 @@ that never comes: lower it (`args.batch_wait_timeout_s`) for latency-bound traff
 
 {NOTES}
 """
+
+
+TRAIN_TRIED = """Train start-up: what was tried. One-off A/B runs on 2026-11-23, the two
+variants interleaved on one cluster, on the shared 2-core machine (one-minute load average
+given with each; at these loads only stage-level differences read clearly); `make bench`
+does not re-measure this list.
+
+- **Kept: the training corpus read lazily.** `stdlib_corpus` walked the whole standard
+  library (`rglob`, then filter, then sort) before reading the few dozen files that 1 MiB
+  needs; it now walks folders in the same sorted-path order and stops when it has enough
+  (same bytes, a unit test compares it with the old listing). Data-loader stage (latest
+  checkpoint looked up -> loader ready), before -> after: Ray 2.38 s (load 11.9) and
+  1.70 s (load 69.9) -> 0.013 s (15.1) and 0.025 s (12.5); torchrun 1.04 s (20.0) and
+  1.17 s (40.1) -> 0.009 s (13.4) and 0.064 s (20.3). In one process at load 5: 0.45 s ->
+  0.002 s.
+- **Not kept: `ray.init` overlapped with the ray.train import** (a thread imports
+  `ray.train.torch` while the main thread connects). The driver's imports + `ray.init`
+  alone, 8 interleaved pairs: the last 4 (load 13-19) 2.49 s serial vs 2.47 s overlapped
+  (medians; per pair -0.12 to +0.27 s); the first 4, at load 21-55, favoured the overlap
+  (24.9-39.8 s vs 10.6-26.2 s), and 2 full-run pairs (load 26-45, driver import -> `fit()`)
+  went one each way (13.6 and 5.1 s serial, 9.7 and 7.1 s overlapped). No consistent win
+  once the load eased, and two threads importing at once risk import-lock trouble: left
+  serial.
+- **Measured, nothing for the kit to cut:** the kit's own modules in a worker once Ray
+  Train has imported torch: 0.13 s (`-X importtime`, load 19); the driver's checks of
+  flags, dataset, storage and run before Ray: 0.01-0.05 s; the latest-checkpoint lookup
+  before the first step: under 0.01 s on a fresh run.
+- **Found, outside the kit:** the first torch optimizer imports `torch._dynamo` (its
+  `_disable_dynamo` wrappers import it on first call): `AdamW(...)` took 3.3 s in one
+  process at load 13, and it is most of the "model built" row under both launchers. Ray
+  Train V2 starts a controller and five helper actors (AutoscalingCoordinator,
+  PlacementGroupCleaner, SynchronizationActor, DatasetManager, PreemptionWatcher), each a
+  Python process importing ray.train (which imports ray.data and pandas), before or while
+  the workers start, on the same 2 cores; the workers import torch when Ray unpickles the
+  torch backend in `init_train_context` (the "train context" row). The PreemptionWatcher
+  (`RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0` turns it off) stays on, unmeasured: it is how
+  Ray Train notices a node being preempted, and the kit's A100 workers may be spot."""
 
 
 NOTES = """## Profiling notes (what was found, what changed)

@@ -87,7 +87,10 @@ def test_output_check_accepts_regrouped_packing_and_catches_a_changed_token(tmp_
 def test_benchmarks_md_renders_goals_from_the_numbers():
     t = {"steps": 150, "rounds": 2, "ray_step_ms": 102.0, "torchrun_step_ms": 100.0,
          "step_ratio": 1.02, "ray_wall_s": 40.0, "torchrun_wall_s": 20.0, "wall_ratio": 2.0,
-         "ray_first_s": 15.0, "torchrun_first_s": 5.0, "first_ratio": 3.0, "load_avg": 1.0}
+         "ray_first_s": 15.0, "torchrun_first_s": 5.0, "first_ratio": 3.0, "load_avg": 1.0,
+         "startup": {"ray": {"driver.process_start": 0.05, "driver.ray_connected": 3.5,
+                             "rank0.process_start": 6.0, "rank0.first_logged_step": 14.9},
+                     "torchrun": {"rank0.process_start": 1.0, "rank0.first_logged_step": 4.9}}}
     d = {"corpus_mb": 24, "docs": 10, "tokens": 1000, "rows_ray": 7, "rows_one_process": 8,
          "one_process_s": 1.0, "ray_data_s": 2.0, "ray_data_first_s": 9.0,
          "one_process_mb_s": 1, "ray_data_mb_s": 0.5,
@@ -108,6 +111,12 @@ def test_benchmarks_md_renders_goals_from_the_numbers():
     assert "adds <= 1 ms p50\nover that floor at c=1 — **missed**\n(None ms" in text
     assert "| on | 16 | 10.0 / 20.0 ms, 50.0 req/s |" in text
     assert "which says little" not in text
+    # The cold start's stages, seconds from launch and since the stage before, both sides.
+    assert "<= 10 s from launch to the first logged step under Ray Train —\n**missed** (15.0 s)" \
+        in text
+    assert "| driver: `ray.init` connected | 3.50 (+3.45) | - |" in text
+    assert "| rank 0 process started (placement group placed) | 6.00 (+2.50) | 1.00 |" in text
+    assert "| rank 0: step 10 logged | 14.90 (+8.90) | 4.90 (+3.90) |" in text
     # A verdict measured on a busy machine says so.
     t["load_avg"] = 10.0 * (os.cpu_count() or 1)
     text = bench_main.render(t, d, s, quick=False)
@@ -120,6 +129,68 @@ def test_train_overhead_measures_both_sides_with_the_same_loop_flags():
     # A checkpoint only at the end, so step times hold no checkpoint work.
     assert args[args.index("--checkpoint-every") + 1] == "42"
     assert train_overhead.FIRST_STEP == "[rayfleet] step 10/"
+
+
+def test_start_up_stages_are_read_from_the_driver_and_rank_0_lines():
+    """Both processes' RAYFLEET_TIMING lines, rank 0's with the prefix Ray puts on worker
+    output, become seconds from launch per stage; other output is ignored."""
+    out = "\n".join([
+        "[rayfleet] run gpt-small-ddp: 0.84M params",
+        '(RayTrainWorker pid=42) RAYFLEET_TIMING {"side": "rank0", "process_start": 1012.5, '
+        '"loop_entered": 1020.0, "first_logged_step": 1030.25}',
+        '(RayTrainWorker pid=42) [rayfleet] step 10/150 loss 3.0',
+        'RAYFLEET_TIMING {"side": "driver", "process_start": 1000.1, "ray_connected": 1004.0, '
+        '"kit_imported": 1002.0}'])
+    stages = train_overhead.parse_startup(out, launch=1000.0)
+    assert stages == {"rank0.process_start": 12.5, "rank0.loop_entered": 20.0,
+                      "rank0.first_logged_step": 30.25, "driver.process_start": 0.1,
+                      "driver.ray_connected": 4.0, "driver.kit_imported": 2.0}
+    # Every stage the loop and the driver mark has a row, in the order a run passes them.
+    keys = [k for k, _ in train_overhead.STAGES]
+    assert keys.index("driver.fit_called") < keys.index("rank0.process_start") \
+        < keys.index("rank0.loop_entered") < keys.index("rank0.first_batch")
+    runs = [stages, {**stages, "rank0.loop_entered": 22.0}]
+    med = train_overhead.median_stages(runs)
+    assert med["rank0.loop_entered"] == 21.0 and list(med) == [k for k in keys if k in med]
+
+
+def test_ray_train_stages_come_from_the_first_or_last_task_event():
+    from workloads.train.context import ray_marks_of_tasks
+
+    def task(name, **events):
+        return {"name": name, "events": [{"state": k, "created_ms": v} for k, v in
+                                         events.items()]}
+
+    tasks = [task("TrainController.__init__", PENDING_ARGS_AVAIL=1000, RUNNING=3000,
+                  FINISHED=5000),
+             task("RayTrainWorker.__init__", RUNNING=7000, FINISHED=9000),
+             task("RayTrainWorker.__init__", RUNNING=7500, FINISHED=9500),
+             task("RayTrainWorker.poll_status", RUNNING=20000, FINISHED=20001)]
+    assert ray_marks_of_tasks(tasks) == {
+        "ray_controller_start": 3.0, "ray_controller_ready": 5.0,
+        "ray_workers_start": 7.0, "ray_workers_ready": 9.5}  # the last worker's
+
+
+def test_start_up_marks_print_one_line_only_when_asked(monkeypatch, capsys):
+    from workloads.train.context import TIMING_ENV, Startup, process_start_time
+
+    s = Startup()
+    s.mark("loop_entered")
+    first = s.marks["loop_entered"]
+    s.mark("loop_entered")  # the first time a stage is reached is what counts
+    assert s.marks["loop_entered"] == first
+    monkeypatch.delenv(TIMING_ENV, raising=False)
+    s.emit("rank0")
+    assert capsys.readouterr().out == ""  # normal runs print nothing
+    monkeypatch.setenv(TIMING_ENV, "1")
+    s = Startup()
+    s.mark("first_batch")
+    s.emit("rank0")
+    s.emit("rank0")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("RAYFLEET_TIMING {")
+    started = process_start_time()
+    assert started is None or started <= s.marks["first_batch"]
 
 
 def test_bad_flags_are_one_line_and_exit_2():

@@ -236,6 +236,25 @@ def test_resources_per_worker_is_validated_also_under_python_O(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_training_corpus_is_the_sorted_standard_library_without_tests():
+    """The loop's corpus is read lazily (it needs a few dozen files, not a walk of the whole
+    standard library first), but it stays the same bytes in the same order: every run, and a
+    resumed one, trains on the same data."""
+    import sysconfig
+
+    from workloads.train.data import stdlib_corpus, stdlib_files
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+    expected = sorted(p for p in root.rglob("*.py")
+                      if not skip.intersection(p.relative_to(root).parts))
+    assert stdlib_files() == expected
+    corpus = stdlib_corpus(1 << 20)
+    assert len(corpus) == 1 << 20
+    assert corpus.startswith(expected[0].read_bytes()[:4096])
+    assert stdlib_corpus(1 << 16) == corpus[:1 << 16]
+
+
 def test_training_options_are_every_flag_parsed_once_and_frozen():
     import dataclasses
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -12,6 +14,87 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from rayfleet.errors import StorageError
+
+# RAYFLEET_TIMING=1: the driver and rank 0 each print one `RAYFLEET_TIMING {json}` line with
+# the wall-clock time (time.time(), so processes on one machine compare) of each start-up
+# stage they passed; bench.train_overhead reads them. Unset, nothing is printed.
+TIMING_ENV = "RAYFLEET_TIMING"
+TIMING_TAG = "RAYFLEET_TIMING"
+
+
+def process_start_time() -> float | None:
+    """When this process was created, as time.time(): /proc/self/stat's start tick against
+    /proc/uptime (psutil's create_time rounds the boot time to whole seconds, so its value
+    can be up to 1 s off from time.time())."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - uptime + start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+class Startup:
+    """This process's start-up marks: the first time each named stage was reached. A mark is
+    one dict write, so the loop always takes them; `emit` prints only with RAYFLEET_TIMING=1."""
+
+    def __init__(self):
+        self.marks: dict[str, float] = {}
+        self.emitted = False
+
+    def mark(self, stage: str) -> None:
+        if stage not in self.marks:
+            self.marks[stage] = time.time()
+
+    def emit(self, side: str) -> None:
+        if self.emitted or os.environ.get(TIMING_ENV) != "1":
+            return
+        self.emitted = True
+        print(f"{TIMING_TAG} " + json.dumps({"side": side, "process_start": process_start_time(),
+                                            **self.marks}), flush=True)
+
+
+startup = Startup()
+
+# Ray Train's own start-up stages, from Ray's task events: (mark, task, event reached, by the
+# first or the last of the tasks of that name, e.g. of every worker).
+RAY_TRAIN_STAGES = [
+    ("ray_controller_start", "TrainController.__init__", "RUNNING", min),
+    ("ray_controller_ready", "TrainController.__init__", "FINISHED", min),
+    ("ray_workers_start", "RayTrainWorker.__init__", "RUNNING", min),
+    ("ray_workers_ready", "RayTrainWorker.__init__", "FINISHED", max),
+    ("ray_train_context_ready", "RayTrainWorker.init_train_context", "FINISHED", max),
+    ("ray_process_group_ready", "execute._setup_torch_process_group", "FINISHED", max),
+]
+
+
+def ray_train_marks(job_id: str | None = None) -> dict[str, float]:
+    """With RAYFLEET_TIMING=1, when this job's Train controller and workers passed each of
+    RAY_TRAIN_STAGES (Ray's state API, so a cluster with its dashboard); {} otherwise."""
+    if os.environ.get(TIMING_ENV) != "1":
+        return {}
+    try:
+        import ray
+        from ray.util.state import list_tasks
+
+        job_id = job_id or ray.get_runtime_context().get_job_id()
+        tasks = list_tasks(filters=[("job_id", "=", job_id)], detail=True, limit=10_000,
+                           raise_on_missing_output=False)
+    except Exception:  # no state API here: the kit's own marks still say most of it
+        return {}
+    return ray_marks_of_tasks(tasks)
+
+
+def ray_marks_of_tasks(tasks: list) -> dict[str, float]:
+    marks = {}
+    for mark, name, state, pick in RAY_TRAIN_STAGES:
+        times = [e["created_ms"] / 1000 for t in tasks if t.get("name") == name
+                 for e in t.get("events") or [] if e.get("state") == state]
+        if times:
+            marks[mark] = pick(times)
+    return marks
 
 
 class RayContext:
@@ -99,6 +182,7 @@ class TorchrunContext:
             self.device = torch.device("cpu")
         if self.world_size > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            startup.mark("process_group_ready")  # under Ray Train, done before the loop
         self.root = Path(checkpoint_root)
         self.keep = keep
         self.reports: list[dict] = []

@@ -34,6 +34,7 @@ from workloads.common.cli import parse_env_pairs
 from workloads.common.deps import require
 from workloads.common.hf import is_hf_spec
 from workloads.common.storage import BUCKET_NAME, default_root, user_path
+from workloads.train.context import TIMING_ENV, ray_train_marks, startup
 from workloads.train.loop import STRATEGIES, LoopConfig
 from workloads.train.model import PRESETS, GPTConfig
 
@@ -640,6 +641,7 @@ def _main(argv: list[str] | None) -> int:
     except runinfo.RunFinished as done:
         print(f"[rayfleet] {done}", flush=True)
         return 0
+    startup.mark("inputs_checked")
 
     # Everything this run will import, on this node, once the inputs are known good and before
     # anything is trained: the summary's PNG (matplotlib) would otherwise fail after the last
@@ -657,12 +659,16 @@ def _main(argv: list[str] | None) -> int:
 
     from workloads.train import failures
 
+    startup.mark("imports_done")
+    if os.environ.get(TIMING_ENV) == "1":
+        env_vars.setdefault(TIMING_ENV, "1")  # rank 0 reports its start-up marks too (bench/)
     # Train V2 propagates these from the driver to its controller and workers: poll the
     # workers' result queues every second (default 2 s stalls short runs at each report),
     # and print worker output once (the print patch would echo it through the logger too).
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "1.0")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     ray.init(logging_level="ERROR", log_to_driver=True)
+    startup.mark("ray_connected")
     nodes, total = ray.nodes(), ray.cluster_resources()
     launchable = launchable_nodes()
     capacity = dict(total)
@@ -718,6 +724,7 @@ def _main(argv: list[str] | None) -> int:
     )
     runinfo.record_run(storage, name, identity)
     started = time.time()
+    startup.mark("fit_called")
     try:
         result = trainer.fit()
     except Exception as e:
@@ -730,6 +737,8 @@ def _main(argv: list[str] | None) -> int:
     summary = runinfo.summarize(result, storage, name, started, global_batch, cfg)
     print(runinfo.format_summary(summary), flush=True)
     print("RAYFLEET_SUMMARY " + json.dumps(summary), flush=True)
+    startup.marks.update(ray_train_marks())  # after the summary: bench/ times the run to it
+    startup.emit("driver")
     return 0
 
 

@@ -30,8 +30,11 @@ from torch.utils.data import DataLoader
 from rayfleet import catalog
 from workloads.train import checkpoint as ckpt
 from workloads.train import ds_config, hf_model
+from workloads.train.context import startup
 from workloads.train.data import ByteBlocks, ParquetRows, split_batch, stdlib_corpus
 from workloads.train.model import GPT, GPTConfig
+
+startup.mark("kit_imported")  # in a worker: torch and the kit's modules are loaded
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 
@@ -314,6 +317,7 @@ class _WaitTimer:
 
 def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
     """Train to cfg.max_steps, resuming from ctx's latest checkpoint. Returns final metrics."""
+    startup.mark("loop_entered")
     torch.manual_seed(cfg.seed)  # same init on every rank; DDP broadcasts rank 0's anyway
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -325,6 +329,7 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
         model_cfg = GPTConfig.from_dict(cfg.model)
         model = GPT(model_cfg)
     engine = _Engine(cfg, ctx, model)
+    startup.mark("model_ready")
 
     step, epoch, batch_in_epoch, history = 0, 0, 0, []
     with ctx.latest_checkpoint() as d:
@@ -342,6 +347,7 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
                 h.setdefault("data_wait_frac", float("nan"))
             if ctx.rank == 0:
                 print(f"[rayfleet] resumed from step {marker['step']} ({d.name})", flush=True)
+    startup.mark("checkpoint_checked")
 
     if cfg.use_ray_dataset:
         shard = ctx.dataset_shard()
@@ -360,6 +366,7 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
 
         def epoch_batches(epoch: int, skip: int):
             return _batches(loader, epoch, skip, cfg.seed)
+    startup.mark("data_ready")
 
     tokens_per_step = cfg.batch_size * cfg.grad_accum * model_cfg.seq_len * ctx.world_size
     flops_per_token = model_cfg.flops_per_token()
@@ -375,6 +382,7 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
     while not done:
         micro, seen = 0, 0
         for batch in wait.wrap(epoch_batches(epoch, batch_in_epoch)):
+            startup.mark("first_batch")
             batch_in_epoch += 1
             seen += 1
             x, y = (t.to(ctx.device, non_blocking=True) for t in split_batch(batch))
@@ -411,6 +419,8 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
                 if ctx.rank == 0:
                     print(f"[rayfleet] step {step}/{cfg.max_steps} loss {metrics['loss']:.4f} "
                           f"{tps:,.0f} tok/s {dt * 1000:.0f} ms/step", flush=True)
+                    startup.mark("first_logged_step")
+                    startup.emit("rank0")
             # Metrics go to Ray only with checkpoints: ray.train.report is a barrier across
             # ranks, and Train V2 drains each worker's one-slot result queue only when the
             # controller polls, so frequent reports stall training.
