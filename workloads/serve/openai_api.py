@@ -19,6 +19,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 MAX_BODY_BYTES = 1 << 20      # a request body over 1 MiB is refused before it is parsed
+# An over-limit body up to this size is read and dropped before the refusal is sent: a client
+# still sending it would otherwise meet a closed connection (a broken pipe, not the 400).
+DRAIN_BYTES = 16 << 20
 MAX_NEW_TOKENS = 1024
 
 
@@ -127,6 +130,9 @@ async def _validation_error(_: Request, e: RequestValidationError):
 async def _limit_body(request: Request, call_next):
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        if int(size) <= DRAIN_BYTES:
+            async for _ in request.stream():  # never kept: at most one chunk in memory
+                pass
         return JSONResponse(error_body(
             f"request body of {size} bytes is over the {MAX_BODY_BYTES}-byte limit",
             "invalid_request_error", None, "request_too_large"), status_code=400)
