@@ -340,7 +340,39 @@ the tables above but not this section.
   per-request work in Serve's HTTP proxy, router and replica (the request crosses two
   processes and an actor call each way, on cores the model also needs). That cost grows
   with concurrency on 2 cores and caps Serve near 100 req/s here, which is what keeps the
-  batching gain under 3x; the bare app reaches the batching the model allows.
+  batching gain under 3x; the bare app reaches the batching the model allows. The no-op
+  rows (Serve's floor) say the same from the other side: a handler that does nothing tops
+  out near 200 req/s under Serve at c=16 on these 2 cores, against thousands bare.
+- **Serve settings tried (Ray 2.60), 2026-11-23, load 1.2-2.6, one round each with
+  `bench.serve_latency --rounds 1 --requests-per-worker 4`.** Each row is from its own
+  throwaway cluster; the bare side of the same run is the yardstick.
+
+  (a) `RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0` on the replicas; (b) (a) plus
+  `RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`, cluster-wide; (c)
+  `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, cluster-wide, without HAProxy; (d)
+  `RAY_SERVE_ENABLE_HA_PROXY=1`, cluster-wide, with Debian's `haproxy`.
+
+  | | floor: no-op p50 over bare, c=1 | `lm` adds over it | Serve/bare req/s, c=16 | gain | TTFT |
+  |---|---|---|---|---|---|
+  | (a) | 8.9 ms | 6.8 ms | 0.32 | 2.3x | 18.2 / 3.2 ms |
+  | (b) | 8.6 ms | 2.6 ms | 0.31 | 2.0x | 10.5 / 2.2 ms |
+  | (c) | 9.5 ms | 8.2 ms | 0.23 | 1.4x | 17.6 / 3.7 ms |
+  | **(d)** | **0.5 ms** | **1.1 ms** | **0.62** | **3.2x** | **4.7 / 3.1 ms** |
+
+  (gain: Serve's req/s with batching on / off at c=16; TTFT: streaming, no batching, Serve /
+  bare.)
+
+  The event-loop settings move nothing that a second run would not: the ceiling is the Python
+  proxy. HAProxy replaces that proxy: requests go from HAProxy straight to the replica's own
+  HTTP server. That takes Serve's floor from about 9 ms to 0.5 ms, doubles the c=16 share of
+  bare, and lifts the batching gain past 3x. **It is not in the shipped configs.** In Ray
+  2.60, HAProxy's stats page listens on `0.0.0.0:8404` and its metrics on `0.0.0.0:9101`,
+  both without authentication (checked with `ss -ltnp`). Ray's template hard-codes the
+  stats address, so the kit's rule that nothing listens on the world would break, and on AWS
+  only the security group would stand between those pages and the VPC. To use it anyway on a
+  machine you control: `RAY_SERVE_ENABLE_HA_PROXY=1 rayfleet local up ...` (the variable
+  reaches `ray start`; `haproxy` must be on PATH), or the same variable before `ray start` in
+  the cluster YAML's start commands.
 """
 
 
