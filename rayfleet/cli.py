@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from rayfleet.entrypoint import ArgumentParser, run_main
+from rayfleet.facts import port
 
 
 def _local(sub: argparse._SubParsersAction) -> None:
@@ -18,9 +19,9 @@ def _local(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--num-gpus", type=int, default=None, help="GPUs Ray may schedule")
     up.add_argument("--object-store-memory", default=None, metavar="SIZE",
                     help="object store size, e.g. 2GB (raise it on ObjectStoreFullError)")
-    up.add_argument("--port", type=int, default=None, help="GCS port (default 6379)")
+    up.add_argument("--port", type=int, default=None, help=f"GCS port (default {port('gcs')})")
     up.add_argument("--dashboard-port", type=int, default=None,
-                    help="dashboard and Jobs API port on 127.0.0.1 (default 8265)")
+                    help=f"dashboard and Jobs API port on 127.0.0.1 (default {port('dashboard')})")
     up.add_argument("--python", default=None, metavar="PATH",
                     help="interpreter of the environment Ray and its jobs run in (default: "
                          "this one); it must hold the node environment")
