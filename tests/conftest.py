@@ -70,8 +70,8 @@ def xdist_group(module: str, uses_cluster: bool) -> str:
 
 def group_for_xdist(items) -> dict[str, str]:
     """Each item's group, with the items ordered so that the longest groups start first, side
-    by side: the rehearsal (minutes of waiting on its nodes) on one worker while the other
-    works through the cluster's tests; the rest fill in after."""
+    by side: the rehearsal (the longest test) on one worker while the other works through the
+    cluster's tests; the rest fill in after."""
     uses: dict[str, bool] = {}
     for item in items:
         module = item.nodeid.split("::")[0]
@@ -90,6 +90,8 @@ def pytest_configure(config):
         import tempfile
 
         os.environ[GROUPS_ENV] = str(Path(tempfile.mkdtemp(prefix="rayfleet-xdist-")) / "groups")
+        config.add_cleanup(lambda: shutil.rmtree(Path(os.environ.pop(GROUPS_ENV)).parent,
+                                                 ignore_errors=True))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,0 +1,33 @@
+"""`make test`'s two pytest-xdist workers: which tests share a worker (tests/conftest.py)."""
+
+from types import SimpleNamespace
+
+from tests.conftest import group_for_xdist, xdist_group
+
+
+def _item(nodeid: str, *fixtures: str):
+    return SimpleNamespace(nodeid=nodeid, fixturenames=list(fixtures))
+
+
+def test_cluster_modules_share_a_group_and_the_long_groups_go_first():
+    items = [_item("tests/unit/test_cost.py::a"),
+             _item("tests/workloads/test_serve.py::b"),
+             _item("tests/workloads/test_serve.py::c", "ray_cluster"),  # one test is enough
+             _item("tests/cluster/test_ansible.py::d"),
+             _item("tests/faults/test_train_faults.py::e", "tmp_path", "ray_cluster"),
+             _item("tests/fakecloud/test_ray_up.py::f")]
+    groups = group_for_xdist(items)
+    assert groups == {"tests/unit/test_cost.py::a": "tests/unit/test_cost.py",
+                      "tests/workloads/test_serve.py::b": "cluster",
+                      "tests/workloads/test_serve.py::c": "cluster",
+                      "tests/cluster/test_ansible.py::d": "tests/cluster/test_ansible.py",
+                      "tests/faults/test_train_faults.py::e": "cluster",
+                      "tests/fakecloud/test_ray_up.py::f": "fakecloud"}
+    # The rehearsal, then the cluster's tests in their own order, then Ansible, then the rest.
+    assert [i.nodeid[-1] for i in items] == ["f", "b", "c", "e", "d", "a"]
+
+
+def test_a_module_without_the_cluster_is_its_own_group():
+    assert xdist_group("tests/moto/test_chain.py", uses_cluster=False) == \
+        "tests/moto/test_chain.py"
+    assert xdist_group("tests/fakecloud/test_ray_up.py", uses_cluster=True) == "fakecloud"
