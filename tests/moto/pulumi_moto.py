@@ -736,3 +736,27 @@ def cluster_instances(ec2, cluster: str) -> list[dict]:
         {"Name": "instance-state-name", "Values": live}])["Reservations"]
         for i in r["Instances"]]
 
+
+
+def role_actions(iam, role_arn: str) -> list[str]:
+    """Every action the role's inline policies allow (patterns such as ``s3:Get*`` as
+    written)."""
+    role = role_arn.rsplit("/", 1)[-1]
+    return [a for p in iam.list_role_policies(RoleName=role)["PolicyNames"]
+            for st in iam.get_role_policy(RoleName=role, PolicyName=p)[
+                "PolicyDocument"]["Statement"] if st["Effect"] == "Allow"
+            for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])]
+
+
+def load_agent(name: str):
+    """A node agent of rayfleet/agents/, loaded from its file as the node runs it (a script,
+    not part of a package)."""
+    import importlib.util
+    import sys
+
+    path = ROOT / "rayfleet" / "agents" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"rayfleet_agent_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -16,7 +16,7 @@ import pytest
 
 from rayfleet import cli, sweep
 
-from .pulumi_moto import account_inventory, cluster_instances, ray_launch_config
+from .pulumi_moto import account_inventory, cluster_instances, ray_launch_config, role_actions
 
 pytestmark = pytest.mark.moto
 
@@ -109,12 +109,7 @@ def test_infra_stack_renders_launches_and_sweeps_clean(infra_stack, moto_account
     provider.non_terminated_nodes({})  # the autoscaler's poll
     # What the provider called is what the head role grants (rules 17 and 26: its EC2 reads
     # are listed one by one). Tag conditions are not evaluated here; tests/infra checks them.
-    iam = moto_account.client("iam")
-    head_role = o["roles"]["head"]["arn"].rsplit("/", 1)[-1]
-    granted = [a for p in iam.list_role_policies(RoleName=head_role)["PolicyNames"]
-               for st in iam.get_role_policy(RoleName=head_role, PolicyName=p)[
-                   "PolicyDocument"]["Statement"] if st["Effect"] == "Allow"
-               for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])]
+    granted = role_actions(moto_account.client("iam"), o["roles"]["head"]["arn"])
     assert {"ec2:RunInstances", "ec2:DescribeInstances"} <= called
     assert not [c for c in called if not any(fnmatch.fnmatchcase(c, g) for g in granted)], \
         (called, granted)
