@@ -106,8 +106,8 @@ def busy_reasons(ray: Dashboard, now_s: float, window_s: float) -> list[str]:
         if job.get("status") in LIVE_JOB_STATES:
             reasons.append(f"job {name} is {job['status'].lower()}")
         elif (job.get("start_time") or 0) / 1000 > now_s - window_s:
-            ago = now_s - job["start_time"] / 1000
-            reasons.append(f"job {name} was submitted {ago:.0f} s ago")
+            at = dt.datetime.fromtimestamp(job["start_time"] / 1000, dt.timezone.utc)
+            reasons.append(f"job {name} was submitted at {at:%H:%M:%S} UTC")
     apps = ray.get("/api/serve/applications/").get("applications") or {}
     reasons += [f"Serve application {name!r} is deployed" for name in sorted(apps)]
     internal_actors = set()
@@ -230,16 +230,17 @@ def watch(ray: Dashboard, minutes: float, poll_s: float, clock=time.time, sleep=
             reasons = [f"Ray's state unreadable ({type(e).__name__}: {e})"]
         if reasons:
             idle_since = now
-            if reasons[0] != last:
-                out(f"busy: {reasons[0]}" + (f" (+{len(reasons) - 1} more)"
-                                             if len(reasons) > 1 else ""))
+            said = "; ".join(reasons[:3]) + (f" (+{len(reasons) - 3} more)"
+                                             if len(reasons) > 3 else "")
+            if said != last:
+                out(f"busy: {said}")
         elif now - idle_since >= window:
             return (f"idle for {(now - idle_since) / 60:.1f} min (no job, Serve application, "
                     f"user actor or task; none submitted in the last {minutes:g} min)")
         elif last is not None:
             out(f"idle since {dt.datetime.fromtimestamp(idle_since, dt.timezone.utc):%H:%M:%S}"
                 f" UTC; stopping after {minutes:g} min")
-        last = reasons[0] if reasons else None
+        last = said if reasons else None
         sleep(poll_s)
 
 
