@@ -76,6 +76,10 @@ def _ops(sub: argparse._SubParsersAction) -> None:
                    help="minutes before an idle worker is terminated (default 10)")
     p.add_argument("--no-create-token", action="store_true",
                    help="do not create the token file if it is missing")
+    p.add_argument("--autostop-minutes", type=int, default=None, metavar="MINUTES",
+                   help="tear the whole cluster down, head included, once it has been idle "
+                        "this long: no job, Serve app or user actor; 0: never (default: the "
+                        "stack's rayfleet:autostopMinutes, 0 unless set)")
 
     p = sub.add_parser("lint", help="check any Ray cluster YAML against the security rules")
     p.add_argument("config", help="Ray cluster-launcher YAML")
@@ -120,7 +124,8 @@ def _run_render(args: argparse.Namespace) -> int:
 
     path = render.render(args.outputs, out=args.out, token_file=args.token_file,
                          key_name=args.key_name, idle_timeout_minutes=args.idle_timeout,
-                         create_token=not args.no_create_token)
+                         create_token=not args.no_create_token,
+                         autostop_minutes=args.autostop_minutes)
     print(f"wrote {path}")
     return 0
 

@@ -137,6 +137,10 @@ SCHEMA: tuple[ConfigKey, ...] = (
               "Days after which overwritten or deleted object versions expire."),
     ConfigKey("abortMultipartDays", "integer", 7,
               "Days after which incomplete multipart uploads are aborted."),
+    ConfigKey("autostopMinutes", "integer", 0,
+              "Tear the whole cluster down, head included, after this many idle minutes "
+              "(no job, Serve app or user actor); 0 means never. `rayfleet render "
+              "--autostop-minutes` overrides it."),
     ConfigKey("budgetMonthlyUsd", "integer", 0,
               "Monthly AWS Budgets limit in USD; 0 means no budget."),
     ConfigKey("budgetEmails", "array", [],
@@ -254,6 +258,7 @@ class StackConfig:
     nodes: NodesConfig
     storage: StorageConfig
     budget: BudgetConfig
+    autostop_minutes: int   # 0: never
     # The raw values (defaults filled in), keyed by bare key name: what to_mapping returns.
     values: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
@@ -291,6 +296,7 @@ class StackConfig:
                     "abortMultipartDays", v["abortMultipartDays"], 1, 365),
             ),
             budget=budget,
+            autostop_minutes=_int_range("autostopMinutes", v["autostopMinutes"], 0, 10080),
             values=v,
         )
 

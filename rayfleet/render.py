@@ -37,6 +37,12 @@ REMOTE_TOKEN = "~/.rayfleet/auth_token"
 REMOTE_TOKEN_ENV = "$HOME/.rayfleet/auth_token"
 VENV = nodeenv.VENV
 RAY_BIN = f"{VENV}/bin/ray"
+# The node agents (rayfleet/agents/: standalone scripts, the node environment is all they
+# need) land here on every node; render copies them next to the cluster's token first, so the
+# YAML names a folder of the operator's, not the kit's install path.
+REMOTE_AGENTS = "~/rayfleet-agents"
+AGENTS = Path(__file__).resolve().parent / "agents"
+AGENT_NAMES = ("autostop", "logship", "spot")
 
 # ----------------------------------------------------------------------------- outputs
 
@@ -166,8 +172,25 @@ def ensure_token(path: str) -> Path:
     return _ensure(path)
 
 
+def agents_folder(token_file: str) -> str:
+    """Where render puts the node agents for the YAML's file_mounts: beside the token."""
+    return str(Path(token_file).parent / "agents")
+
+
+def agent_command(name: str, args: str, env: str) -> str:
+    """Start one node agent in the background, detached from Ray's SSH session (setsid,
+    nohup, every descriptor redirected: `ray up` waits for none of them)."""
+    argv = " ".join(filter(None, (f"{VENV}/bin/python", f"{REMOTE_AGENTS}/{name}.py", args)))
+    return f"{env}; setsid nohup {argv} > ~/rayfleet-{name}.log 2>&1 < /dev/null &"
+
+
+# Re-running `ray up` restarts Ray on a node: its agents are restarted with it. The bracket
+# keeps pkill from matching the shell that runs it (its own command line holds the pattern).
+STOP_AGENTS = "pkill -f '[r]ayfleet-agents/' || true"
+
+
 def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
-                 idle_timeout_minutes: int = 10,
+                 idle_timeout_minutes: int = 10, autostop_minutes: int | None = None,
                  pyproject: Path | None = None) -> dict[str, Any]:
     """The cluster YAML as a mapping (values possibly wrapped in :class:`Why`). The node
     environment is the installed kit's (``pyproject``: another declaration, for tests)."""
@@ -286,9 +309,12 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                                                spot=False),
         },
         "head_node_type": "ray.head.default",
-        "file_mounts": Why({REMOTE_TOKEN: token_file},
+        "file_mounts": Why({REMOTE_TOKEN: token_file,
+                            REMOTE_AGENTS: agents_folder(token_file)},
                            "The Ray auth token travels over SSH as a file, never in user data "
-                           "or this YAML (rules 20, 21); setup makes it 0600."),
+                           "or this YAML (rules 20, 21); setup makes it 0600. The node agents "
+                           "(auto-stop, log shipping, spot notices) are standalone scripts "
+                           "render copied beside it."),
         "cluster_synced_files": [],
         "file_mounts_sync_continuously": False,
         "rsync_exclude": [],
@@ -304,20 +330,39 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
         "head_setup_commands": [],
         "worker_setup_commands": [],
         "head_start_ray_commands": Why([
-            f"{RAY_BIN} stop",
+            f"{RAY_BIN} stop; {STOP_AGENTS}",
             f"ulimit -n 65536; {auth_env}; {RAY_BIN} start --head "
             f"--autoscaling-config=~/ray_bootstrap_config.yaml --dashboard-host=127.0.0.1 "
             + port_flags(head=True),
+            *head_agents(o, auth_env, autostop_minutes),
         ], "Token auth on (rule 21); the node environment first on PATH, so a job's `python` "
            "is its python; the dashboard and Jobs API listen on loopback only and are "
            "reached by an SSM tunnel (rule 22); every port pinned to what the security group "
-           "opens."),
+           "opens. Then the head's agents: each job's logs copied to the bucket as it runs "
+           "and when it ends (`rayfleet logs`)"
+           + ("" if autostop_minutes is None else
+              f", and the cluster torn down, head included, after {autostop_minutes} idle "
+              "minutes (`rayfleet render --autostop-minutes`)") + "."),
         "worker_start_ray_commands": Why([
-            f"{RAY_BIN} stop",
+            f"{RAY_BIN} stop; {STOP_AGENTS}",
             f"ulimit -n 65536; {auth_env}; {RAY_BIN} start --address=$RAY_HEAD_IP:{port('gcs')} "
             + port_flags(head=False),
-        ], "Same token and pinned ports on every worker."),
+            agent_command("spot", "", auth_env),
+        ], "Same token and pinned ports on every worker; the spot agent watches the instance "
+           "metadata for an interruption notice, drains the node and has training checkpoint "
+           "at its next step."),
     }
+
+
+def head_agents(o: StackOutputs, env: str, autostop_minutes: int | None) -> list[str]:
+    """The head's agents: the log shipper, and auto-stop when asked for."""
+    commands = [agent_command("logship", f"--storage {shlex.quote(o.storage_uri)}", env)]
+    if autostop_minutes is not None:
+        commands.append(agent_command(
+            "autostop", f"--cluster-name {shlex.quote(o.cluster_name)} --minutes "
+            f"{autostop_minutes} --storage {shlex.quote(o.storage_uri)} --region {o.region} "
+            "--stop-first rayfleet-agents/logship.py", env))
+    return commands
 
 
 def header(o: StackOutputs) -> str:
@@ -339,8 +384,8 @@ def plain(value: Any) -> Any:
 
 
 def render_text(o: StackOutputs, token_file: str, key_name: str | None = None,
-                idle_timeout_minutes: int = 10) -> str:
-    cfg = build_config(o, token_file, key_name, idle_timeout_minutes)
+                idle_timeout_minutes: int = 10, autostop_minutes: int | None = None) -> str:
+    cfg = build_config(o, token_file, key_name, idle_timeout_minutes, autostop_minutes)
     text = header(o) + "\n".join(_emit(cfg)).lstrip("\n") + "\n"
     # The comments are ours; the data must round-trip exactly.
     if yaml.safe_load(text) != plain(cfg):
@@ -349,15 +394,41 @@ def render_text(o: StackOutputs, token_file: str, key_name: str | None = None,
     return text
 
 
+def copy_agents(dest: str) -> Path:
+    """The node agents into ``dest`` (the YAML's file_mounts source), replaced whole."""
+    import shutil
+
+    folder = Path(dest).expanduser()
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name in AGENT_NAMES:
+            shutil.copy2(AGENTS / f"{name}.py", tmp / f"{name}.py")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RayfleetError(f"cannot copy the node agents to {folder} ({e.strerror})") from None
+    return folder
+
+
 def render(source: str, out: str | None = None, token_file: str | None = None,
            key_name: str | None = None, idle_timeout_minutes: int = 10,
-           create_token: bool = True, stdin=None) -> Path:
+           create_token: bool = True, stdin=None,
+           autostop_minutes: int | None = None) -> Path:
     if idle_timeout_minutes < 1:
         raise ConfigError("--idle-timeout", f"must be at least 1 minute, got "
                                             f"{idle_timeout_minutes}")
+    if autostop_minutes is not None and autostop_minutes < 0:
+        raise ConfigError("--autostop-minutes", f"must be 0 (never) or more minutes, got "
+                                                f"{autostop_minutes}")
     o = load_outputs(source, stdin)
+    if autostop_minutes is None:   # the stack's rayfleet:autostopMinutes
+        autostop_minutes = o.autostop_minutes
+    autostop_minutes = autostop_minutes or None
     token_file = token_file or default_token_file(o.cluster_name)
-    text = render_text(o, token_file, key_name, idle_timeout_minutes)
+    text = render_text(o, token_file, key_name, idle_timeout_minutes, autostop_minutes)
     path = Path(out) if out else GENERATED / f"{o.stack}.yaml"
     # Everything that can fail is checked before anything is created, so a bad --out leaves
     # no token behind and a bad --token-file leaves no YAML behind.
@@ -373,6 +444,7 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
         except OSError as e:
             raise RayfleetError(f"--token-file {token_file}: cannot create it ({e.strerror}); "
                                 "pick a path in a folder you own") from None
+    copy_agents(agents_folder(token_file))
     # Written to a temporary file and moved into place: an interrupted or failed write never
     # leaves a half-written YAML where `ray up` would read it.
     tmp = path.with_name(f".{path.name}.tmp")

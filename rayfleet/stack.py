@@ -20,6 +20,7 @@ JSON::
       worker_ondemand: {instance_type, vcpus, gpus, efa_interfaces, min_workers, max_workers}
       worker_spot:     {... the same}
     storage_uri: str                     # s3://<bucket>/<key prefix>: where jobs write
+    autostop_minutes: int                # optional; 0 or absent: never (rayfleet:autostopMinutes)
     # Not read by render; what an operator (and the kit's tests) look up in the stack:
     worker_availability_zone: str
     vpc_id: str
@@ -134,6 +135,8 @@ class StackOutputs:
     kms_key_arn: str | None = None
     ray_ports: dict[str, list[int]] = field(default_factory=dict)
     budget_name: str | None = None
+    # Read by render when present: 0 (and an older stack without it) means no auto-stop.
+    autostop_minutes: int = 0
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -232,6 +235,7 @@ def _check(o: dict[str, Any], source: str) -> None:
         _count(source, f"node_types.{kind}.vcpus", nt[kind]["vcpus"], 1)
         _count(source, f"node_types.{kind}.gpus", nt[kind]["gpus"], 1)
         _count(source, f"node_types.{kind}.efa_interfaces", nt[kind].get("efa_interfaces", 0), 0)
+    _count(source, "autostop_minutes", o.get("autostop_minutes", 0), 0)
     if not CLUSTER_NAME.fullmatch(str(o["cluster_name"])):
         raise ConfigError(f"{source}: cluster_name", f"{o['cluster_name']!r} is not a rayfleet "
                                                      "cluster name")
@@ -294,4 +298,5 @@ def _build(o: dict[str, Any]) -> StackOutputs:
         kms_key_arn=o.get("kms_key_arn"),
         ray_ports=dict(o.get("ray_ports") or {}),
         budget_name=o.get("budget_name"),
+        autostop_minutes=o.get("autostop_minutes", 0),
     )

@@ -148,4 +148,5 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         kms_key_arn=storage.kms_key_arn,
         ray_ports={p.name: [p.from_port, p.to_port] for p in RAY_PORTS},
         budget_name=budget.budget.name if budget is not None else None,
+        autostop_minutes=cfg.autostop_minutes,
     ).to_dict()}

@@ -203,15 +203,23 @@ def teardown(ec2, cluster: str, wait_s: float = 300, poll_s: float = 5) -> list[
 
 
 def stop_first(pattern: str, timeout_s: float = 60) -> None:
-    """SIGTERM the processes matching ``pattern`` (the log shipper: its last copy) and wait."""
-    if subprocess.run(["pkill", "-TERM", "-f", pattern]).returncode != 0:
-        return
+    """SIGTERM the processes matching ``pattern`` (pgrep -f; the log shipper, for its last
+    copy), never this one, and wait for them to exit."""
+    def others() -> list[int]:
+        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+        return [pid for pid in map(int, found.stdout.split()) if pid != os.getpid()]
+
+    for pid in others():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode != 0:
+    while others():
+        if time.monotonic() > deadline:
+            log(f"{pattern!r} still running after {timeout_s:.0f} s; going on")
             return
         time.sleep(1)
-    log(f"{pattern!r} still running after {timeout_s:.0f} s; going on")
 
 
 # --------------------------------------------------------------------------- the watcher

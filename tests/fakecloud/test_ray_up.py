@@ -9,7 +9,11 @@ through the YAML's SSM proxy command, file mounts, the node setup commands for r
 autoscaler launches an A100 worker through moto, which builds its environment and joins with
 the token, and the job checkpoints into the stack's bucket -> the data job -> `rayfleet
 serve-config` + `serve deploy` of `lm` on that checkpoint, answering the `openai` client through
-a second tunnel -> `ray down -y` -> `rayfleet sweep` finds nothing -> the fake cloud is gone.
+a second tunnel -> the Serve app deleted, the cluster idle: the head's auto-stop (rendered with
+--autostop-minutes 1) terminates the worker, then the head itself -> `ray down -y` still runs
+clean -> `rayfleet sweep` finds nothing -> with the cluster gone, `rayfleet logs` reads the
+training job's driver log, its workers' logs and its metrics back from the bucket, and the
+auto-stop's reason -> the fake cloud is gone.
 
 On the way it checks what a node built only by the YAML runs: `ray exec` finds Ray at the
 client's version and no kit code (jobs bring it with --working-dir); DDP writes checkpoints,
@@ -36,6 +40,8 @@ import pytest
 import yaml
 
 from tests.conftest import BIN, REPO, free_port, run, summary_of
+
+from tests.moto.pulumi_moto import cluster_instances
 
 from .cloud import (REGION, FakeCloud, Unavailable, operator_command, require_tools,
                     wheelhouse)
@@ -215,7 +221,8 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
 
         with step("rayfleet render"):
             out = _ok(run([str(BIN / "rayfleet"), "render", str(stack.path), "-o",
-                           str(cluster_yaml)], env=env, timeout=60), "rayfleet render")
+                           str(cluster_yaml), "--autostop-minutes", "1"], env=env, timeout=60),
+                      "rayfleet render")
             token_file = op_home / ".rayfleet" / "clusters" / cluster / "auth_token"
             assert token_file.stat().st_mode & 0o777 == 0o600, out
             cfg = yaml.safe_load(cluster_yaml.read_text())
@@ -263,7 +270,9 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
 
         runs = f"s3://{bucket}/rayfleet/runs"
         with step("ray job submit: training on an A100 worker the autoscaler launches"):
-            train = _logged([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
+            # The submission id names the run: its logs go where its checkpoints do.
+            train = _logged([str(BIN / "ray"), "job", "submit", "--working-dir", ".",
+                             "--submission-id", "cloud-ddp", "--",
                              "python", "-m", "workloads.train", "--smoke-test", "--max-steps",
                              "10", "--checkpoint-every", "5", "--name", "cloud-ddp",
                              "--storage-path", runs, "--resources-per-worker",
@@ -280,8 +289,6 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert "rayfleet/runs/cloud-ddp/metrics.csv" in keys, keys
             png = s3.get_object(Bucket=bucket, Key="rayfleet/runs/cloud-ddp/loss.png")
             assert png["Body"].read()[:4] == b"\x89PNG"   # matplotlib ran on the node
-            from tests.moto.pulumi_moto import cluster_instances
-
             live = cluster_instances(ec2, cluster)
             workers = [i for i in live if _tags(i).get("ray-node-type") == "worker"]
             assert len(workers) == 1, [_tags(i) for i in live]
@@ -397,17 +404,36 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             done = _wait(answered, 240, "lm to answer through the tunnel", interval=3)
             assert done.choices[0].text and done.usage.completion_tokens >= 1, done
 
-        for t in tunnels:
-            os.killpg(t.pid, 15)
-        with step("ray down -y"):
+        with step("auto-stop: the idle cluster tears itself down, head included"):
+            _ok(run([str(BIN / "serve"), "shutdown", "-y", "--address", address], env=client,
+                    timeout=120), "serve shutdown")
+            for t in tunnels:
+                os.killpg(t.pid, 15)
+            # A minute idle, then the worker, then the head: no one runs `ray down`.
+            _wait(lambda: not cloud.nodes, 240, "auto-stop to terminate every node",
+                  interval=2)
             up_started = False
+            stopped = [e for e in cloud.events if e.startswith("stop ")]
+            assert stopped[-1] == f"stop {head.instance_id}", cloud.events   # head last
+            assert cluster_instances(ec2, cluster) == []
+        with step("ray down -y after it (nothing left to do)"):
             _ok(_logged(op([str(BIN / "ray"), "down", "-y", str(cluster_yaml)]), env,
                         root / "ray-down.log", 300), "ray down")
-            _wait(lambda: not cloud.nodes, 60, "every node to be gone")
         with step("rayfleet sweep finds nothing"):
             swept = run([str(BIN / "rayfleet"), "sweep", "--cluster-name", cluster,
                          "--region", REGION], env=env, timeout=120)
             _ok(swept, "rayfleet sweep")
+        with step("rayfleet logs: the run's logs and metrics, after the cluster is gone"):
+            logs = [str(BIN / "rayfleet"), "logs", "--config", str(cluster_yaml)]
+            driver = _ok(run([*logs, "cloud-ddp"], env=env, timeout=60), "rayfleet logs")
+            assert "RAYFLEET_SUMMARY" in driver and "SUCCEEDED" in driver, driver[-2000:]
+            listing = _ok(run([*logs, "cloud-ddp", "--list"], env=env, timeout=60),
+                          "rayfleet logs --list")
+            for name in ("metrics.csv", "loss.png", "worker-"):
+                assert name in listing, listing
+            why = _ok(run([*logs, "--cluster", cluster], env=env, timeout=60),
+                      "rayfleet logs --cluster")
+            assert f"tearing {cluster} down: idle for" in why, why
         cloud.check()
     finally:
         for t in tunnels:

@@ -235,6 +235,7 @@ BAD = [
     ({"rayfleet:budgetMonthlyUsd": 100, "rayfleet:budgetEmails": ["not-an-email"]},
      "rayfleet:budgetEmails", ["not an email address"]),
     ({"rayfleet:budgetMonthlyUsd": -5}, "rayfleet:budgetMonthlyUsd", ["0 (no budget) or more"]),
+    ({"rayfleet:autostopMinutes": -1}, "rayfleet:autostopMinutes", ["between 0 and 10080"]),
     ({"rayfleet:budgetMonthlyUsd": 1, "rayfleet:budgetEmails": [f"a{i}@x.io" for i in range(11)]},
      "rayfleet:budgetEmails", ["at most 10"]),
     ({"rayfleet:region": {"secure": "AAAbase64"}}, "rayfleet:region", ["not a secret"]),

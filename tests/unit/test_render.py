@@ -125,11 +125,76 @@ def test_hardening_fields(tmp_path, outputs):
     assert cfg["auth"]["ssh_proxy_use_node_id"] is True
     assert cfg["idle_timeout_minutes"] == 10
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
-        start = cfg[key][-1]
-        assert "RAY_AUTH_MODE=token" in start and "RAY_AUTH_TOKEN_PATH=" in start
-    assert "--dashboard-host=127.0.0.1" in cfg["head_start_ray_commands"][-1]
-    assert list(cfg["file_mounts"]) == ["~/.rayfleet/auth_token"]
+        for command in cfg[key][1:]:   # Ray and every agent
+            assert "RAY_AUTH_MODE=token" in command and "RAY_AUTH_TOKEN_PATH=" in command
+    assert "--dashboard-host=127.0.0.1" in ray_start(cfg, "head")
+    assert list(cfg["file_mounts"]) == ["~/.rayfleet/auth_token", "~/rayfleet-agents"]
     assert cfg["file_mounts"]["~/.rayfleet/auth_token"] == str(tmp_path / "token")
+
+
+def ray_start(cfg: dict, kind: str) -> str:
+    (start,) = [c for c in cfg[f"{kind}_start_ray_commands"] if "/bin/ray start " in c]
+    return start
+
+
+def agents(cfg: dict, kind: str) -> dict[str, str]:
+    """The agents a node type's start commands launch, by name -> their arguments."""
+    found = {}
+    for c in cfg[f"{kind}_start_ray_commands"]:
+        argv = shlex.split(c.split("; ", 1)[-1])
+        if "~/rayfleet-agents/" in c and argv[:2] == ["setsid", "nohup"]:
+            script = next(a for a in argv if a.startswith("~/rayfleet-agents/"))
+            name = script.removeprefix("~/rayfleet-agents/").removesuffix(".py")
+            found[name] = " ".join(argv[argv.index(script) + 1:argv.index(">")])
+    return found
+
+
+def test_node_agents_are_shipped_beside_the_token_and_started(tmp_path, outputs):
+    _, cfg = rendered(tmp_path, outputs)
+    folder = Path(cfg["file_mounts"]["~/rayfleet-agents"])
+    assert folder == tmp_path / "agents"
+    assert sorted(p.name for p in folder.iterdir()) == ["autostop.py", "logship.py", "spot.py"]
+    for script in folder.iterdir():   # standalone: they run with the node environment alone
+        proc = subprocess.run([sys.executable, "-I", str(script), "--help"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "usage:" in proc.stdout, (script, proc.stderr)
+    head, worker = agents(cfg, "head"), agents(cfg, "worker")
+    assert head == {"logship": f"--storage {outputs['storage_uri']}"}   # no auto-stop asked
+    assert set(worker) == {"spot"}
+    # Re-running `ray up` restarts them with Ray, without killing the shell that runs it.
+    for kind in ("head", "worker"):
+        assert "pkill -f '[r]ayfleet-agents/'" in cfg[f"{kind}_start_ray_commands"][0]
+
+
+def test_autostop_from_the_flag_or_the_stack(tmp_path, outputs):
+    src = tmp_path / "o.json"
+
+    def autostop(flag: list[str], stack_minutes: int | None) -> str | None:
+        o = dict(outputs)
+        if stack_minutes is not None:
+            o["autostop_minutes"] = stack_minutes
+        src.write_text(json.dumps(o))
+        out = tmp_path / "c.yaml"
+        assert cli.main(["render", str(src), "-o", str(out), "--token-file",
+                         str(tmp_path / "t"), *flag]) == 0
+        return agents(yaml.safe_load(out.read_text()), "head").get("autostop")
+
+    assert autostop(["--autostop-minutes", "30"], None) == (
+        f"--cluster-name rayfleet-dev --minutes 30 --storage {outputs['storage_uri']} "
+        "--region us-east-1 --stop-first rayfleet-agents/logship.py")
+    assert "--minutes 45 " in autostop([], 45)                    # rayfleet:autostopMinutes
+    assert "--minutes 5 " in autostop(["--autostop-minutes", "5"], 45)
+    assert autostop(["--autostop-minutes", "0"], 45) is None      # 0: never
+    assert autostop([], None) is None
+
+
+def test_negative_autostop_is_one_line_and_writes_nothing(tmp_path, capsys):
+    rc = cli.main(["render", str(EXAMPLE_OUTPUTS), "-o", str(tmp_path / "x.yaml"),
+                   "--token-file", str(tmp_path / "t"), "--autostop-minutes", "-5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.strip() == ("rayfleet: error: --autostop-minutes: must be 0 (never) "
+                                       "or more minutes, got -5"), err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_token_created_0600_and_never_in_the_yaml(tmp_path, outputs):
@@ -141,7 +206,7 @@ def test_token_created_0600_and_never_in_the_yaml(tmp_path, outputs):
 
 def test_every_ray_port_is_pinned_as_infra_opens_it(tmp_path, outputs):
     _, cfg = rendered(tmp_path, outputs)
-    head, worker = cfg["head_start_ray_commands"][-1], cfg["worker_start_ray_commands"][-1]
+    head, worker = ray_start(cfg, "head"), ray_start(cfg, "worker")
     for p in RAY_PORTS:
         if not p.flag.startswith("--"):
             continue
