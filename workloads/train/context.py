@@ -150,7 +150,7 @@ class RayContext:
             yield Path(d)
 
     def spot_notices(self) -> preempt.Notices:
-        return preempt.KVNotices(self.rank, self.world_size)
+        return preempt.for_ray_worker(self.rank, self.world_size)
 
     def report(self, metrics: dict, checkpoint_dir: Path | None) -> None:
         checkpoint = (self._train.Checkpoint.from_directory(str(checkpoint_dir))

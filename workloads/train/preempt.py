@@ -10,6 +10,7 @@ same step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -32,21 +33,18 @@ NONE = Notices()
 
 
 class KVNotices(Notices):
-    """The notices for this Ray worker's node, from the GCS internal KV."""
+    """The notices for one node: `get()` reads its key (None when there is no notice)."""
 
-    def __init__(self, rank: int, world_size: int, poll_s: float = 1.0):
-        import ray
-        from ray.experimental import internal_kv
-
-        self.rank, self.world_size = rank, world_size
-        self._get = lambda: internal_kv._internal_kv_get(self.key, namespace=KV_NAMESPACE)
-        self.node_id = ray.get_runtime_context().get_node_id()
-        self.node_ip = ray.util.get_node_ip_address()
-        self.key = notice_key(self.node_id)
+    def __init__(self, rank: int, world_size: int, get, node: str, poll_s: float = 1.0):
+        self.rank, self.world_size, self._get, self.node = rank, world_size, get, node
         # A notice already there predates this worker's work: the run just resumed (or
         # started) here, so it has nothing to save for it; a later notice is new.
-        self._handled = self._get()
+        try:
+            self._handled = self._get()
+        except Exception:  # a GCS blip: no notice known yet
+            self._handled = None
         self._pending: bytes | None = None
+        self._lock = threading.Lock()  # the poll thread's check-and-set vs due()'s clear
         self._group = None
         if world_size > 1 and dist.get_backend() != "gloo":
             self._group = dist.new_group(backend="gloo")  # collective: every rank makes it
@@ -66,16 +64,30 @@ class KVNotices(Notices):
         if not agreed:
             return False
         if mine:
-            self._handled, self._pending = pending, None
+            with self._lock:
+                self._handled, self._pending = pending, None
         else:
             # A rank on the same node whose thread has not read the key yet: take what is
             # there now as handled, or it would checkpoint again at its next read.
-            self._handled = self._get() or self._handled
+            with contextlib.suppress(Exception), self._lock:
+                self._handled = self._get() or self._handled
         if self.rank == first:
             kind = json.loads(pending).get("kind", "interruption")
-            print(f"[rayfleet] spot notice on {self.node_ip} (node {self.node_id[:8]}, {kind}): "
-                  f"checkpoint at step {step}", flush=True)
+            print(f"[rayfleet] spot notice on {self.node} ({kind}): checkpoint at step {step}",
+                  flush=True)
         return True
+
+
+def for_ray_worker(rank: int, world_size: int) -> KVNotices:
+    """This Ray worker's node's notices, read through the worker's own GCS connection."""
+    import ray
+    from ray.experimental import internal_kv
+
+    node_id = ray.get_runtime_context().get_node_id()
+    key = notice_key(node_id)
+    return KVNotices(rank, world_size,
+                     lambda: internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE),
+                     f"{ray.util.get_node_ip_address()} (node {node_id[:8]})")
 
 
 def _poll(ref: weakref.ref, poll_s: float) -> None:
@@ -85,7 +97,8 @@ def _poll(ref: weakref.ref, poll_s: float) -> None:
             value = n._get()
         except Exception:  # a GCS blip: the next read tries again, training goes on
             value = None
-        if value is not None and value != n._handled:
-            n._pending = value
+        with n._lock:
+            if value is not None and value != n._handled:
+                n._pending = value
         del n
         time.sleep(poll_s)
