@@ -339,14 +339,20 @@ run resumes on the head.
 
 | | resumed from step | last step of the lost worker | work redone | run wall time |
 |---|---|---|---|---|
-| with the notice | {w['resumed_from']} (notice checkpoint at step {w['checkpoint_step']}, {w['notice_to_checkpoint_s']} s after the notice) | {w['lost_at']} | {w['redone_steps']} steps, {w['redone_s']} s | {w['wall_s']} s |
-| without | {wo['resumed_from']} | {wo['lost_at']} | {wo['redone_steps']} steps, {wo['redone_s']} s | {wo['wall_s']} s |
+{_row("with the notice", f"{w['resumed_from']} (the notice's checkpoint: step "
+      f"{w['checkpoint_step']}, {w['notice_to_checkpoint_s']} s after the notice)", w)}
+{_row("without", wo['resumed_from'], wo)}
 
 Work redone with the notice: {ratio} ({wo['redone_steps']} -> {w['redone_steps']} steps;
 median step {w['step_ms']} / {wo['step_ms']} ms). With the notice, what is redone is the steps
 trained between the notice's checkpoint and the node's end; on EC2 that is the 2-minute
 warning, so it is bounded by the warning, not by the checkpoint interval.
 {END}"""
+
+
+def _row(name: str, resumed, r: dict) -> str:
+    return (f"| {name} | {resumed} | {r['lost_at']} | {r['redone_steps']} steps, "
+            f"{r['redone_s']} s | {r['wall_s']} s |")
 
 
 def section_of(text: str) -> str:
