@@ -326,11 +326,12 @@ def summarize(with_notice: dict, without: dict) -> dict:
 def section(s: dict, notice_at: int, kill_at: int, when: str, machine: str) -> str:
     w, wo = s["with"], s["without"]
     ratio = f"**{s['ratio']}x** less" if s["ratio"] else "all of it saved"
+    load = f", one-minute load average {s['load_avg']}" if s.get("load_avg") else ""
     return f"""{BEGIN}
 ## 5. Spot interruption notice: work redone after losing a spot node
 
 `python -m bench.spot_notice --notice-at {notice_at} --kill-at {kill_at}`, {when}, on {machine}
-(no GPU). Two-node local cluster (1-CPU head, 1-CPU second node as the spot node), one Ray
+(no GPU{load}). Two-node local cluster (1-CPU head, 1-CPU second node as the spot node), one Ray
 Train worker on the second node, `--model small --batch-size 32`, a checkpoint every
 {CHECKPOINT_EVERY} steps. The stand-in IMDSv2 server answers the interruption notice from step
 {notice_at} (mid-interval); the spot agent polls it every 0.5 s, the worker reads its node's
@@ -344,9 +345,12 @@ run resumes on the head.
 {_row("without", wo['resumed_from'], wo)}
 
 Work redone with the notice: {ratio} ({wo['redone_steps']} -> {w['redone_steps']} steps;
-median step {w['step_ms']} / {wo['step_ms']} ms). With the notice, what is redone is the steps
-trained between the notice's checkpoint and the node's end; on EC2 that is the 2-minute
-warning, so it is bounded by the warning, not by the checkpoint interval.
+median step {w['step_ms']:.0f} / {wo['step_ms']:.0f} ms). The notice saves the steps between
+the last regular checkpoint and the notice (up to a whole interval); the notice's checkpoint
+comes at the first step boundary after the worker reads the notice (agent poll + worker read
++ one step). What is still redone is what trains between that checkpoint and the node's end:
+here the steps until the kill; on EC2 up to the 2-minute warning. Run wall times include
+start-up, the restart and the shared machine's noise: compare the work-redone column.
 {END}"""
 
 
@@ -380,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
             runs[mode] = run_scenario(cluster, Path(tmp), args.notice_at if mode == "with"
                                       else None, args.kill_at, max_steps)
     s = summarize(runs["with"], runs["without"])
+    s["load_avg"] = round(os.getloadavg()[0], 1)
     print(json.dumps(s, indent=1))
     if args.write:
         from bench.__main__ import machine
