@@ -10,7 +10,7 @@ it, once step --kill-at is logged (with the notice: and its checkpoint is regist
 resumes on the head. Work redone = the last step the lost worker logged - the step resumed
 from, in steps and in seconds (x the median step time).
 
-    python -m bench.spot_notice [--notice-at 25] [--kill-at 32]   # rewrites its section
+    python -m bench.spot_notice [--notice-at 25] [--kill-at 32] [--write]  # --write: its section
 """
 
 from __future__ import annotations
