@@ -1,5 +1,6 @@
 """`make bench`: run benchmarks 1-3 (2 with the byte and a BPE tokenizer) side by side on one
-throwaway local cluster and write BENCHMARKS.md (not tests: nothing asserts these numbers).
+throwaway local cluster, then 5 (spot notice) on two-node ones, and write BENCHMARKS.md (not
+tests: nothing asserts these numbers).
 
     python -m bench [--quick]      # --quick: fewer steps/requests, for a smoke run
 """
@@ -380,7 +381,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="bench")
     ap.add_argument("--quick", action="store_true", help="fewer steps/requests (smoke run)")
     args = ap.parse_args(argv)
-    from bench import data_throughput, data_tokenize, gpu, serve_latency, train_overhead
+    from bench import (
+        data_throughput,
+        data_tokenize,
+        gpu,
+        serve_latency,
+        spot_notice,
+        train_overhead,
+    )
     from bench.cluster import local_cluster
 
     t0 = time.perf_counter()
@@ -392,11 +400,15 @@ def main(argv: list[str] | None = None) -> None:
         d["bpe"] = data_tokenize.main(["--mb", "2"] if args.quick else [], env=env)
         s = serve_latency.main(["--rounds", "1", "--requests-per-worker", "3"] if args.quick
                                else ["--rounds", "2"], env=env)
+    # Benchmark 5 needs two nodes: its own throwaway clusters, after the shared one is down.
+    sp = spot_notice.main([])
     text = render(t, d, s, args.quick, (time.perf_counter() - t0) / 60)
     # The GPU section comes from `python -m bench.gpu` on a CUDA machine: kept as it is.
     md = REPO / "BENCHMARKS.md"
     old = md.read_text() if md.exists() else ""
-    text = text.rstrip("\n") + "\n\n" + gpu.gpu_section_of(old) + "\n"
+    text = (text.rstrip("\n") + "\n\n" + gpu.gpu_section_of(old) + "\n\n"
+            + spot_notice.section(sp, sp["notice_at"], sp["kill_at"],
+                                  datetime.date.today().isoformat(), machine()) + "\n")
     md.write_text(text)
     print(text)
 

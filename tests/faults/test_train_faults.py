@@ -14,12 +14,10 @@
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import struct
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.request
@@ -28,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from rayfleet.local import ray_temp_dir
-from tests.conftest import BIN, REPO, free_port, run, summary_of
+from tests.conftest import BIN, REPO, run, summary_of
+from tests.faults.conftest import wait_for as _wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray, pytest.mark.slow]
 
@@ -151,19 +149,6 @@ def _latest_registered(read, field: str = "checkpoint_dir_name"):
 
 def _file_reader(path: Path):
     return lambda: path.read_bytes() if path.exists() else None
-
-
-def _wait_for(what: str, fn, proc: subprocess.Popen | None = None, timeout: float = 300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = fn()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"exited {proc.returncode} before {what}:\n"
-                                 f"{proc.stdout.read()[-3000:] if proc.stdout else ''}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _job_status(ray_cluster, submission_id: str) -> str:
@@ -398,60 +383,6 @@ def test_storage_cut_mid_checkpoint_is_one_line_and_never_resumed_from(
 
 
 # -- fault 5: a worker node of a two-node cluster lost -----------------------------------------
-
-@pytest.fixture
-def two_node_cluster(tmp_path):
-    """A head (`rayfleet local up`, 1 CPU, its own state folder and ports) plus a second
-    raylet joined with `ray start --address` (1 CPU) in its own process group, so the test
-    can SIGKILL exactly that node. Token auth on both, as on a real multi-node cluster. The
-    GCS health check is tightened (1 s x 3) so a dead node is noticed in seconds, not 15 s."""
-    home = tmp_path / "home"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(RAYFLEET_HOME=str(home), RAY_health_check_period_ms="1000",
-               RAY_health_check_failure_threshold="3")
-    gcs = free_port()
-    up = run([str(BIN / "rayfleet"), "local", "up", "--num-cpus", "1", "--object-store-memory",
-              "300MB", "--port", str(gcs), "--dashboard-port", str(free_port())],
-             env=env, timeout=180)
-    assert up.returncode == 0, up.stderr
-    exports = run([str(BIN / "rayfleet"), "local", "env"], env=env, check=True).stdout
-    client_env = dict(ln.removeprefix("export ").split("=", 1) for ln in exports.splitlines())
-    temp_dir = tempfile.mkdtemp(prefix="rf5-", dir="/tmp")  # not /tmp/ray: others' clusters
-    worker = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--address", f"127.0.0.1:{gcs}", "--block",
-         "--num-cpus", "1", "--object-store-memory", str(200 << 20),
-         "--node-ip-address", "127.0.0.1", "--temp-dir", temp_dir, "--disable-usage-stats",
-         *[f"--{flag}={free_port()}" for flag in (
-             "node-manager-port", "object-manager-port", "metrics-export-port",
-             "runtime-env-agent-port", "dashboard-agent-grpc-port",
-             "dashboard-agent-listen-port")]],
-        env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(home / "auth_token"),
-             "PYTHONUNBUFFERED": "1"},  # its log is how the test knows it has joined
-        stdout=open(tmp_path / "worker-node.log", "wb"), stderr=subprocess.STDOUT,
-        start_new_session=True)
-    head_pid = json.loads((home / "local" / "cluster.json").read_text())["pid"]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAYFLEET_HOME", str(home))
-        head_temp = ray_temp_dir()  # the head's Ray session folder, removed at the end
-    try:
-        # `ray start` says so once its raylet has registered with the head's GCS.
-        _wait_for("the second node to join", lambda: b"Ray runtime started" in (
-            tmp_path / "worker-node.log").read_bytes(), worker, timeout=180)
-        yield {"env": {**env, **client_env}, "worker": worker}
-    finally:
-        # Both nodes are this test's own process groups; nothing is left to shut down
-        # gracefully (the storage is the test's tmp_path), so SIGKILL each group, then let
-        # `rayfleet local down` find the head gone and forget it.
-        for pgid in (worker.pid, head_pid):
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        worker.wait(timeout=30)
-        run([str(BIN / "rayfleet"), "local", "down"], env=env, timeout=120)
-        for folder in (temp_dir, head_temp):
-            shutil.rmtree(folder, ignore_errors=True)
-
 
 def test_lost_worker_node_fails_naming_the_lost_capacity(two_node_cluster, tmp_path):
     """2 workers x 1 CPU on two 1-CPU nodes: one worker per node. The second node is killed

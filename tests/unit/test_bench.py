@@ -240,3 +240,27 @@ def test_gpu_bench_hugging_face_row_trains_on_cpu(tmp_path):
     assert [h["step"] for h in s["history"]] == [2, 4] and s["history"][-1]["loss"] < 6.0
     assert list((tmp_path / "out").glob("checkpoint_*/hf/model.safetensors"))
     assert gpu.HF_MODELS["llama-1b"][0]["num_hidden_layers"] == 22
+
+
+def test_spot_notice_work_redone_ratio_and_its_section():
+    from bench import spot_notice
+
+    def run(resumed, lost, ms, **extra):
+        return {"resumed_from": resumed, "lost_at": lost, "redone_steps": lost - resumed,
+                "redone_s": round((lost - resumed) * ms / 1000, 2), "step_ms": ms,
+                "wall_s": 90.0, **extra}
+
+    s = spot_notice.summarize(run(27, 33, 500, checkpoint_step=27, notice_to_checkpoint_s=0.8),
+                              run(20, 33, 500))
+    assert s["ratio"] == 2.2 and s["with"]["redone_steps"] == 6
+    assert s["without"]["redone_s"] == 6.5 and s["with"]["checkpoint_step"] == 27
+    text = spot_notice.section(s, 25, 32, "2026-11-23", "2 cores")
+    assert "| with the notice | 27 (the notice's checkpoint: step 27, 0.8 s after" in text
+    assert "| without | 20 | 33 | 13 steps, 6.5 s | 90.0 s |" in text
+    assert "**2.2x** less" in text
+    # Its section is replaced in place, the rest of the file kept.
+    md = f"# B\n\nbefore\n\n{text}\n\nafter\n"
+    assert spot_notice.section_of(md) == text and spot_notice.section_of("# B\n") == ""
+    # Nothing redone with the notice: no ratio to divide by.
+    assert spot_notice.summarize(run(33, 33, 500, checkpoint_step=33,
+                                     notice_to_checkpoint_s=0.8), run(20, 33, 500))["ratio"] is None

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from rayfleet.errors import StorageError
+from workloads.train import preempt
 
 # RAYFLEET_TIMING=1: the driver and rank 0 each print one `RAYFLEET_TIMING {json}` line with
 # the wall-clock time (time.time(), so processes on one machine compare) of each start-up
@@ -148,6 +149,9 @@ class RayContext:
                                    f"storage: {_first_line(e)}") from e
             yield Path(d)
 
+    def spot_notices(self) -> preempt.Notices:
+        return preempt.for_ray_worker(self.rank, self.world_size)
+
     def report(self, metrics: dict, checkpoint_dir: Path | None) -> None:
         checkpoint = (self._train.Checkpoint.from_directory(str(checkpoint_dir))
                       if checkpoint_dir is not None else None)
@@ -205,6 +209,9 @@ class TorchrunContext:
 
     def dataset_shard(self):
         raise RuntimeError("Ray Data shards exist only under Ray Train")
+
+    def spot_notices(self) -> preempt.Notices:
+        return preempt.NONE  # outside Ray: no spot agent publishes to this run
 
     def _checkpoints(self) -> list[Path]:
         if not self.root.exists():

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from rayfleet import catalog
 from workloads.train import checkpoint as ckpt
-from workloads.train import ds_config, hf_model
+from workloads.train import ds_config, hf_model, preempt
 from workloads.train.context import startup
 from workloads.train.data import ByteBlocks, ParquetRows, split_batch, stdlib_corpus
 from workloads.train.model import GPT, GPTConfig
@@ -84,6 +84,7 @@ class Context(Protocol):
     def dataset_shard(self) -> Any: ...
     def latest_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]: ...
     def report(self, metrics: dict, checkpoint_dir: Path | None) -> None: ...
+    def spot_notices(self) -> preempt.Notices: ...
 
 
 def lr_at(step: int, cfg: LoopConfig) -> float:
@@ -374,6 +375,7 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
     engine.model.train()
     t_last, steps_since, losses = time.perf_counter(), 0, []
     wait = _WaitTimer()
+    notices = ctx.spot_notices()
     metrics: dict = dict(history[-1]) if history else {}
     done = step >= cfg.max_steps
     if done and ctx.rank == 0:
@@ -397,7 +399,8 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
             step += 1
             steps_since += 1
             is_final = step >= cfg.max_steps
-            save = is_final or step % cfg.checkpoint_every == 0
+            # A spot notice for a node of this run: the same checkpoint, at this step.
+            save = notices.due(step) or is_final or step % cfg.checkpoint_every == 0
             if step % cfg.log_every == 0 or save:
                 if ctx.device.type == "cuda":
                     torch.cuda.synchronize()

@@ -1,0 +1,296 @@
+"""Spot interruption watcher: one per node. Polls the instance metadata service (IMDSv2) for
+the spot interruption notice and the rebalance recommendation and tells Ray about them.
+
+    python spot.py [--poll-s 2] [--imds URL] [--address HOST:PORT] [--ray-temp-dir /tmp/ray]
+                   [--node-id HEX]
+
+Interruption notice (spot/instance-action: terminate, stop or hibernate, about 2 minutes
+ahead): the notice is published for the training workers on this node (they checkpoint at
+their next step boundary), then the node is drained through Ray with reason preemption and
+the notice's time as deadline, so no new work lands on it and Ray Train counts its loss as a
+preemption (FailureConfig.max_preemption_failures), not a failure.
+
+Rebalance recommendation (events/recommendations/rebalance): published only, no drain. It is
+an early, uncertain signal (minutes to hours ahead, often never followed by an interruption):
+a checkpoint is cheap, but a drained node idles its GPUs, and Ray Train 2.60 restarts a run
+whose node is draining once the deadline passes (120 s after a drain without one).
+
+The notice goes to the GCS internal KV (namespace KV_NAMESPACE, key notice_key(node id)): a
+worker reads one small key, with no driver of its own. The GCS is reached with Ray's GcsClient
+and the node's RAY_AUTH_MODE=token / RAY_AUTH_TOKEN_PATH, without `ray.init` (a connected
+driver would look like a user job to the autostop watcher). Each notice is handled once.
+One log line per decision, UTC-stamped, on stdout; SIGTERM stops it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+KV_NAMESPACE = b"rayfleet"
+KEY_PREFIX = "spot-notice:"
+IMDS_DEFAULT = "http://169.254.169.254"
+IMDS_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # botocore's variable
+TOKEN_TTL_S = 21600
+INSTANCE_ACTION = "/latest/meta-data/spot/instance-action"
+REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
+DRAIN_REASON_PREEMPTION = 2  # autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION
+
+
+def notice_key(node_id_hex: str) -> bytes:
+    return (KEY_PREFIX + node_id_hex).encode()
+
+
+def log(msg: str) -> None:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    print(f"{now[:-4]}Z spot: {msg}", flush=True)
+
+
+class BadArgs(Exception):
+    pass
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="spot.py", description="Watch IMDSv2 for a spot interruption notice or rebalance "
+        "recommendation; publish it to this node's training workers and drain the node "
+        "through Ray on an interruption.")
+    p.add_argument("--poll-s", type=float, default=2.0,
+                   help="seconds between IMDS polls (default 2; notices come ~2 min ahead)")
+    p.add_argument("--imds", default=None, metavar="URL",
+                   help=f"metadata endpoint (default ${IMDS_ENV}, else {IMDS_DEFAULT})")
+    p.add_argument("--address", default=None, metavar="HOST:PORT",
+                   help="the head's GCS (default $RAY_ADDRESS, else what `ray start` wrote "
+                   "to <ray-temp-dir>/ray_current_cluster)")
+    p.add_argument("--ray-temp-dir", default="/tmp/ray", metavar="DIR",
+                   help="this node's Ray temp dir: its raylet socket names the node "
+                   "(default /tmp/ray)")
+    p.add_argument("--node-id", default=None, metavar="HEX",
+                   help="this node's Ray node id (default: the node whose raylet socket is "
+                   "under --ray-temp-dir)")
+    p.error = lambda message: (_ for _ in ()).throw(BadArgs(message))  # type: ignore[method-assign]
+    a = p.parse_args(argv)
+    if not a.poll_s > 0:
+        raise BadArgs(f"--poll-s must be > 0 seconds, got {a.poll_s:g}")
+    a.imds = (a.imds or os.environ.get(IMDS_ENV) or IMDS_DEFAULT).rstrip("/")
+    if not a.imds.startswith(("http://", "https://")):
+        raise BadArgs(f"metadata endpoint must be an http:// URL, got {a.imds!r}")
+    if a.node_id is not None:
+        try:
+            if len(bytes.fromhex(a.node_id)) != 28:
+                raise ValueError
+        except ValueError:
+            raise BadArgs(f"--node-id must be a Ray node id (56 hex digits), got "
+                          f"{a.node_id!r}") from None
+    if os.environ.get("RAY_AUTH_MODE") == "token":
+        # Ray's C++ client aborts the process on a missing token file: say it in one line.
+        path = os.environ.get("RAY_AUTH_TOKEN_PATH", "~/.ray/auth_token")
+        if not Path(path).expanduser().is_file():
+            raise BadArgs(f"RAY_AUTH_MODE=token but the token file {path} does not exist")
+    return a
+
+
+# -- IMDSv2 -----------------------------------------------------------------------------------
+
+class Imds:
+    """IMDSv2 with a cached session token (refreshed on 401 or near expiry)."""
+
+    def __init__(self, endpoint: str, timeout: float = 2.0):
+        self.endpoint, self.timeout = endpoint, timeout
+        # IMDS is link-local: never through an HTTP proxy from the environment.
+        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self.token, self.token_until = None, 0.0
+
+    def _token(self) -> str:
+        if self.token is None or time.monotonic() > self.token_until:
+            req = urllib.request.Request(
+                self.endpoint + "/latest/api/token", method="PUT",
+                headers={"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)})
+            with self.opener.open(req, timeout=self.timeout) as r:
+                self.token = r.read().decode().strip()
+            self.token_until = time.monotonic() + TOKEN_TTL_S - 60
+        return self.token
+
+    def get_json(self, path: str) -> dict | None:
+        """The document at path, or None on 404 (no such notice)."""
+        for attempt in (1, 2):
+            req = urllib.request.Request(self.endpoint + path,
+                                         headers={"X-aws-ec2-metadata-token": self._token()})
+            try:
+                with self.opener.open(req, timeout=self.timeout) as r:
+                    return json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                if e.code == 404:
+                    return None
+                if e.code == 401 and attempt == 1:
+                    self.token = None  # expired or revoked: one fresh token, then give up
+                    continue
+                raise
+        return None
+
+
+def parse_time_ms(text: str) -> int | None:
+    try:
+        t = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except (TypeError, ValueError):
+        return None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=datetime.timezone.utc)
+    return int(t.timestamp() * 1000)
+
+
+def read_notices(imds: Imds) -> list[dict]:
+    """The notices IMDS has now, interruption first; each with a `key` naming it once."""
+    out = []
+    action = imds.get_json(INSTANCE_ACTION)
+    if action:
+        out.append({"kind": "interruption", "action": action.get("action"),
+                    "time": action.get("time"), "deadline_ms": parse_time_ms(action.get("time")),
+                    "key": f"interruption/{action.get('action')}/{action.get('time')}"})
+    rebalance = imds.get_json(REBALANCE)
+    if rebalance:
+        out.append({"kind": "rebalance", "time": rebalance.get("noticeTime"),
+                    "deadline_ms": None, "key": f"rebalance/{rebalance.get('noticeTime')}"})
+    return out
+
+
+# -- Ray --------------------------------------------------------------------------------------
+
+class Ray:
+    """This node in the cluster's GCS: found by its raylet socket (or --node-id)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.gcs = None
+        self.node_id: str | None = args.node_id
+        self.node_ip = ""
+
+    def address(self) -> str | None:
+        if self.args.address or os.environ.get("RAY_ADDRESS"):
+            return self.args.address or os.environ["RAY_ADDRESS"]
+        f = Path(self.args.ray_temp_dir) / "ray_current_cluster"
+        return f.read_text().strip() if f.is_file() else None
+
+    def connect(self) -> bool:
+        """Find the GCS and this node in it; False (to retry later) while either is missing."""
+        if self.gcs is None:
+            address = self.address()
+            if not address:
+                return False
+            from ray._raylet import GcsClient
+
+            self.gcs = GcsClient(address=address)
+        nodes = self.gcs.get_all_node_info(timeout=10)
+        socket = (Path(self.args.ray_temp_dir) / "session_latest" / "sockets" / "raylet")
+        socket = str(socket.resolve()) if socket.exists() else None
+        for node_id, info in nodes.items():
+            alive = info.state == 0  # GcsNodeInfo.ALIVE
+            if alive and (node_id.hex() == self.node_id
+                          or (self.node_id is None and info.raylet_socket_name == socket)):
+                self.node_id, self.node_ip = node_id.hex(), info.node_manager_address
+                return True
+        return False
+
+    def publish(self, notice: dict) -> None:
+        value = {k: v for k, v in notice.items() if k != "key"}
+        value["seen_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        self.gcs.internal_kv_put(notice_key(self.node_id), json.dumps(value).encode(), True,
+                                 KV_NAMESPACE, timeout=10)
+
+    def drain(self, notice: dict) -> tuple[bool, str]:
+        return self.gcs.drain_node(self.node_id, DRAIN_REASON_PREEMPTION,
+                                   f"spot interruption notice: {notice['action']} at "
+                                   f"{notice['time']}", notice["deadline_ms"] or 0)
+
+
+# -- the watch loop ---------------------------------------------------------------------------
+
+def watch(args: argparse.Namespace, stop: threading.Event) -> None:
+    imds, ray = Imds(args.imds), Ray(args)
+    handled: dict[str, set[str]] = {}   # notice key -> steps done ("published", "drained")
+    said = ""                            # the last waiting/failing line, said once
+    log(f"watching {args.imds} every {args.poll_s:g} s")
+
+    def once(line: str) -> None:
+        nonlocal said
+        if line != said:
+            log(line)
+            said = line
+
+    while not stop.is_set():
+        try:
+            notices = read_notices(imds)
+        except (OSError, ValueError) as e:
+            once(f"metadata service unreachable ({e}); retrying every {args.poll_s:g} s")
+            notices = None
+        if notices is not None and said.startswith("metadata service unreachable"):
+            once("metadata service reachable again")
+        if not ray.node_ip:
+            # Found once: a node id never changes while its raylet lives (a new raylet is
+            # a new node, with a new agent from its start commands).
+            try:
+                if ray.connect():
+                    once(f"this node is {ray.node_id} ({ray.node_ip})")
+                else:
+                    once("waiting for the GCS and this node's raylet to appear")
+            except Exception as e:  # a GCS restart, a network blip: the next poll retries
+                once(f"GCS not reachable ({e}); retrying")
+        if ray.node_ip:
+            for n in [n for n in notices or [] if len(handled.get(n["key"], ())) < 2]:
+                handle(ray, n, handled.setdefault(n["key"], set()), once)
+        stop.wait(args.poll_s)
+
+
+def handle(ray: Ray, notice: dict, done: set[str], once) -> None:
+    what = (f"{notice['kind']} notice ({notice['action']} at {notice['time']})"
+            if notice["kind"] == "interruption" else f"rebalance recommendation "
+            f"(at {notice['time']})")
+    try:
+        if "published" not in done:
+            # First: the checkpoint is what bounds the work lost; the drain only steers
+            # new work away.
+            ray.publish(notice)
+            done.add("published")
+            log(f"{what}: published to this node's training workers (checkpoint at their "
+                f"next step)")
+        if notice["kind"] == "rebalance":
+            done.add("drained")  # a recommendation never drains (module docstring)
+            return
+        if "drained" not in done:
+            accepted, why = ray.drain(notice)
+            done.add("drained")
+            log(f"{what}: node {ray.node_id} drained (reason preemption, deadline "
+                f"{notice['time']})" if accepted else f"{what}: drain refused by Ray: {why}")
+    except Exception as e:  # the GCS away for a moment: retried at the next poll
+        once(f"{what}: could not reach the GCS ({e}); retrying")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except BadArgs as e:
+        print(f"spot.py: error: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_term(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    watch(args, stop)
+    log("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
