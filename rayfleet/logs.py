@@ -50,9 +50,6 @@ class Bucket:
             why = "access denied: your credentials may not read this prefix"
         elif code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
             why = f"{code}: the AWS credentials are not valid here; refresh them"
-        elif type(e).__name__ == "NoCredentialsError":
-            why = ("no AWS credentials found (environment, AWS_PROFILE, ~/.aws, SSO or an "
-                   "instance role): set them (e.g. `export AWS_PROFILE=...`)")
         elif code:
             why = f"{code}: {e}"
         elif getattr(e, "kwargs", {}).get("endpoint_url"):  # connection refused, DNS, timeout
@@ -93,9 +90,14 @@ def _client():
     import boto3
     from botocore.config import Config
 
+    session = boto3.session.Session()
+    if session.get_credentials() is None:
+        raise StorageError("no AWS credentials found (environment, AWS_PROFILE, ~/.aws, SSO or "
+                           "an instance role): set them (e.g. `export AWS_PROFILE=...`), then "
+                           "run rayfleet logs again")
     # A wrong endpoint or a missing network answers in seconds, not after minutes of retries.
-    return boto3.client("s3", config=Config(connect_timeout=5, read_timeout=30,
-                                            retries={"max_attempts": 2, "mode": "standard"}))
+    return session.client("s3", config=Config(connect_timeout=5, read_timeout=30,
+                                              retries={"max_attempts": 2, "mode": "standard"}))
 
 
 def storage_uri(storage: str | None, config: str | None) -> str:
