@@ -183,9 +183,12 @@ class Shipper:
         if job_id:  # none until the driver has connected: no worker of it yet
             for node in self.cluster.alive_nodes():
                 where = node.get("node_ip") or node["node_id"][:12]
-                for name in self.cluster.worker_logs(node["node_id"], job_id):
-                    files[f"workers/{where}/{name}"] = self.cluster.log_file(node["node_id"],
-                                                                             name)
+                try:
+                    for name in self.cluster.worker_logs(node["node_id"], job_id):
+                        files[f"workers/{where}/{name}"] = self.cluster.log_file(
+                            node["node_id"], name)
+                except Exception as e:  # a node going away (spot, scale-down): not the rest
+                    log(f"{run}: worker logs on node {where} not copied: {one_line(e)}")
         changed = [name for name, body in files.items() if self.put(self.key(run, name), body)]
         # Last: a job.json with final=true says the copy beside it is whole.
         self.put(self.key(run, "job.json"), job_record(job, final))
