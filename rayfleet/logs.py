@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 import sys
 from datetime import datetime, timezone
@@ -70,7 +71,9 @@ class Bucket:
             for page in self.s3.get_paginator("list_objects_v2").paginate(
                     Bucket=self.bucket, Prefix=base, **kw):
                 for o in page.get("Contents", []):
-                    found[o["Key"][len(base):]] = o["Size"]
+                    name = o["Key"][len(base):]
+                    if name and not name.endswith("/"):  # not the folder markers S3 tools make
+                        found[name] = o["Size"]
                 names += [p["Prefix"][len(base):].strip("/") for p in
                           page.get("CommonPrefixes", [])]
         except (BotoCoreError, ClientError) as e:
@@ -235,6 +238,13 @@ def main(run: str | None, storage: str | None = None, config: str | None = None,
     if list_ and file:
         raise ConfigError("--list", "--list and --file go one at a time")
     bucket = Bucket(storage_uri(storage, config), s3)
-    if cluster is not None:
-        return show_cluster(bucket, cluster, out)
-    return show_run(bucket, run, list_, file, out_path, out)
+    try:
+        if cluster is not None:
+            return show_cluster(bucket, cluster, out)
+        return show_run(bucket, run, list_, file, out_path, out)
+    except BrokenPipeError:
+        # `rayfleet logs RUN | head`: the reader has all it wanted. Python would report the
+        # pipe again when it flushes stdout at exit, so stdout goes nowhere from here on.
+        if out is sys.stdout:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

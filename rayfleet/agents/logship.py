@@ -152,8 +152,9 @@ class Shipper:
     def __init__(self, args: argparse.Namespace, cluster: Cluster, s3):
         self.args, self.cluster, self.s3 = args, cluster, s3
         self.sent: dict[str, str] = {}          # key -> sha256 of what is in the bucket
-        self.last: dict[str, float] = {}        # run -> when its last copy was tried
+        self.due: dict[str, float] = {}         # run -> when its next copy is due
         self.done: set[str] = set()             # runs whose final copy is in the bucket
+        self.failed: set[str] = set()           # ended runs whose final copy failed
         self.api_error: str | None = None
 
     def key(self, run: str, name: str) -> str:
@@ -212,21 +213,24 @@ class Shipper:
             run, final = job["submission_id"], job.get("status") in TERMINAL
             if run in self.done:
                 continue
-            if run not in self.last and final and self.already_final(run):
+            if run not in self.due and final and self.already_final(run):
                 self.done.add(run)
                 log(f"{run}: final copy already in the bucket")
                 continue
-            due = now - self.last.get(run, float("-inf")) >= (
-                # An ended job's final copy is retried sooner than a running job's next one.
-                min(self.args.every_s, 30.0) if final else self.args.every_s)
+            # A job that has just ended is copied at once, whenever its last copy was.
+            due = now >= self.due.get(run, float("-inf")) or (final and run not in self.failed)
             if not (due or last_pass):
                 continue
-            self.last[run] = now
+            self.due[run] = now + self.args.every_s
             try:
                 self.copy(job, final)
             except Exception as e:  # S3 or the cluster: one line, the next try is due later
                 log(f"{run}: copy failed, will retry: {one_line(e)}")
+                if final:  # retried sooner than a running job's next copy
+                    self.failed.add(run)
+                    self.due[run] = now + min(self.args.every_s, 30.0)
                 continue
+            self.failed.discard(run)
             if final:
                 self.done.add(run)
                 # Never copied again: forget its files' digests.
