@@ -2,9 +2,10 @@
 and the moto server, then `rayfleet logs` reading back what it copied, as a user would.
 
 One job, gated so that it is seen running: its logs are copied while it runs (after the
-bucket, missing at first, appears: the agent logs the failure and keeps going), again when it
-ends, and the agent stops on SIGTERM. Killing the cluster itself is rehearsed in the fake
-cloud (ray down, then rayfleet logs); here only the agent stops."""
+bucket, missing at first, appears: the agent logs the failure and keeps going) and once more
+when the agent is stopped (SIGTERM); the job ends while no agent runs, the next agent makes
+its final copy, and a third finds it stored. Killing the cluster itself is rehearsed in the
+fake cloud (ray down, then rayfleet logs); here only the agent stops."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -39,7 +41,7 @@ def shout(token):
 
 ray.get(shout.remote(sys.argv[1]))
 gate = Path(sys.argv[2])
-deadline = time.time() + 60
+deadline = time.time() + 120
 while not gate.exists() and time.time() < deadline:
     time.sleep(0.2)
 print("driver line two", flush=True)
@@ -65,6 +67,38 @@ def _get(s3, bucket: str, key: str) -> bytes | None:
         return None
 
 
+class Agent:
+    """logship.py as the head runs it: a subprocess with its own log file."""
+
+    def __init__(self, log: Path, storage: str, address: str, env: dict):
+        self.log = log
+        with open(log, "wb") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(AGENT), "--storage", storage, "--address", address,
+                 "--every-s", "1", "--poll-s", "0.3"],
+                env=env, cwd=log.parent, stdout=f, stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, what: str, line: str) -> None:
+        _wait(what, lambda: line in self.text(), why=self.text)
+
+    def stop(self) -> list[str]:
+        """SIGTERM: it makes its last copy and exits 0; its lines, each UTC-stamped."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(timeout=30) == 0, self.text()
+        lines = self.text().splitlines()
+        assert lines[-1].endswith(" stopped"), lines[-3:]
+        assert all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ", ln) for ln in lines), lines
+        return lines
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 @pytest.fixture(scope="module")
 def shipped(ray_cluster, aws_env, s3_client, tmp_path_factory):
     """A finished job whose logs the agent copied (bucket, prefix, run id, worker token)."""
@@ -72,57 +106,60 @@ def shipped(ray_cluster, aws_env, s3_client, tmp_path_factory):
     bucket, run_id, token = (f"logs-{uuid.uuid4().hex[:8]}", f"rf-logs-{uuid.uuid4().hex[:8]}",
                              uuid.uuid4().hex[:12])
     storage = f"s3://{bucket}/rayfleet"
-    env = {**ray_cluster["env"], **aws_env}
-    agent_log = tmp_path / "logship.log"
-    with open(agent_log, "wb") as f:
-        agent = subprocess.Popen(
-            [sys.executable, str(AGENT), "--storage", storage, "--address",
-             ray_cluster["dashboard_url"], "--every-s", "1", "--poll-s", "0.3"],
-            env=env, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT)
+    logs = f"rayfleet/runs/{run_id}/logs"
     job_dir, gate = tmp_path / "job", tmp_path / "gate"
     job_dir.mkdir()
     (job_dir / "job.py").write_text(JOB)
+    agents = []
+
+    def agent(n: int) -> Agent:
+        agents.append(Agent(tmp_path / f"logship-{n}.log", storage,
+                            ray_cluster["dashboard_url"], {**ray_cluster["env"], **aws_env}))
+        return agents[-1]
+
+    def copied_running():
+        record = _get(s3_client, bucket, f"{logs}/job.json")
+        return record and json.loads(record)["status"] == "RUNNING" and any(
+            token.encode() in (_get(s3_client, bucket, o["Key"]) or b"")
+            for o in s3_client.list_objects_v2(Bucket=bucket, Prefix=f"{logs}/workers/")
+            .get("Contents", []))
+
     try:
+        first = agent(1)
         run([str(BIN / "ray"), "job", "submit", "--no-wait", "--submission-id", run_id,
              "--working-dir", str(job_dir), "--", "python", "job.py", token, str(gate)],
             env=ray_cluster["env"], timeout=120, check=True)
-        text = agent_log.read_text
         # The bucket does not exist yet: one line per failed copy, and the agent keeps going.
-        _wait("a failed copy", lambda: f"{run_id}: copy failed, will retry" in text(),
-              why=text)
+        first.wait_for("a failed copy", f"{run_id}: copy failed, will retry")
         s3_client.create_bucket(Bucket=bucket)
-        logs = f"rayfleet/runs/{run_id}/logs"
-
-        def copied_running():
-            record = _get(s3_client, bucket, f"{logs}/job.json")
-            return record and json.loads(record)["status"] == "RUNNING" and any(
-                token.encode() in (_get(s3_client, bucket, o["Key"]) or b"")
-                for o in s3_client.list_objects_v2(Bucket=bucket, Prefix=f"{logs}/workers/")
-                .get("Contents", []))
-
-        _wait("a copy while the job runs, with the worker's log", copied_running, why=text)
+        _wait("a copy while the job runs, with the worker's log", copied_running,
+              why=first.text)
         running = json.loads(_get(s3_client, bucket, f"{logs}/job.json"))
         assert running["final"] is False and running["entrypoint"].startswith("python job.py")
         # Copies with nothing new upload nothing.
-        _wait("a copy with nothing changed", lambda: f"{run_id}: copied (RUNNING)" in text()
-              and " 0 of " in text(), why=text)
+        _wait("a copy with nothing changed", lambda: re.search(
+            rf"{run_id}: copied \(RUNNING\) .*: 0 of \d+ files changed", first.text()),
+              why=first.text)
+        # Stopped while the job runs: a last copy of it on the way out.
+        lines = first.stop()
+        stopping = next(i for i, ln in enumerate(lines) if "stopping: a last copy" in ln)
+        assert any(f"{run_id}: copied (RUNNING)" in ln for ln in lines[stopping:]), lines
+
+        # The job ends while no agent runs; the next one (the head restarted) copies it in
+        # full once, and a third finds nothing left to do.
         gate.touch()
-        _wait("the final copy", lambda: f"{run_id}: final copy (SUCCEEDED)" in text(),
-              why=text)
-        agent.send_signal(signal.SIGTERM)
-        assert agent.wait(timeout=30) == 0, text()
-        lines = text().splitlines()
-        assert lines[-1].endswith(" stopped") and "stopping" in lines[-2], lines[-3:]
-        # Every line a UTC timestamp; once final, never copied again.
-        assert all(ln[:20].endswith("Z") and ln[4] == "-" for ln in lines), lines
-        finals = [ln for ln in lines if run_id in ln and "final copy" in ln]
-        assert len(finals) == 1 and lines.index(finals[0]) == max(
-            i for i, ln in enumerate(lines) if run_id in ln), lines
+        second = agent(2)
+        second.wait_for("the final copy", f"{run_id}: final copy (SUCCEEDED)")
+        lines = second.stop()
+        assert sum(f"{run_id}: final copy" in ln for ln in lines) == 1
+        assert "final copy" in [ln for ln in lines if run_id in ln][-1], lines
+        third = agent(3)
+        third.wait_for("the stored final copy", f"{run_id}: final copy already in the bucket")
+        assert not any(run_id in ln and "copied" in ln for ln in third.stop())
     finally:
         gate.touch()
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
+        for a in agents:
+            a.kill()
     return {"bucket": bucket, "storage": storage, "run": run_id, "token": token,
             "env": {**aws_env, "PATH": ray_cluster["env"]["PATH"]}}
 
