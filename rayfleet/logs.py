@@ -187,7 +187,10 @@ def show_run(bucket: Bucket, run: str, list_: bool, file: str | None, out_path: 
         key = _pick(file, files, run)
         body = bucket.read("runs", run, key)
         if out_path:
-            Path(out_path).write_bytes(body)
+            try:
+                Path(out_path).write_bytes(body)
+            except OSError as e:
+                raise ConfigError("-o", f"cannot write {out_path}: {e.strerror}") from None
             print(f"wrote {out_path} ({human(len(body))})", file=out)
             return 0
         try:

@@ -179,7 +179,15 @@ class Shipper:
 
     def copy(self, job: dict, final: bool) -> None:
         run = job["submission_id"]
-        files = {"driver.log": self.cluster.driver_log(run)}
+        files = {}
+        try:
+            files["driver.log"] = self.cluster.driver_log(run)
+        except urllib.error.HTTPError as e:
+            if not final:
+                raise
+            # An ended job whose log the cluster no longer has (its node is gone) would fail
+            # every retry: copy the rest, and say so once.
+            log(f"{run}: driver log not available ({one_line(e)}); copying the rest")
         job_id = job.get("job_id")
         if job_id:  # none until the driver has connected: no worker of it yet
             for node in self.cluster.alive_nodes():

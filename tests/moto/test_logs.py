@@ -208,6 +208,9 @@ def test_storage_from_the_rendered_yaml_and_the_autostop_log(shipped, s3_client,
     assert cli.main(["logs", shipped["run"], "--config", str(config), "--file",
                      "logs/job.json", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["submission_id"] == shipped["run"]
+    assert cli.main(["logs", shipped["run"], "--config", str(config), "--file",
+                     "logs/job.json", "-o", str(tmp_path / "no" / "such" / "dir")]) == 2
+    assert "-o: cannot write " in capsys.readouterr().err
     capsys.readouterr()
 
     assert cli.main(["logs", "--cluster", "rayfleet-dev", "--config", str(config)]) == 2
