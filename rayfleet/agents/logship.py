@@ -104,6 +104,8 @@ class Cluster:
 
     def __init__(self, address: str, token: str | None):
         self.address, self.token = address, token
+        # Never through an HTTP(S)_PROXY from the environment: the token is for the head only.
+        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def get(self, path: str, **params) -> bytes:
         url = f"{self.address}{path}"
@@ -112,7 +114,7 @@ class Cluster:
         req = urllib.request.Request(url)
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with self.opener.open(req, timeout=30) as r:
             return r.read()
 
     def jobs(self) -> list[dict]:
@@ -220,6 +222,11 @@ class Shipper:
         for job in jobs:
             run, final = job["submission_id"], job.get("status") in TERMINAL
             if run in self.done:
+                continue
+            if "/" in run or run in (".", ".."):
+                # Not one folder name under runs/: `rayfleet logs` could not name it.
+                log(f"{run!r}: not copied: a submission id with '/' is not a run name")
+                self.done.add(run)
                 continue
             if run not in self.due and final and self.already_final(run):
                 self.done.add(run)
