@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _local(sub)
     _ops(sub)
+    _logs(sub)
     return parser
 
 
@@ -168,9 +169,34 @@ def _run_serve_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _logs(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("logs", help="a run's job logs, metrics and loss curve from the stack's "
+                                    "bucket, also after `ray down`")
+    p.add_argument("run", nargs="?", default=None,
+                   help="the run: its job's submission id (or a training --name)")
+    p.add_argument("--storage", default=None, metavar="s3://BUCKET/PREFIX",
+                   help="the stack's storage (default: from the --config YAML's header)")
+    p.add_argument("--config", default=None, metavar="CLUSTER_YAML",
+                   help="a YAML `rayfleet render` wrote: its storage is read from it")
+    p.add_argument("--list", action="store_true", help="list the run's files with sizes")
+    p.add_argument("--file", default=None, metavar="NAME",
+                   help="print one file, e.g. logs/driver.log, metrics.csv, a worker log's name")
+    p.add_argument("-o", "--out", default=None, metavar="PATH",
+                   help="with --file: write it to PATH instead (loss.png)")
+    p.add_argument("--cluster", default=None, metavar="NAME",
+                   help="instead of a run: the autostop watcher's log of cluster NAME")
+
+
+def _run_logs(args: argparse.Namespace) -> int:
+    from rayfleet import logs
+
+    return logs.main(args.run, storage=args.storage, config=args.config, list_=args.list,
+                     file=args.file, out_path=args.out, cluster=args.cluster)
+
+
 HANDLERS = {"local": _run_local, "render": _run_render, "lint": _run_lint,
             "cost": _run_cost, "sweep": _run_sweep, "preflight": _run_preflight,
-            "serve-config": _run_serve_config}
+            "serve-config": _run_serve_config, "logs": _run_logs}
 
 
 def _main(argv: list[str] | None) -> int:

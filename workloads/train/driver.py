@@ -100,7 +100,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--s3-endpoint", default=None,
                    help="S3-compatible endpoint URL (env AWS_ENDPOINT_URL_S3)")
     p.add_argument("--name", default=None, help="run name; the same name resumes (default: "
-                   "smoke-<strategy> for --smoke-test, else gpt-<model>-<strategy>)")
+                   "the job's --submission-id if you gave one, else smoke-<strategy> for "
+                   "--smoke-test, else gpt-<model>-<strategy>)")
     p.add_argument("--allow-changes", action="store_true",
                    help="resume an existing --name although its dataset or strategy differs")
     p.add_argument("--env", action="append", metavar="KEY=VALUE",
@@ -422,6 +423,13 @@ def absolute_hf_paths(opts: TrainOptions) -> TrainOptions:
 def run_name(opts: TrainOptions, hf_source: str | None) -> str:
     if opts.name:
         return opts.name
+    # A job submitted with --submission-id ID is run ID: its checkpoints, metrics.csv and
+    # loss.png land beside the job's logs (the head's log shipper writes <storage>/runs/ID/).
+    from workloads.train import runinfo
+
+    submitted = runinfo.chosen_submission_id()
+    if submitted and RUN_NAME.fullmatch(submitted):
+        return submitted
     if opts.smoke_test and hf_source is None and opts.model_config is None:
         return f"smoke-{opts.strategy}"
     if opts.model_config is not None or hf_source is not None:

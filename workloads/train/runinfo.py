@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 
 import pyarrow.fs as pafs
@@ -15,6 +16,21 @@ from workloads.train import checkpoint as ckpt
 # Ray Train V2 keeps the run's checkpoint bookkeeping here; re-running the same name and
 # storage path restores from its `latest_checkpoint_result`.
 SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def chosen_submission_id() -> str | None:
+    """The submission id of the Ray job this driver runs as, when the user chose it (`ray job
+    submit --submission-id ID`); None outside a job or for Ray's own `raysubmit_...` ids."""
+    # Ray's job supervisor hands its driver (only) the job's config, the submission id in its
+    # metadata (ray/dashboard/modules/job/job_supervisor.py, JOB_ID_METADATA_KEY).
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    try:
+        sid = (json.loads(raw).get("metadata") or {}).get("job_submission_id") if raw else None
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    if not isinstance(sid, str) or sid.startswith("raysubmit_"):
+        return None
+    return sid
 
 
 def uri(storage: Storage, path: str) -> str:

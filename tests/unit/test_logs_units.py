@@ -1,0 +1,148 @@
+"""Bad input to `rayfleet logs` and to the log shipper agent: one line, exit 2, no AWS call;
+what the agent may import; a training run named after its job. No cluster: the real thing
+is tests/moto/test_logs.py."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rayfleet import cli, logs
+from tests.conftest import REPO, free_port
+
+AGENT = REPO / "rayfleet" / "agents" / "logship.py"
+
+
+@pytest.fixture
+def loopback_s3(monkeypatch):
+    """Fake keys and an S3 endpoint on a closed loopback port: nothing can leave the box."""
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1",
+                 "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{free_port()}"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["logs"], "give a run (rayfleet logs RUN) or --cluster NAME"),
+    (["logs", "r1", "--cluster", "dev-a"], "not both"),
+    (["logs", "r1"], "--storage: where to read from"),
+    (["logs", "r1", "--storage", "s3://Bad_Bucket/p"], "is not s3://BUCKET/PREFIX"),
+    (["logs", "r1", "--storage", "/tmp/runs"], "is not s3://BUCKET/PREFIX"),
+    (["logs", "../up", "--storage", "s3://b-1/p"], "is not a run name"),
+    (["logs", "r1", "--storage", "s3://b-1/p", "-o", "x"], "add --file NAME"),
+    (["logs", "r1", "--storage", "s3://b-1/p", "--list", "--file", "a"], "one at a time"),
+    (["logs", "--cluster", "Dev_1", "--storage", "s3://b-1/p"], "not a rayfleet cluster name"),
+    (["logs", "--cluster", "dev-a", "--list", "--storage", "s3://b-1/p"], "are for a run"),
+    (["logs", "r1", "--config", "/nonexistent/dev.yaml"], "no such file"),
+    (["logs", "r1", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_input_is_one_line_and_no_aws_call(argv, says, capsys, aws_calls, loopback_s3):
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("rayfleet: error: "), err
+    assert says in err, err
+    assert aws_calls == []
+
+
+def test_a_yaml_without_the_storage_header(tmp_path, capsys, aws_calls, loopback_s3):
+    cfg = tmp_path / "ray.yaml"
+    cfg.write_text("cluster_name: x\nprovider: {type: aws, region: us-east-1}\n")
+    assert cli.main(["logs", "r1", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "has no '# Storage for jobs: s3://...' header" in err and err.count("\n") == 1
+    assert aws_calls == []
+
+
+def test_an_unreachable_endpoint_is_one_line(capsys, loopback_s3):
+    assert cli.main(["logs", "r1", "--storage", "s3://rayfleet-logs/p"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rayfleet: error: cannot read s3://rayfleet-logs/p/: cannot "
+                          "connect to http://127.0.0.1:") and err.count("\n") == 1, err
+
+
+def test_no_credentials_is_one_line(capsys, monkeypatch, tmp_path, loopback_s3):
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    assert cli.main(["logs", "r1", "--storage", "s3://rayfleet-logs/p"]) == 2
+    err = capsys.readouterr().err
+    assert "no AWS credentials found" in err and err.count("\n") == 1, err
+
+
+def test_status_line_says_when_the_final_copy_is_missing():
+    job = {"status": "RUNNING", "entrypoint": "python -m workloads.train", "start_time":
+           1795452148170, "end_time": None, "final": False, "copied_at": "2026-11-23T16:00:00"}
+    line = logs.status_line("r1", job)
+    assert line.startswith("run r1: RUNNING  started 2026-11-23 ") and "ended -" in line
+    assert "the cluster went before its final copy" in line
+
+
+# ----------------------------------------------------------------------------- the agent
+
+def _agent(*argv: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(AGENT), *argv], capture_output=True, text=True,
+                          timeout=60, env={"PATH": "/usr/bin:/bin", **env})
+
+
+def test_agent_imports_only_the_node_environment():
+    # Nodes have ray and boto3 but not the kit, nor this folder as a package.
+    tree = ast.parse(AGENT.read_text())
+    roots = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+             for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+             for a in (n.names if isinstance(n, ast.Import) else [n])
+             if not (isinstance(n, ast.ImportFrom) and n.level)}
+    assert not any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree))
+    assert roots - set(sys.stdlib_module_names) - {"__future__"} <= {"boto3", "botocore"}
+
+
+def test_agent_help():
+    proc = _agent("--help")
+    assert proc.returncode == 0 and "--storage" in proc.stdout and "--every-s" in proc.stdout
+
+
+@pytest.mark.parametrize("argv,env,says", [
+    (["--address", "http://127.0.0.1:1"], {}, "the following arguments are required: --storage"),
+    (["--storage", "gs://b/p", "--address", "http://127.0.0.1:1"], {}, "is not s3://"),
+    (["--storage", "s3://Bad_B/p", "--address", "http://127.0.0.1:1"], {}, "is not s3://"),
+    (["--storage", "s3://b-1/p", "--address", "127.0.0.1:1"], {}, "is not http://HOST:PORT"),
+    (["--storage", "s3://b-1/p", "--address", "http://127.0.0.1:1", "--every-s", "0"], {},
+     "--every-s must be more than 0"),
+    (["--storage", "s3://b-1/p", "--address", "http://127.0.0.1:1"],
+     {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/nonexistent/token"},
+     "the token /nonexistent/token cannot be read"),
+])
+def test_agent_bad_args_are_one_line_exit_2(argv, env, says):
+    proc = _agent(*argv, **env)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("logship: error: "), proc
+    assert says in proc.stderr, proc.stderr
+
+
+# ----------------------------------------------------------------------------- run names
+
+@pytest.mark.parametrize("submission_id,name", [
+    ("my-run", "my-run"),                           # chosen: the run is named after its job
+    ("raysubmit_4LamXRuQpYdSMg7J", "smoke-ddp"),    # Ray's own id: the usual default
+    ("a/b", "smoke-ddp"),                           # not a folder name
+    (None, "smoke-ddp"),                            # not a Ray job
+])
+def test_a_job_submitted_with_an_id_names_its_run(submission_id, name, monkeypatch):
+    from workloads.train import driver
+
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    if submission_id is not None:
+        monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(
+            {"runtime_env": {}, "metadata": {"job_submission_id": submission_id,
+                                             "job_name": submission_id}}))
+    opts = driver.TrainOptions.parse(["--smoke-test"])
+    assert driver.run_name(opts, None) == name
+    # --name always wins.
+    assert driver.run_name(driver.TrainOptions.parse(["--smoke-test", "--name", "x1"]),
+                           None) == "x1"
