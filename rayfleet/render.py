@@ -347,7 +347,7 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
             f"{RAY_BIN} stop; {STOP_AGENTS}",
             f"ulimit -n 65536; {auth_env}; {RAY_BIN} start --address=$RAY_HEAD_IP:{port('gcs')} "
             + port_flags(head=False),
-            agent_command("spot", "", auth_env),
+            agent_command("spot", f"--address=$RAY_HEAD_IP:{port('gcs')}", auth_env),
         ], "Same token and pinned ports on every worker; the spot agent watches the instance "
            "metadata for an interruption notice, drains the node and has training checkpoint "
            "at its next step."),
@@ -356,11 +356,15 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
 
 def head_agents(o: StackOutputs, env: str, autostop_minutes: int | None) -> list[str]:
     """The head's agents: the log shipper, and auto-stop when asked for."""
-    commands = [agent_command("logship", f"--storage {shlex.quote(o.storage_uri)}", env)]
+    dashboard = f"--address http://127.0.0.1:{port('dashboard')}"
+    # The region spares boto3 a cross-region redirect to the bucket.
+    env = f"{env} AWS_DEFAULT_REGION={o.region}"
+    commands = [agent_command("logship", f"--storage {shlex.quote(o.storage_uri)} {dashboard}",
+                              env)]
     if autostop_minutes is not None:
         commands.append(agent_command(
             "autostop", f"--cluster-name {shlex.quote(o.cluster_name)} --minutes "
-            f"{autostop_minutes} --storage {shlex.quote(o.storage_uri)} --region {o.region} "
+            f"{autostop_minutes} --storage {shlex.quote(o.storage_uri)} {dashboard} "
             "--stop-first rayfleet-agents/logship.py", env))
     return commands
 

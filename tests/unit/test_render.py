@@ -159,8 +159,9 @@ def test_node_agents_are_shipped_beside_the_token_and_started(tmp_path, outputs)
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and "usage:" in proc.stdout, (script, proc.stderr)
     head, worker = agents(cfg, "head"), agents(cfg, "worker")
-    assert head == {"logship": f"--storage {outputs['storage_uri']}"}   # no auto-stop asked
-    assert set(worker) == {"spot"}
+    assert head == {"logship": f"--storage {outputs['rayfleet']['storage_uri']} "
+                               "--address http://127.0.0.1:8265"}   # no auto-stop asked
+    assert worker == {"spot": "--address=$RAY_HEAD_IP:6379"}
     # Re-running `ray up` restarts them with Ray, without killing the shell that runs it.
     for kind in ("head", "worker"):
         assert "pkill -f '[r]ayfleet-agents/'" in cfg[f"{kind}_start_ray_commands"][0]
@@ -170,9 +171,9 @@ def test_autostop_from_the_flag_or_the_stack(tmp_path, outputs):
     src = tmp_path / "o.json"
 
     def autostop(flag: list[str], stack_minutes: int | None) -> str | None:
-        o = dict(outputs)
+        o = copy.deepcopy(outputs)
         if stack_minutes is not None:
-            o["autostop_minutes"] = stack_minutes
+            o["rayfleet"]["autostop_minutes"] = stack_minutes
         src.write_text(json.dumps(o))
         out = tmp_path / "c.yaml"
         assert cli.main(["render", str(src), "-o", str(out), "--token-file",
@@ -180,8 +181,8 @@ def test_autostop_from_the_flag_or_the_stack(tmp_path, outputs):
         return agents(yaml.safe_load(out.read_text()), "head").get("autostop")
 
     assert autostop(["--autostop-minutes", "30"], None) == (
-        f"--cluster-name rayfleet-dev --minutes 30 --storage {outputs['storage_uri']} "
-        "--region us-east-1 --stop-first rayfleet-agents/logship.py")
+        f"--cluster-name rayfleet-dev --minutes 30 --storage {outputs['rayfleet']['storage_uri']} "
+        "--address http://127.0.0.1:8265 --stop-first rayfleet-agents/logship.py")
     assert "--minutes 45 " in autostop([], 45)                    # rayfleet:autostopMinutes
     assert "--minutes 5 " in autostop(["--autostop-minutes", "5"], 45)
     assert autostop(["--autostop-minutes", "0"], 45) is None      # 0: never
@@ -234,8 +235,9 @@ def test_setup_installs_exactly_the_node_environment(tmp_path, outputs):
     # on-prem installs the same.
     onprem = yaml.safe_load((CONFIGS / "onprem.yaml").read_text())
     assert onprem["setup_commands"] == cfg["setup_commands"]
-    assert onprem["head_start_ray_commands"] == cfg["head_start_ray_commands"]
-    assert onprem["worker_start_ray_commands"] == cfg["worker_start_ray_commands"]
+    # The same Ray start (on-prem nodes run no AWS agents: no bucket, no spot, not ours to stop).
+    assert ray_start(onprem, "head") == ray_start(cfg, "head")
+    assert ray_start(onprem, "worker") == ray_start(cfg, "worker")
 
 
 def test_pins_follow_pyproject(tmp_path, outputs):
