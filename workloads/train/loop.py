@@ -84,6 +84,7 @@ class Context(Protocol):
     def dataset_shard(self) -> Any: ...
     def latest_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]: ...
     def report(self, metrics: dict, checkpoint_dir: Path | None) -> None: ...
+    def export_metrics(self, metrics: dict) -> None: ...
 
 
 def lr_at(step: int, cfg: LoopConfig) -> float:
@@ -415,6 +416,7 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
                            "mfu": round(flops_per_token * tps / (peak * ctx.world_size), 4)
                            if peak else 0.0}
                 history.append(metrics)
+                ctx.export_metrics(metrics)
                 losses = []
                 if ctx.rank == 0:
                     print(f"[rayfleet] step {step}/{cfg.max_steps} loss {metrics['loss']:.4f} "
