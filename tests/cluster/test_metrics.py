@@ -136,6 +136,11 @@ def test_training_loss_and_tokens_per_s_are_in_prometheus(prometheus, workloads)
              lambda r: float(r[0]["value"][1]) == STEPS)
 
 
+def test_every_target_is_scraped_on_loopback(prometheus, workloads):
+    targets = api(prometheus["url"], "targets")["activeTargets"]
+    assert targets and all(t["scrapeUrl"].startswith("http://127.0.0.1:") for t in targets)
+
+
 def test_serve_request_count_is_in_prometheus(prometheus, workloads):
     expr = ('sum(ray_serve_num_http_requests_total{application="lm",'
             'route="/v1/completions",status_code="200"})')
