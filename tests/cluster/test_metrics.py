@@ -136,6 +136,12 @@ def test_training_loss_and_tokens_per_s_are_in_prometheus(prometheus, workloads)
              lambda r: float(r[0]["value"][1]) == STEPS)
 
 
+def test_status_says_where_prometheus_is(ray_cluster, prometheus):
+    proc = run([str(BIN / "rayfleet"), "local", "status"], env=ray_cluster["env"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert f"prometheus: {prometheus['url']}  (loopback only" in proc.stdout
+
+
 def test_every_target_is_scraped_on_loopback(prometheus, workloads):
     targets = api(prometheus["url"], "targets")["activeTargets"]
     assert targets and all(t["scrapeUrl"].startswith("http://127.0.0.1:") for t in targets)

@@ -172,9 +172,15 @@ def test_local_prometheus_is_stopped_by_down(prometheus_binary, home, monkeypatc
     """start_local as `up --metrics` calls it (no cluster here: the SD file is simply absent);
     `rayfleet local down` stops it, and only it."""
     monkeypatch.setenv("RAYFLEET_HOME", str(home))
-    prom = metrics.start_local(tmp_path / "ray-temp", local.free_port(), prometheus_binary)
+    # Started from another process, as `up` does: not this one's child, so `down` sees it exit
+    # rather than linger as this process's zombie.
+    subprocess.run([sys.executable, "-c", "import sys; from rayfleet import metrics; "
+                    "metrics.start_local(sys.argv[1], int(sys.argv[2]), sys.argv[3])",
+                    str(tmp_path / "ray-temp"), str(local.free_port()), prometheus_binary],
+                   check=True, timeout=60)
+    prom = metrics.load_local()
     try:
-        assert metrics.ready(prom.url) and metrics.load_local() == prom
+        assert prom is not None and metrics.ready(prom.url)
         assert _listeners(prom.port) == {"0100007F"}
         proc = _cli(home, "local", "down")
         assert proc.returncode == 0, proc.stderr
