@@ -519,7 +519,8 @@ def down(quiet: bool = False) -> bool:
     cluster = load_state()
     if cluster is None:
         if not quiet:
-            print("no rayfleet local cluster is running (nothing to stop).")
+            print("no rayfleet local cluster is running" +
+                  (" (nothing to stop)." if prom is None else "."))
         return prom is not None
     started = time.time()
     forced = _stop(cluster)
