@@ -150,6 +150,9 @@ def workloads(ray_cluster, prometheus, tmp_path_factory):
 
 
 def test_training_loss_and_tokens_per_s_are_in_prometheus(prometheus, workloads):
+    # The run's last logged values, although it ends a second or two after logging them: a
+    # Ray 2.60 worker flushes its metrics as it exits (ray-project/ray#66180, stats::
+    # FlushMetrics), and the agent keeps a gauge for two export intervals after that.
     last = workloads["last"]
     run_filter = f'{{run="{RUN}"}}'
     loss = wait_for(prometheus["url"], f"ray_rayfleet_train_loss{run_filter}",
