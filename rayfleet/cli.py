@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from rayfleet.entrypoint import ArgumentParser, run_main
-from rayfleet.facts import port
+from rayfleet.facts import loopback_port, port
 
 
 def _local(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +25,13 @@ def _local(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--python", default=None, metavar="PATH",
                     help="interpreter of the environment Ray and its jobs run in (default: "
                          "this one); it must hold the node environment")
-    lsub.add_parser("down", help="stop the cluster `up` started, and only it")
+    up.add_argument("--metrics", action="store_true",
+                    help="also run Prometheus scraping the cluster (installs Debian's "
+                         "prometheus when missing); on a running cluster, starts it for it")
+    up.add_argument("--prometheus-port", type=int, default=None,
+                    help="Prometheus's port on 127.0.0.1 (default "
+                         f"{loopback_port('prometheus')})")
+    lsub.add_parser("down", help="stop the cluster `up` started (and its Prometheus), only it")
     lsub.add_parser("status", help="nodes (ALIVE/DEAD) and free CPUs/GPUs/memory")
     env = lsub.add_parser("env", help='shell exports for clients: eval "$(rayfleet local env)"')
     env.add_argument("--shell", choices=["sh", "fish"], default="sh")
@@ -37,7 +43,8 @@ def _run_local(args: argparse.Namespace) -> int:
     if args.action == "up":
         local.up(num_cpus=args.num_cpus, num_gpus=args.num_gpus,
                  object_store_memory=args.object_store_memory, port=args.port,
-                 dashboard_port=args.dashboard_port, python=args.python)
+                 dashboard_port=args.dashboard_port, python=args.python,
+                 metrics=args.metrics, prometheus_port=args.prometheus_port)
         return 0
     if args.action == "down":
         local.down()

@@ -107,6 +107,19 @@ OPERATOR_PORTS = (
 )
 
 
+# The kit's own listeners on the head (and on a local cluster's machine): bound to 127.0.0.1
+# only, so infra/ opens none of them (tests/infra checks); an operator reaches them through
+# the dashboard's tunnel (`ray dashboard --remote-port N`). Name -> (port, what it serves).
+LOOPBACK_PORTS = {
+    "prometheus": (9090, "Prometheus scraping the cluster's metrics (rayfleet ... --metrics)"),
+}
+
+
+def loopback_port(name: str) -> int:
+    """The port of a :data:`LOOPBACK_PORTS` entry, e.g. ``loopback_port("prometheus")``."""
+    return LOOPBACK_PORTS[name][0]
+
+
 def port(name: str) -> int:
     """The (first) port number of a :data:`RAY_PORTS` entry, e.g. ``port("dashboard")``."""
     return RAY_PORTS_BY_NAME[name].from_port

@@ -206,12 +206,16 @@ def jobs_api_ready(dashboard_url: str, token: str | None) -> bool:
         return False
 
 
-def _print_info(cluster: LocalCluster, headline: str, out=sys.stdout) -> None:
+def _print_info(cluster: LocalCluster, headline: str, out=sys.stdout, prom=None) -> None:
     env = cluster.client_env()
     print(headline, file=out)
     print(f"  address:    {cluster.address}", file=out)
     print(f"  dashboard:  {cluster.dashboard_url}  (loopback only; token required)", file=out)
     print(f"  token:      {env['RAY_AUTH_TOKEN_PATH']}  (mode 0600)", file=out)
+    if prom is not None:
+        from rayfleet import metrics
+
+        print("\n".join(metrics.info_lines(prom, ray_temp_dir())), file=out)
     print("  submit a job:", file=out)
     print('    eval "$(rayfleet local env)"', file=out)
     print("    ray job submit --working-dir . -- python -m workloads.train --smoke-test",
@@ -221,12 +225,15 @@ def _print_info(cluster: LocalCluster, headline: str, out=sys.stdout) -> None:
 def up(num_cpus: int | None = None, num_gpus: int | None = None,
        object_store_memory: str | int | None = None, port: int | None = None,
        dashboard_port: int | None = None, quiet: bool = False,
-       python: str | None = None) -> LocalCluster:
+       python: str | None = None, metrics: bool = False,
+       prometheus_port: int | None = None) -> LocalCluster:
     """Start the head (idempotent). Raises RayfleetError with one line on any expected failure.
 
     python: the interpreter whose environment the head, its workers and job drivers run in
     (default: this one). It must hold the node environment, as every node of a cluster does.
-    A cluster that is already up is reused only if every setting given here matches it."""
+    A cluster that is already up is reused only if every setting given here matches it.
+    metrics: also run Prometheus on 127.0.0.1:prometheus_port scraping the cluster; asked of
+    a cluster that is already up, it starts Prometheus for it."""
     asked = {"--num-cpus": num_cpus, "--num-gpus": num_gpus,
              "--object-store-memory": object_store_memory, "--port": port,
              "--dashboard-port": dashboard_port, "--python": python}
@@ -244,14 +251,20 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     if store is not None and store < MIN_OBJECT_STORE:
         raise ConfigError("--object-store-memory",
                           f"{store} bytes is below Ray's minimum of 75MiB")
+    if prometheus_port is not None and not metrics:
+        raise ConfigError("--prometheus-port", "goes with --metrics")
+    if prometheus_port is not None and not 1 <= prometheus_port <= 65535:
+        raise ConfigError("--prometheus-port",
+                          f"must be a TCP port between 1 and 65535, got {prometheus_port}")
 
     existing = load_state()
     if existing and _alive(existing.pid):
         token = ensure_token().read_text().strip()
         if jobs_api_ready(existing.dashboard_url, token):
             _same_settings(existing, {k: v for k, v in asked.items() if v is not None}, store)
+            prom = _start_metrics(*_prepare_metrics(prometheus_port)) if metrics else None
             if not quiet:
-                _print_info(existing, "rayfleet local cluster is already up.")
+                _print_info(existing, "rayfleet local cluster is already up.", prom=prom)
             return existing
         raise ClusterError(
             f"a rayfleet head (pid {existing.pid}) is running but its Jobs API at "
@@ -265,6 +278,9 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
                 f"(`ray stop` if it is another Ray) or pick another with {flag}")
 
     python = _check_node_env(python)
+    # Prometheus's port and binary are settled before anything starts.
+    prepared = _prepare_metrics(prometheus_port, taken=(port, dashboard_port)) if metrics \
+        else None
     token = ensure_token()
     logdir = state_dir() / "local"
     logdir.mkdir(parents=True, exist_ok=True)
@@ -326,8 +342,13 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
         # dashboard is up; a job submitted before that has its driver pointed elsewhere.
         if (jobs_api_ready(cluster.dashboard_url, secret) and _listening(agent_port)
                 and (ray_temp_dir() / "ray_current_cluster").exists()):
+            try:
+                prom = _start_metrics(*prepared) if prepared else None
+            except RayfleetError:
+                _stop(cluster)  # nothing half-done: no cluster without the Prometheus asked for
+                raise
             if not quiet:
-                _print_info(cluster, "rayfleet local cluster is up.")
+                _print_info(cluster, "rayfleet local cluster is up.", prom=prom)
             return cluster
         time.sleep(0.5)
     _stop(cluster)
@@ -351,6 +372,32 @@ def _same_settings(existing: LocalCluster, asked: dict, store: int | None) -> No
         raise ClusterError(f"a rayfleet local cluster is already up with other settings: "
                            f"{', '.join(differ)}; `rayfleet local down` first to restart it "
                            "with these, or leave the flags out to use it as it is")
+
+
+def _prepare_metrics(prometheus_port: int | None, taken: tuple[int, ...] = ()):
+    """(port, binary) for a Prometheus still to start; (None, None) when one already runs."""
+    from rayfleet import metrics
+
+    running = metrics.load_local()
+    if running is not None:
+        if prometheus_port not in (None, running.port):
+            raise ClusterError(f"Prometheus is already up on port {running.port} (asked "
+                               f"--prometheus-port {prometheus_port}); `rayfleet local down` "
+                               "first, or leave the flag out")
+        return None, None
+    prometheus_port = metrics.PROMETHEUS_PORT if prometheus_port is None else prometheus_port
+    metrics.check_port(prometheus_port)
+    if prometheus_port in taken:
+        raise ConfigError("--prometheus-port", f"{prometheus_port} is the cluster's own port")
+    return prometheus_port, metrics.ensure_binary()
+
+
+def _start_metrics(prometheus_port: int | None, binary: str | None):
+    from rayfleet import metrics
+
+    if binary is None:
+        return metrics.load_local()
+    return metrics.start_local(ray_temp_dir(), prometheus_port, binary)
 
 
 def _listening(port: int) -> bool:
@@ -464,11 +511,17 @@ def _group_alive(pgid: int) -> bool:
 
 def down(quiet: bool = False) -> bool:
     """Stop the head `up` started, and only it. Returns False when there was nothing to stop."""
+    from rayfleet import metrics
+
+    prom = metrics.stop_local()
+    if prom is not None and not quiet:
+        print(f"prometheus stopped (pid {prom.pid}).")
     cluster = load_state()
     if cluster is None:
         if not quiet:
-            print("no rayfleet local cluster is running (nothing to stop).")
-        return False
+            print("no rayfleet local cluster is running" +
+                  (" (nothing to stop)." if prom is None else "."))
+        return prom is not None
     started = time.time()
     forced = _stop(cluster)
     if not quiet:
@@ -513,6 +566,11 @@ def status(out=sys.stdout) -> int:
         ray.shutdown()
     print(f"rayfleet local cluster at {cluster.address}  dashboard {cluster.dashboard_url}",
           file=out)
+    from rayfleet import metrics
+
+    prom = metrics.load_local()
+    if prom is not None:
+        print("\n".join(metrics.info_lines(prom, ray_temp_dir())), file=out)
     print(f"{'NODE':<18} {'STATE':<6} {'ADDRESS':<16} {'CPU':>5} {'GPU':>5} {'MEMORY':>10}",
           file=out)
     for n in nodes:

@@ -15,6 +15,7 @@ import pytest
 from infra.policy_pack import checks as policy
 from rayfleet.stack import SCHEMA_VERSION
 from rayfleet.config import RAY_CLUSTER_TAG, RAY_PORTS, StackConfig
+from rayfleet.facts import loopback_port
 
 from .conftest import MAXIMAL
 from .harness import AMI_ID, run_program
@@ -140,6 +141,22 @@ def test_operator_access_is_ssm_only_unless_cidrs_are_named(stack):
     assert out["operator_access"] == c.access.mode
     assert {(p.cidrs[0], p.from_port) for p in cidr_rules} == \
         {(cidr, port) for cidr in c.access.operator_cidrs for port in (22, 8265)}
+
+
+def test_no_group_opens_the_prometheus_port(stack):
+    # Prometheus (`rayfleet render --metrics`) listens on the head's 127.0.0.1 only and is
+    # reached through the dashboard's tunnel: no ingress rule admits its port, from anything.
+    _, _, b = stack
+    prometheus = loopback_port("prometheus")
+    efa = b.outputs["rayfleet"]["efa_security_group_id"]
+    for p in policy.permissions(b.resources):
+        if p.direction != "ingress":
+            continue
+        if p.all_ports:
+            # Only the EFA group's all-traffic rule from itself (the next test).
+            assert p.group == efa and p.groups == (efa,) and not p.cidrs, p
+        else:
+            assert not p.from_port <= prometheus <= p.to_port, p
 
 
 def test_efa_group_admits_only_itself(stack):

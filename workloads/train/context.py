@@ -112,6 +112,7 @@ class RayContext:
         self.local_rank = tctx.get_local_rank()
         self.world_size = tctx.get_world_size()
         self.device = ray.train.torch.get_device()
+        self._telemetry = None
         # Train V2 logs "Reporting training result N: TrainingReport(...)" at INFO from every
         # rank at every checkpoint, through a logger named after its own file: the kit prints
         # its own one-line progress, so keep that one to warnings.
@@ -163,6 +164,16 @@ class RayContext:
             # upload.
             raise StorageError(f"could not write the step {metrics.get('step')} checkpoint "
                                f"to storage: {_first_line(e)}") from e
+
+    def export_metrics(self, metrics: dict) -> None:
+        # Rank 0 only: the loss is already averaged over ranks and tokens/s counts them all.
+        if self.rank != 0:
+            return
+        if self._telemetry is None:
+            from workloads.train.telemetry import Telemetry
+
+            self._telemetry = Telemetry(self._train.get_context().get_experiment_name())
+        self._telemetry.export(metrics)
 
 
 def _first_line(e: BaseException) -> str:
@@ -222,6 +233,9 @@ class TorchrunContext:
     def latest_checkpoint(self):
         found = self._checkpoints()
         yield found[-1] if found else None
+
+    def export_metrics(self, metrics: dict) -> None:
+        pass  # no Ray here: the log lines and metrics.csv carry them
 
     def report(self, metrics: dict, checkpoint_dir: Path | None) -> None:
         self.reports.append(metrics)

@@ -85,6 +85,7 @@ class Context(Protocol):
     def latest_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]: ...
     def report(self, metrics: dict, checkpoint_dir: Path | None) -> None: ...
     def spot_notices(self) -> preempt.Notices: ...
+    def export_metrics(self, metrics: dict) -> None: ...
 
 
 def lr_at(step: int, cfg: LoopConfig) -> float:
@@ -418,6 +419,7 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
                            "mfu": round(flops_per_token * tps / (peak * ctx.world_size), 4)
                            if peak else 0.0}
                 history.append(metrics)
+                ctx.export_metrics(metrics)
                 losses = []
                 if ctx.rank == 0:
                     print(f"[rayfleet] step {step}/{cfg.max_steps} loss {metrics['loss']:.4f} "
