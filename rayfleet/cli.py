@@ -88,6 +88,10 @@ def _ops(sub: argparse._SubParsersAction) -> None:
                    help="tear the whole cluster down, head included, once it has been idle "
                         "this long: no job, Serve app or user actor; 0: never (default: the "
                         "stack's rayfleet:autostopMinutes, 0 unless set)")
+    p.add_argument("--metrics", action="store_true",
+                   help="run Prometheus on the head's loopback, scraping Ray's metrics "
+                        "(reach it with `ray dashboard --remote-port "
+                        f"{loopback_port('prometheus')} <yaml>`)")
 
     p = sub.add_parser("lint", help="check any Ray cluster YAML against the security rules")
     p.add_argument("config", help="Ray cluster-launcher YAML")
@@ -133,7 +137,7 @@ def _run_render(args: argparse.Namespace) -> int:
     path = render.render(args.outputs, out=args.out, token_file=args.token_file,
                          key_name=args.key_name, idle_timeout_minutes=args.idle_timeout,
                          create_token=not args.no_create_token,
-                         autostop_minutes=args.autostop_minutes)
+                         autostop_minutes=args.autostop_minutes, metrics=args.metrics)
     print(f"wrote {path}")
     return 0
 

@@ -23,9 +23,10 @@ from typing import Any
 
 import yaml
 
+from rayfleet import metrics as prometheus
 from rayfleet import nodeenv
 from rayfleet.errors import ConfigError, RayfleetError
-from rayfleet.facts import HEAD_ONLY_PORTS, RAY_CLUSTER_TAG, RAY_PORTS, port
+from rayfleet.facts import HEAD_ONLY_PORTS, RAY_CLUSTER_TAG, RAY_PORTS, loopback_port, port
 from rayfleet.stack import StackOutputs, WorkerNodeType
 from rayfleet.stack import parse as parse_outputs
 
@@ -191,7 +192,7 @@ STOP_AGENTS = "pkill -f '[r]ayfleet-agents/' || true"
 
 def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                  idle_timeout_minutes: int = 10, autostop_minutes: int | None = None,
-                 pyproject: Path | None = None) -> dict[str, Any]:
+                 metrics: bool = False, pyproject: Path | None = None) -> dict[str, Any]:
     """The cluster YAML as a mapping (values possibly wrapped in :class:`Why`). The node
     environment is the installed kit's (``pyproject``: another declaration, for tests)."""
     c = o.cluster_name
@@ -335,6 +336,7 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
             f"--autoscaling-config=~/ray_bootstrap_config.yaml --dashboard-host=127.0.0.1 "
             + port_flags(head=True),
             *head_agents(o, auth_env, autostop_minutes),
+            *(prometheus.head_commands() if metrics else []),
         ], "Token auth on (rule 21); the node environment first on PATH, so a job's `python` "
            "is its python; the dashboard and Jobs API listen on loopback only and are "
            "reached by an SSM tunnel (rule 22); every port pinned to what the security group "
@@ -342,7 +344,11 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
            "and when it ends (`rayfleet logs`)"
            + ("" if autostop_minutes is None else
               f", and the cluster torn down, head included, after {autostop_minutes} idle "
-              "minutes (`rayfleet render --autostop-minutes`)") + "."),
+              "minutes (`rayfleet render --autostop-minutes`)")
+           + ("" if not metrics else
+              "; and Prometheus on the head's loopback (`ray dashboard --remote-port "
+              f"{loopback_port('prometheus')} <this file>`), scraping Ray's metrics")
+           + "."),
         "worker_start_ray_commands": Why([
             f"{RAY_BIN} stop; {STOP_AGENTS}",
             f"ulimit -n 65536; {auth_env}; {RAY_BIN} start --address=$RAY_HEAD_IP:{port('gcs')} "
@@ -388,8 +394,10 @@ def plain(value: Any) -> Any:
 
 
 def render_text(o: StackOutputs, token_file: str, key_name: str | None = None,
-                idle_timeout_minutes: int = 10, autostop_minutes: int | None = None) -> str:
-    cfg = build_config(o, token_file, key_name, idle_timeout_minutes, autostop_minutes)
+                idle_timeout_minutes: int = 10, autostop_minutes: int | None = None,
+                metrics: bool = False) -> str:
+    cfg = build_config(o, token_file, key_name, idle_timeout_minutes, autostop_minutes,
+                       metrics)
     text = header(o) + "\n".join(_emit(cfg)).lstrip("\n") + "\n"
     # The comments are ours; the data must round-trip exactly.
     if yaml.safe_load(text) != plain(cfg):
@@ -420,7 +428,7 @@ def copy_agents(dest: str) -> Path:
 def render(source: str, out: str | None = None, token_file: str | None = None,
            key_name: str | None = None, idle_timeout_minutes: int = 10,
            create_token: bool = True, stdin=None,
-           autostop_minutes: int | None = None) -> Path:
+           autostop_minutes: int | None = None, metrics: bool = False) -> Path:
     if idle_timeout_minutes < 1:
         raise ConfigError("--idle-timeout", f"must be at least 1 minute, got "
                                             f"{idle_timeout_minutes}")
@@ -432,7 +440,8 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
         autostop_minutes = o.autostop_minutes
     autostop_minutes = autostop_minutes or None
     token_file = token_file or default_token_file(o.cluster_name)
-    text = render_text(o, token_file, key_name, idle_timeout_minutes, autostop_minutes)
+    text = render_text(o, token_file, key_name, idle_timeout_minutes, autostop_minutes,
+                       metrics)
     path = Path(out) if out else GENERATED / f"{o.stack}.yaml"
     # Everything that can fail is checked before anything is created, so a bad --out leaves
     # no token behind and a bad --token-file leaves no YAML behind.

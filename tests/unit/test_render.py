@@ -189,6 +189,19 @@ def test_autostop_from_the_flag_or_the_stack(tmp_path, outputs):
     assert autostop([], None) is None
 
 
+def test_metrics_put_prometheus_on_the_head_only_when_asked(tmp_path):
+    from rayfleet import metrics
+
+    for flag in ([], ["--metrics"]):
+        out = tmp_path / "c.yaml"
+        assert cli.main(["render", str(EXAMPLE_OUTPUTS), "-o", str(out), "--token-file",
+                         str(tmp_path / "t"), *flag]) == 0
+        cfg = yaml.safe_load(out.read_text())
+        head = cfg["head_start_ray_commands"]
+        assert (head[-len(metrics.head_commands()):] == metrics.head_commands()) == bool(flag)
+        assert not any("prometheus" in c for c in cfg["worker_start_ray_commands"])
+
+
 def test_negative_autostop_is_one_line_and_writes_nothing(tmp_path, capsys):
     rc = cli.main(["render", str(EXAMPLE_OUTPUTS), "-o", str(tmp_path / "x.yaml"),
                    "--token-file", str(tmp_path / "t"), "--autostop-minutes", "-5"])
