@@ -47,13 +47,21 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-# Ray's own long-lived actors, by namespace: none of them is a user's work.
+# Ray's own long-lived actors, by namespace: none of them is a user's work. Ray Data, Ray
+# Train and Serve create them detached, and they outlive the job that made them.
+# tests/unit/test_autostop_units.py fails when the installed Ray names one not listed here.
 INTERNAL_NAMESPACES = frozenset({
     "serve",                            # controller and proxies (applications counted apart)
     "SUPERVISOR_ACTOR_RAY_NAMESPACE",   # one JobSupervisor per submitted job
-    "_dataset_stats_actor",             # Ray Data's stats actor, kept after a dataset runs
-    "AutoscalingCoordinator",           # Ray Data's resource coordinator
-    "ActorLocationTracker",             # Ray Data's actor-locality tracker
+    "_dataset_stats_actor",             # Ray Data: stats
+    "_dataset_stats_summary_actor",     # Ray Data: stats summaries
+    "DataUsageCollectionActor",         # Ray Data: usage tags
+    "AutoscalingCoordinator",           # Ray Data: resource coordinator
+    "AutoscalingRequester",             # Ray Data: autoscaler requests
+    "ActorLocationTracker",             # Ray Data: actor locality
+    "ray.dataset",                      # Ray Data: batch prefetchers
+    "ray_data_shuffle_disk",            # Ray Data: disk shuffle file servers
+    "_train_state_actor",               # Ray Train: run state for the dashboard
 })
 LIVE_ACTOR_STATES = ("ALIVE", "PENDING_CREATION", "DEPENDENCIES_UNREADY", "RESTARTING")
 DONE_TASK_STATES = frozenset({"FINISHED", "FAILED"})

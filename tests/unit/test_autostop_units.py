@@ -1,0 +1,87 @@
+"""Auto-stop's decision logic without a cluster: the idle window against a clock, and the list
+of Ray's own detached actors kept equal to what the installed Ray creates. (Against a real
+cluster: tests/cluster/test_autostop.py; the teardown against moto: tests/moto/test_autostop.py.)"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.moto.pulumi_moto import load_agent
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def autostop():
+    return load_agent("autostop")
+
+
+def test_every_detached_actor_namespace_of_rays_libraries_is_known(autostop):
+    """Ray Data, Train and Serve leave detached actors behind after a job; each of their
+    namespaces must be in INTERNAL_NAMESPACES, or an idle cluster would never stop (found
+    once: Ray Data's DataUsageCollectionActor kept the rehearsal's cluster up)."""
+    import ray
+
+    root = pathlib.Path(ray.__file__).parent
+    sources = [f for pkg in ("data", "train", "serve") for f in (root / pkg).rglob("*.py")
+               if "tests" not in f.parts]
+    constants = {}
+    for f in root.rglob("*.py"):
+        for name, value in re.findall(r'^(\w*NAMESPACE\w*)\s*=\s*"([^"]+)"', f.read_text(),
+                                      re.M):
+            constants.setdefault(name, value)
+    used = set()
+    for f in sources:
+        text = f.read_text()
+        if 'lifetime="detached"' in text:
+            for ref in re.findall(r'namespace=("[^"]+"|\w+)', text):
+                used.add(ref.strip('"') if ref.startswith('"') else constants[ref])
+    assert used and used <= autostop.INTERNAL_NAMESPACES, used - autostop.INTERNAL_NAMESPACES
+
+
+
+
+def test_the_window_restarts_on_every_busy_look_and_counts_from_the_start(autostop,
+                                                                          monkeypatch):
+    looks = iter([["job a is running"], [], ["actor K is alive"], [], [], [], []])
+    monkeypatch.setattr(autostop, "busy_reasons", lambda ray, now, window: next(looks))
+    t = [1000.0]
+    said = []
+    reason = autostop.watch(None, minutes=1, poll_s=30, clock=lambda: t[0],
+                            sleep=lambda s: t.__setitem__(0, t[0] + s), out=said.append)
+    # Looks every 30 s: busy at 1000, idle at 1030, busy again at 1060 (the window restarts),
+    # idle from then on: the decision at the first look 60 s after the last busy one.
+    assert t[0] == 1060 + 60 and reason.startswith("idle for 1.0 min"), (t, reason)
+    assert said[0] == "busy: job a is running" and said[-1].startswith("idle since")
+
+
+def test_an_unreadable_state_is_never_idle(autostop, monkeypatch):
+    def broken(*_):
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(autostop, "busy_reasons", broken)
+    t = [0.0]
+    with pytest.raises(StopIteration):
+        ticks = iter(range(20))
+        autostop.watch(None, minutes=0.1, poll_s=30, clock=lambda: t[0],
+                       sleep=lambda s: (next(ticks), t.__setitem__(0, t[0] + s)), out=print)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cluster-name", "c", "--minutes", "-5"], "--minutes: must be more than 0, got -5"),
+    (["--cluster-name", "c", "--minutes", "5", "--storage", "gs://b"],
+     "--storage: must be s3://BUCKET[/PREFIX], got 'gs://b'"),
+    (["--cluster-name", "c", "--minutes", "5", "--poll-s", "0"],
+     "--poll-s: must be more than 0, got 0"),
+])
+def test_bad_settings_are_one_line_and_exit_2(argv, message):
+    proc = subprocess.run([sys.executable, "-I", str(REPO / "rayfleet" / "agents" /
+                                                    "autostop.py"), *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"autostop.py: error: {message}", \
+        proc.stderr
