@@ -214,9 +214,11 @@ def start_local(ray_temp_dir: Path, port: int, binary: str) -> LocalPrometheus:
     deadline = time.time() + READY_TIMEOUT_S
     while time.time() < deadline:
         if proc.poll() is not None:
+            from rayfleet.local import _last_line as last_line
+
             _state_file().unlink(missing_ok=True)
             raise ClusterError(f"prometheus exited with code {proc.returncode}: "
-                               f"{_last_line(log)} (full log: {log})")
+                               f"{last_line(log)} (full log: {log})")
         if ready(prom.url):
             return prom
         time.sleep(0.3)
@@ -253,14 +255,6 @@ def stop_local(timeout: float = 10.0) -> LocalPrometheus | None:
             pass
     _state_file().unlink(missing_ok=True)
     return prom
-
-
-def _last_line(log: Path) -> str:
-    try:
-        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return "(no log)"
-    return (lines or ["(empty log)"])[-1].strip()[:300]
 
 
 def info_lines(prom: LocalPrometheus, ray_temp_dir: Path) -> list[str]:
