@@ -286,7 +286,7 @@ def test_stack_output_schema(stack):
         "cluster_security_group_id", "efa_security_group_id", "operator_access",
         "operator_cidrs", "instance_profiles", "roles", "launch_templates", "node_types",
         "placement_group", "ami_id", "imds_hop_limit", "bucket", "bucket_arn",
-        "storage_uri", "kms_key_arn", "ray_ports", "budget_name"}
+        "storage_uri", "kms_key_arn", "ray_ports", "budget_name", "autostop_minutes"}
     assert (out["cluster_name"], out["region"]) == (c.cluster_name, c.region)
     assert out["storage_uri"] == f"s3://{out['bucket']}/{c.storage.key_prefix}"
     assert out["bucket"].startswith(c.storage.bucket_prefix)
@@ -297,6 +297,7 @@ def test_stack_output_schema(stack):
     assert nt["worker_ondemand"]["max_workers"] + nt["worker_spot"]["max_workers"] == \
         c.nodes.max_workers
     assert (out["budget_name"] is not None) == c.budget.enabled
+    assert out["autostop_minutes"] == c.autostop_minutes   # render's default for the stack
     assert out["ray_ports"]["gcs"] == [6379, 6379]
     json.dumps(out)  # plain JSON: what `pulumi stack output --json` hands render
 
