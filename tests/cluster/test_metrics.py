@@ -49,6 +49,13 @@ def stop_prometheus(home: Path) -> None:
             os.environ["RAYFLEET_HOME"] = old
 
 
+@pytest.fixture(scope="module", autouse=True)
+def prometheus_binary():
+    from tests.unit.test_metrics import installed_or_skip
+
+    return installed_or_skip()
+
+
 def test_taken_prometheus_port_is_one_line_and_starts_nothing(ray_cluster):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
