@@ -38,6 +38,19 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 300, cwd: Path
     return proc
 
 
+def wait_until(what: str, predicate, timeout: float = 60, interval: float = 0.3,
+               detail=lambda: ""):
+    """``predicate()``'s first truthy value, polled every ``interval`` s; fails naming
+    ``what`` (and ``detail()``, e.g. a log) after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{detail()}")
+
+
 def summary_of(stdout: str) -> dict:
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RAYFLEET_SUMMARY ")]
     assert lines, f"no summary line in output:\n{stdout[-3000:]}"

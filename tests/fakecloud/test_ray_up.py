@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import BIN, REPO, free_port, run, summary_of
+from tests.conftest import BIN, REPO, free_port, run, summary_of, wait_until
 
 from tests.moto.pulumi_moto import cluster_instances
 
@@ -152,16 +152,6 @@ def _tags(instance: dict) -> dict[str, str]:
     return {t["Key"]: t["Value"] for t in instance.get("Tags") or []}
 
 
-def _wait(predicate, timeout: float, what: str, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(interval)
-    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def test_cloud_path_on_the_fake_cloud(monkeypatch):
     try:
         require_tools()
@@ -256,8 +246,8 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         with step("ray dashboard (the tunnel)"):
             tunnels.append(_tunnel(op, env, cluster_yaml, dash, 8265, root / "tunnel-8265.log"))
             address = f"http://127.0.0.1:{dash}"
-            _wait(lambda: _http(address + "/api/version", token)[0] == 200, 60,
-                  "the dashboard through the tunnel")
+            wait_until("the dashboard through the tunnel",
+                       lambda: _http(address + "/api/version", token)[0] == 200, 60, 1.0)
             client["RAY_ADDRESS"] = address
 
         with step("a client without the token is refused"):
@@ -401,7 +391,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                 except Exception:   # noqa: BLE001 (not up yet)
                     return None
 
-            done = _wait(answered, 240, "lm to answer through the tunnel", interval=3)
+            done = wait_until("lm to answer through the tunnel", answered, 240, 3)
             assert done.choices[0].text and done.usage.completion_tokens >= 1, done
 
         with step("auto-stop: the idle cluster tears itself down, head included"):
@@ -410,8 +400,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             for t in tunnels:
                 os.killpg(t.pid, 15)
             # A minute idle, then the worker, then the head: no one runs `ray down`.
-            _wait(lambda: not cloud.nodes, 240, "auto-stop to terminate every node",
-                  interval=2)
+            wait_until("auto-stop to terminate every node", lambda: not cloud.nodes, 240, 2)
             up_started = False
             assert cluster_instances(ec2, cluster) == []
         with step("ray down -y after it (nothing left to do)"):

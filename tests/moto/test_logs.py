@@ -14,14 +14,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from rayfleet import cli
-from tests.conftest import BIN, REPO, run
+from tests.conftest import BIN, REPO, run, wait_until
 
 pytestmark = [pytest.mark.moto, pytest.mark.ray]
 
@@ -48,16 +47,6 @@ print("driver line two", flush=True)
 """
 
 
-def _wait(what: str, check, timeout: float = 60, poll: float = 0.3, why=lambda: ""):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(poll)
-    raise AssertionError(f"timed out waiting for {what}\n{why()}")
-
-
 def _get(s3, bucket: str, key: str) -> bytes | None:
     try:
         return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
@@ -82,7 +71,7 @@ class Agent:
         return self.log.read_text()
 
     def wait_for(self, what: str, line: str) -> None:
-        _wait(what, lambda: line in self.text(), why=self.text)
+        wait_until(what, lambda: line in self.text(), detail=self.text)
 
     def stop(self) -> list[str]:
         """SIGTERM: it makes its last copy and exits 0; its lines, each UTC-stamped."""
@@ -132,14 +121,14 @@ def shipped(ray_cluster, aws_env, s3_client, tmp_path_factory):
         # The bucket does not exist yet: one line per failed copy, and the agent keeps going.
         first.wait_for("a failed copy", f"{run_id}: copy failed, will retry")
         s3_client.create_bucket(Bucket=bucket)
-        _wait("a copy while the job runs, with the worker's log", copied_running,
-              why=first.text)
+        wait_until("a copy while the job runs, with the worker's log", copied_running,
+                   detail=first.text)
         running = json.loads(_get(s3_client, bucket, f"{logs}/job.json"))
         assert running["final"] is False and running["entrypoint"].startswith("python job.py")
         # Copies with nothing new upload nothing.
-        _wait("a copy with nothing changed", lambda: re.search(
+        wait_until("a copy with nothing changed", lambda: re.search(
             rf"{run_id}: copied \(RUNNING\) .*: 0 of \d+ files changed", first.text()),
-              why=first.text)
+                   detail=first.text)
         # Stopped while the job runs: a last copy of it on the way out.
         lines = first.stop()
         stopping = next(i for i, ln in enumerate(lines) if "stopping: a last copy" in ln)
