@@ -153,7 +153,8 @@ def check_model_folder(spec: str, flag: str, endpoint: str | None = None) -> dic
     """Check, without loading (or, for s3://, downloading) weights, that `spec` is a servable
     Hugging Face causal LM: config.json, weights, a tokenizer whose vocabulary fits the
     model's embedding. One line (ConfigError) otherwise. Returns what the checks read:
-    model_type, vocab_size, tokenizer_size, max_position_embeddings, chat_template."""
+    model_type, architectures, head_dim, vocab_size, tokenizer_size, max_position_embeddings,
+    chat_template, weights."""
     import shutil
 
     tmp = Path(tempfile.mkdtemp(prefix="rayfleet-hf-meta-"))
@@ -181,7 +182,12 @@ def check_model_folder(spec: str, flag: str, endpoint: str | None = None) -> dic
             raise ConfigError(flag, f"{spec}: the tokenizer has {len(tok)} tokens but the "
                                     f"model's vocab_size is {vocab} (a tokenizer from another "
                                     "model?); ids past the embedding cannot be served")
+        heads = getattr(text, "num_attention_heads", None)
+        head_dim = getattr(text, "head_dim", None) or (
+            getattr(text, "hidden_size", 0) // heads if heads else None)
         return {"model_type": getattr(config, "model_type", None), "vocab_size": vocab,
+                "architectures": list(getattr(config, "architectures", None) or []),
+                "head_dim": head_dim,
                 "tokenizer_size": len(tok),
                 "max_position_embeddings": getattr(text, "max_position_embeddings", None),
                 "chat_template": bool(getattr(tok, "chat_template", None)),

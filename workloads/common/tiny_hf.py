@@ -56,7 +56,7 @@ def make_model(folder: Path, vocab_size: int, *, hidden: int = 64, layers: int =
     hf_logging.disable_progress_bar()   # "Writing model shards" on stderr, for a tiny file
 
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
                       max_position_embeddings=256, tie_word_embeddings=False,
                       bos_token_id=getattr(tokenizer, "bos_token_id", None),
                       eos_token_id=getattr(tokenizer, "eos_token_id", None),

