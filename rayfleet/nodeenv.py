@@ -23,7 +23,7 @@ from pathlib import Path
 
 # The node venv the cluster YAML builds and every start command runs from.
 VENV = "~/rayfleet-venv"
-# pandas 3 and numpy 2.4 need 3.11; Ubuntu 22.04's python3 (the DLAMI's system Python) is 3.10.
+# pandas 3 and numpy 2.3 need 3.11; Ubuntu 22.04's python3 (the DLAMI's system Python) is 3.10.
 MIN_PYTHON = (3, 11)
 _REQ = re.compile(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*(==\s*([^;\s]+))?")
 
