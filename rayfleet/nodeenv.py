@@ -9,6 +9,11 @@ the Ansible role (its defaults, kept equal by a test) and ``rayfleet local up`` 
 the interpreter it starts Ray from). The kit's own code is not part of it: jobs bring it with
 ``--working-dir``, Serve apps from a package in the bucket (``rayfleet serve-config``).
 
+Its ``llm`` extra (``ray[llm]``: vLLM, CUDA) is read from the same metadata, for the nodes that
+run the ``llm`` Serve app: render installs it after the node environment on the head and the
+GPU node types, the Ansible role on heads and GPU workers. It is not part of :attr:`NodeEnv.all`
+(a CPU worker never gets it).
+
 This file is also run as a script by another interpreter (``python nodeenv.py REQ...``), to
 say what that interpreter lacks: keep it standard library only.
 """
@@ -32,6 +37,7 @@ _REQ = re.compile(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*(==\s*([^;\s]+))?")
 class NodeEnv:
     requirements: tuple[str, ...]   # installed first, torch among them
     after_torch: tuple[str, ...]    # then with --no-build-isolation (DeepSpeed)
+    llm: tuple[str, ...] = ()       # the `llm` extra: vLLM, on the head and GPU nodes only
 
     @property
     def all(self) -> tuple[str, ...]:
@@ -63,8 +69,10 @@ def load(pyproject: Path | None = None) -> NodeEnv:
         raise RayfleetError(f"{pyproject}: cannot read [project] ({e}); the node environment "
                             "is declared there") from None
     reqs = tuple(d.strip() for d in project.get("dependencies", []))
-    after = tuple(d.strip() for d in project.get("optional-dependencies", {}).get("deepspeed", []))
-    return _checked(reqs, after, str(pyproject))
+    extras = project.get("optional-dependencies", {})
+    after = tuple(d.strip() for d in extras.get("deepspeed", []))
+    llm = tuple(d.strip() for d in extras.get("llm", []))
+    return _checked(reqs, after, str(pyproject), llm)
 
 
 def _from_metadata() -> NodeEnv:
@@ -79,20 +87,36 @@ def _from_metadata() -> NodeEnv:
                             "the node environment: run `make setup` (or pip install the kit)") \
             from None
     reqs = tuple(r for r in lines if ";" not in r)
-    after = tuple(r.split(";")[0].strip() for r in lines
-                  if ";" in r and re.search(r"extra\s*==\s*['\"]deepspeed['\"]", r))
-    return _checked(reqs, after, "the installed rayfleet's metadata")
+
+    def extra(name: str) -> tuple[str, ...]:
+        return tuple(r.split(";")[0].strip() for r in lines
+                     if ";" in r and re.search(rf"extra\s*==\s*['\"]{name}['\"]", r))
+
+    return _checked(reqs, extra("deepspeed"), "the installed rayfleet's metadata", extra("llm"))
 
 
-def _checked(reqs: tuple[str, ...], after: tuple[str, ...], source: str) -> NodeEnv:
+def _checked(reqs: tuple[str, ...], after: tuple[str, ...], source: str,
+             llm: tuple[str, ...] = ()) -> NodeEnv:
     from rayfleet.errors import RayfleetError
 
-    for req in reqs + after:
+    for req in reqs + after + llm:
         m = _REQ.fullmatch(req)
         if not m or not m.group(3):
             raise RayfleetError(f"{source}: {req!r} is not pinned with ==; every package "
                                 "of the node environment is (rule 25: identical nodes)")
-    return NodeEnv(reqs, after)
+    env = NodeEnv(reqs, after, llm)
+    # ray[llm] is Ray itself: the GPU nodes' Ray must stay the one every node runs.
+    for req in llm:
+        if _normal(_REQ.match(req).group(1)) == "ray":
+            try:
+                ray = env.pin("ray")
+            except KeyError:
+                break
+            if _REQ.match(ray).group(4) != _REQ.match(req).group(4):
+                raise RayfleetError(f"{source}: the llm extra's {req!r} is not the node "
+                                    f"environment's Ray ({ray}); they must be one version "
+                                    "(rule 25)")
+    return env
 
 
 def missing(requirements: list[str] | tuple[str, ...]) -> list[str]:

