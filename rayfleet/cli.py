@@ -92,6 +92,9 @@ def _ops(sub: argparse._SubParsersAction) -> None:
                    help="run Prometheus on the head's loopback, scraping Ray's metrics "
                         "(reach it with `ray dashboard --remote-port "
                         f"{loopback_port('prometheus')} <yaml>`)")
+    p.add_argument("--no-llm", action="store_true",
+                   help="leave vLLM (pyproject.toml's llm extra) off the head and the GPU "
+                        "workers: nodes set up faster, and the llm Serve app cannot run")
 
     p = sub.add_parser("lint", help="check any Ray cluster YAML against the security rules")
     p.add_argument("config", help="Ray cluster-launcher YAML")
@@ -137,7 +140,8 @@ def _run_render(args: argparse.Namespace) -> int:
     path = render.render(args.outputs, out=args.out, token_file=args.token_file,
                          key_name=args.key_name, idle_timeout_minutes=args.idle_timeout,
                          create_token=not args.no_create_token,
-                         autostop_minutes=args.autostop_minutes, metrics=args.metrics)
+                         autostop_minutes=args.autostop_minutes, metrics=args.metrics,
+                         llm=not args.no_llm)
     print(f"wrote {path}")
     return 0
 

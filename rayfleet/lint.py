@@ -8,11 +8,18 @@ they are missing (ray/autoscaler/aws/defaults.yaml): no ``cache_stopped_nodes`` 
 instead of terminate; no SecurityGroupIds means Ray creates ``ray-autoscaler-<cluster>`` with
 SSH open to 0.0.0.0/0; no IamInstanceProfile means Ray attaches ``ray-autoscaler-v1`` with
 EC2 and S3 full access.
+
+One check is not a security rule's own but rides with rule 25 (the nodes' environment): when any
+node type declares GPUs, those types and the head should install vLLM (pyproject.toml's ``llm``
+extra, as `rayfleet render` does), or the ``llm`` Serve app fails on the head, where Serve
+imports it, or on the GPU node its replica lands on. A warning: a cluster that serves no LLM
+may leave it out (`rayfleet render --no-llm`).
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from rayfleet import catalog
+from rayfleet import catalog, nodeenv
 from rayfleet.errors import RayfleetError
 from rayfleet.facts import RAY_PORTS, SECRET_PATTERNS
 from rayfleet.rules import RULES
@@ -43,6 +50,97 @@ def _commands(cfg: dict, *keys: str) -> str:
         v = cfg.get(k) or []
         out.extend(str(c) for c in (v if isinstance(v, list) else [v]))
     return "\n".join(out)
+
+
+def _as_list(v: Any) -> list[str]:
+    return [str(c) for c in (v if isinstance(v, list) else [v] if v else [])]
+
+
+def _node_setups(cfg: dict) -> list[tuple[str, str, list[str]]]:
+    """(where, node type, setup commands) of the head and of each worker type, as `ray up` and
+    the autoscaler run them: the head runs setup_commands then head_setup_commands; a worker
+    type runs its own worker_setup_commands when it has them, and Ray takes those instead of
+    setup_commands + worker_setup_commands (ray/autoscaler/_private/autoscaler.py,
+    _get_node_type_specific_fields), else the global two."""
+    head = cfg.get("head_node_type")
+    out = [("head_setup_commands", str(head),
+            _as_list(cfg.get("setup_commands")) + _as_list(cfg.get("head_setup_commands")))]
+    for name, nt in (cfg.get("available_node_types") or {}).items():
+        if name == head:
+            continue
+        if "worker_setup_commands" in (nt or {}):
+            out.append((f"available_node_types.{name}.worker_setup_commands", name,
+                        _as_list(nt["worker_setup_commands"])))
+        else:
+            out.append((f"available_node_types.{name}.worker_setup_commands", name,
+                        _as_list(cfg.get("setup_commands"))
+                        + _as_list(cfg.get("worker_setup_commands"))))
+    return out
+
+
+_INSTALL = re.compile(r"\b(?:pip3?|uv\s+pip)\s+install\b")
+
+
+def _installed(commands: list[str]) -> list[str]:
+    """The requirement arguments of every pip install in the commands (flags left out)."""
+    reqs = []
+    for command in commands:
+        for part in re.split(r"&&|\|\||;|\|", command):
+            m = _INSTALL.search(part)
+            if not m:
+                continue
+            rest = part[m.end():]
+            try:
+                args = shlex.split(rest)
+            except ValueError:
+                args = rest.split()
+            reqs.extend(a for a in args if not a.startswith("-"))
+    return reqs
+
+
+def _unpinned_ray(commands: list[str]) -> list[str]:
+    """Ray installed without ==X.Y.Z (``ray``, ``ray[default]``, ``ray>=2``, ``-U ray``)."""
+    return [r for r in _installed(commands)
+            if (m := re.fullmatch(r"ray(\[[^\]]*\])?\s*([<>=!~;@].*)?", r, re.I))
+            and not (m.group(2) or "").startswith("==")]
+
+
+def _gpu_types(cfg: dict) -> list[str]:
+    out = []
+    for name, nt in (cfg.get("available_node_types") or {}).items():
+        res = (nt or {}).get("resources")
+        if isinstance(res, dict) and isinstance(res.get("GPU"), (int, float)) and res["GPU"] > 0:
+            out.append(name)
+    return out
+
+
+def _llm_findings(cfg: dict) -> list[Finding]:
+    """Each GPU node type and the head install vLLM (the llm extra), once a type has GPUs."""
+    gpu = set(_gpu_types(cfg))
+    if not gpu:
+        return []
+    try:
+        llm = nodeenv.load().llm
+    except RayfleetError:
+        return []   # no installed kit to read the extra from; the other checks still run
+    if not llm:
+        return []
+    f = []
+    for where, name, commands in _node_setups(cfg):
+        if name not in gpu and where != "head_setup_commands":
+            continue
+        lacking = [r for r in llm if r not in _installed(commands)]
+        if lacking:
+            who = "the head" if where == "head_setup_commands" else f"GPU node type {name}"
+            f.append(Finding(WARNING, 25, where,
+                             f"{who} does not install vLLM ({', '.join(lacking)}, "
+                             "pyproject.toml's llm extra): the llm Serve app fails "
+                             + ("where Serve imports it" if who == "the head" else
+                                "on the replicas placed here"),
+                             "install it after the node environment, as `rayfleet render` "
+                             "does (head_setup_commands, and each GPU type's "
+                             "worker_setup_commands)"))
+    return f
 
 
 def lint_config(cfg: dict[str, Any], text: str = "") -> list[Finding]:
@@ -121,8 +219,11 @@ def lint_config(cfg: dict[str, Any], text: str = "") -> list[Finding]:
                              "; a security group can only open ports it can name",
                              "pin every port as rayfleet.facts.RAY_PORTS lists"))
 
-    setup = _commands(cfg, "initialization_commands", "setup_commands", "head_setup_commands",
-                      "worker_setup_commands")
+    setup = "\n".join([_commands(cfg, "initialization_commands", "setup_commands",
+                                  "head_setup_commands", "worker_setup_commands")]
+                      + [_commands(nt or {}, "worker_setup_commands")
+                         for nt in node_types.values()])
+    unpinned = _unpinned_ray(setup.splitlines())
     if not re.search(r"\bray(\[[^\]]*\])?==\d+\.\d+\.\d+\b", setup):
         f.append(Finding(ERROR, 25, "setup_commands",
                          "Ray is not installed at a pinned version (==X.Y.Z): nodes can run a "
@@ -132,6 +233,12 @@ def lint_config(cfg: dict[str, Any], text: str = "") -> list[Finding]:
     elif re.search(r"ray-wheels|ray-\d+\.\d+\.\d+\.dev", setup):
         f.append(Finding(ERROR, 25, "setup_commands", "installs a nightly Ray wheel",
                          "pin the released version from pyproject.toml"))
+    elif unpinned:
+        f.append(Finding(ERROR, 25, "setup_commands",
+                         f"installs Ray without a pin ({', '.join(unpinned)}) besides the pinned "
+                         "one: the node's Ray is whichever install ran last",
+                         "pin every Ray install to the version in pyproject.toml (==X.Y.Z)"))
+    f.extend(_llm_findings(cfg))
 
     for pattern, what in SECRET_PATTERNS:
         for lineno, line in enumerate(text.splitlines(), 1):

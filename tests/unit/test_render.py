@@ -4,6 +4,7 @@ every ID from the outputs and nothing Ray would fill with a permissive default."
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import json
 import shlex
@@ -253,6 +254,89 @@ def test_setup_installs_exactly_the_node_environment(tmp_path, outputs):
     assert ray_start(onprem, "worker") == ray_start(cfg, "worker")
 
 
+def _pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+
+def _installs(command: str) -> list[str] | None:
+    """The requirements a `<venv>/bin/pip install --quiet --no-compile ...` command names."""
+    argv = shlex.split(command)
+    if argv[1:4] != ["install", "--quiet", "--no-compile"]:
+        return None
+    return [a for a in argv[4:] if not a.startswith("-")]
+
+
+def _effective_setup(cfg: dict) -> dict[str, list[str]]:
+    """What Ray runs to set up each node type, after its own preparation (prepare_config merges
+    setup_commands into head_setup_commands and worker_setup_commands) and with a type's own
+    worker_setup_commands taken as they are, as its autoscaler does
+    (StandardAutoscaler._get_node_type_specific_fields)."""
+    prepared = ray_validate(cfg)
+    out = {}
+    for name, nt in prepared["available_node_types"].items():
+        if name == prepared["head_node_type"]:
+            out[name] = prepared["head_setup_commands"]
+        else:
+            out[name] = nt.get("worker_setup_commands", prepared["worker_setup_commands"])
+    return out
+
+
+def test_vllm_on_the_head_and_every_gpu_type_after_the_node_environment(tmp_path, outputs):
+    _, cfg = rendered(tmp_path, outputs)
+    project = _pyproject()
+    deps, extras = project["dependencies"], project["optional-dependencies"]
+    llm = extras["llm"]
+    assert llm == ["ray[llm]==2.60.0"]   # Ray's own llm extra, at the node environment's Ray
+    setups = _effective_setup(cfg)
+    assert set(setups) == {"ray.head.default", "ray.worker.a100.spot", "ray.worker.a100.ondemand"}
+    for name, setup in setups.items():
+        installs = [_installs(c) for c in setup]
+        # The node environment first (a GPU type's own list replaces the global one, so it must
+        # carry it), DeepSpeed after torch, then vLLM with every node-environment pin held.
+        env_at = installs.index(deps)
+        deepspeed_at = next(i for i, c in enumerate(setup)
+                            if "--no-build-isolation" in c and extras["deepspeed"][0] in c)
+        (llm_at,) = [i for i, reqs in enumerate(installs) if reqs and llm[0] in reqs]
+        assert env_at < deepspeed_at < llm_at, (name, setup)
+        assert installs[llm_at] == llm + deps, name
+        assert (cfg["available_node_types"][name]["resources"]["GPU"] > 0
+                or name == cfg["head_node_type"])
+
+
+def test_a_cpu_worker_type_gets_no_vllm(outputs):
+    o = render.parse_outputs(json.dumps(outputs))
+    cpu = dataclasses.replace(o.node_types.worker_spot, gpus=0)
+    o = dataclasses.replace(o, node_types=dataclasses.replace(o.node_types, worker_spot=cpu))
+    cfg = render.plain(render.build_config(o, "t"))
+    types = cfg["available_node_types"]
+    assert types["ray.worker.a100.spot"]["resources"]["GPU"] == 0
+    assert "worker_setup_commands" not in types["ray.worker.a100.spot"]
+    setups = _effective_setup(cfg)
+    assert not any("ray[llm]" in c for c in setups["ray.worker.a100.spot"])
+    # It still gets the whole node environment; the GPU type and the head still get vLLM.
+    assert _pyproject()["dependencies"] in [_installs(c) for c in setups["ray.worker.a100.spot"]]
+    assert any("'ray[llm]==2.60.0'" in c for c in setups["ray.worker.a100.ondemand"])
+    assert any("'ray[llm]==2.60.0'" in c for c in setups["ray.head.default"])
+
+
+def test_no_llm_leaves_vllm_off_every_node(tmp_path):
+    from rayfleet import lint
+
+    out = tmp_path / "c.yaml"
+    assert cli.main(["render", str(EXAMPLE_OUTPUTS), "-o", str(out), "--token-file",
+                     str(tmp_path / "t"), "--no-llm"]) == 0
+    cfg = yaml.safe_load(out.read_text())
+    assert not any("ray[llm]" in c for setup in _effective_setup(cfg).values() for c in setup)
+    assert cfg["head_setup_commands"] == []
+    assert not any("worker_setup_commands" in nt for nt in cfg["available_node_types"].values())
+    # lint says what is missing, as a warning: a cluster that serves no LLM is not wrong.
+    findings = lint.lint_file(str(out))
+    assert {(f.severity, f.where) for f in findings} == {
+        (lint.WARNING, "head_setup_commands"),
+        (lint.WARNING, "available_node_types.ray.worker.a100.spot.worker_setup_commands"),
+        (lint.WARNING, "available_node_types.ray.worker.a100.ondemand.worker_setup_commands")}
+
+
 def test_pins_follow_pyproject(tmp_path, outputs):
     fake = tmp_path / "pyproject.toml"
     fake.write_text('[project]\ndependencies = ["ray[default]==9.9.9", "torch==1.2.3"]\n')
@@ -261,6 +345,17 @@ def test_pins_follow_pyproject(tmp_path, outputs):
     assert any(c.endswith("pip install --quiet --no-compile 'ray[default]==9.9.9' torch==1.2.3")
                for c in cfg["setup_commands"])
     assert not any("--no-build-isolation" in c for c in cfg["setup_commands"])
+    # No llm extra: nothing more on the head or the GPU types.
+    assert cfg["head_setup_commands"] == []
+    assert "worker_setup_commands" not in cfg["available_node_types"]["ray.worker.a100.spot"]
+    fake.write_text('[project]\ndependencies = ["ray[default]==9.9.9", "torch==1.2.3"]\n'
+                    '[project.optional-dependencies]\nllm = ["ray[llm]==9.9.9"]\n')
+    cfg = render.plain(render.build_config(o, "t", pyproject=fake))
+    assert cfg["head_setup_commands"] == [
+        "~/rayfleet-venv/bin/pip install --quiet --no-compile 'ray[llm]==9.9.9' "
+        "'ray[default]==9.9.9' torch==1.2.3"]
+    assert cfg["available_node_types"]["ray.worker.a100.spot"]["worker_setup_commands"][-1] \
+        == cfg["head_setup_commands"][0]
     fake.write_text('[project]\ndependencies = ["ray[default]==9.9.9", "torch>=1"]\n')
     with pytest.raises(render.RayfleetError, match="'torch>=1' is not pinned with =="):
         render.build_config(o, "t", pyproject=fake)
@@ -271,11 +366,16 @@ def test_every_non_obvious_field_has_a_comment_above():
     for field in ("cache_stopped_nodes:", "use_internal_ips:", "ssh_proxy_command:",
                   "SubnetIds:", "SecurityGroupIds:", "IamInstanceProfile:", "LaunchTemplate:",
                   "resources:", "file_mounts:", "setup_commands:", "head_start_ray_commands:",
-                  "idle_timeout_minutes:", "InstanceMarketOptions:"):
+                  "idle_timeout_minutes:", "InstanceMarketOptions:", "head_setup_commands:"):
         idx = [i for i, ln in enumerate(text) if ln.strip().startswith(field)]
         assert idx, field
         for i in idx:
             assert text[i - 1].strip().startswith("#"), f"no comment above {field} (line {i+1})"
+    # A node type's own setup list (the GPU types'), not the empty global one.
+    idx = [i for i, ln in enumerate(text) if ln.startswith("    worker_setup_commands:")]
+    assert len(idx) == 2
+    for i in idx:
+        assert text[i - 1].strip().startswith("#"), f"no comment above line {i+1}"
 
 
 def test_stdin_and_pulumi_shape_and_bare_object(tmp_path, outputs):
