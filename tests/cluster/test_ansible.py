@@ -88,6 +88,9 @@ def _node_vars(root: Path, temp_dir: str = "", venv: Path | None = None) -> dict
         "ray_node_temp_dir": temp_dir,
         "ray_node_node_ip_address": "127.0.0.1",
         "ray_node_num_cpus": 2,
+        # vLLM (ray[llm]) is CUDA's and gigabytes: the test machine's nodes go without it (the
+        # kit's venv has the CPU build, `make setup`'s llm-cpu extra).
+        "ray_node_install_llm": False,
         "ray_node_object_store_memory": 100 * 2**20,
         **{f"ray_node_{p}_port": free_port() for p in PORTS},
     }
@@ -119,8 +122,12 @@ def test_role_installs_the_node_environment_pyproject_pins():
     ray = f"ray[{','.join(defaults['ray_node_ray_extras'])}]=={pin}"
     assert [ray, *defaults["ray_node_pip_packages"]] == list(env.requirements)
     assert defaults["ray_node_pip_packages_after_torch"] == list(env.after_torch)
+    # vLLM on heads and GPU workers: pyproject.toml's llm extra, as render installs it.
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert defaults["ray_node_llm_packages"] == list(env.llm) == extras["llm"]
     for name in ("ray_node_ray_version", "ray_node_ray_extras", "ray_node_pip_packages",
-                 "ray_node_pip_packages_after_torch"):
+                 "ray_node_pip_packages_after_torch", "ray_node_llm_packages"):
         assert spec[name]["default"] == defaults[name], name
 
 
@@ -157,6 +164,7 @@ def test_playbook_syntax_and_example_inventory(ansible_env):
     ({"ray_node_role": "boss"},
      "value of ray_node_role must be one of: head, worker, got: boss"),
     ({"ray_node_dashboard_port": "http"}, "ray_node_dashboard_port"),
+    ({"ray_node_install_llm": "maybe"}, "ray_node_install_llm"),
     ({"ray_node_drain_timeout": 30}, "ray_node_drain_timeout (30) must be 0 or more and below "
                                      "ray_node_stop_timeout (30)"),
 ])
