@@ -1,10 +1,13 @@
-"""The `lm` app serving a Hugging Face run's export from S3 (the moto server) on the session's
-real Ray cluster, through the real `openai` client: a few DDP steps of the tiny Llama write
-their checkpoints and the hf/ export to S3; the app serves that run's checkpoint; greedy
-completions equal what transformers' own `generate` gives for the downloaded export, usage
-counts the tokenizer's tokens, chat goes through the tokenizer's chat template, streaming joins
-to the same text, concurrent prompts of different lengths decode in one batch with the same
-answers, and the vLLM config points at the same export."""
+"""The `lm` app and the `llm` app (real vLLM, its CPU build) serving a Hugging Face run's export
+from S3 (the moto server) on the session's real Ray cluster, through the real `openai` client:
+a few DDP steps of the tiny Llama write their checkpoints and the hf/ export to S3; lm serves
+that run's checkpoint, llm the config `workloads.serve.llm_config --device cpu` writes for the
+run folder (a cloud mirror each vLLM replica downloads); greedy completions of both equal what
+transformers' own `generate` gives for the downloaded export, usage counts the tokenizer's
+tokens (also as the last streamed chunk when `stream_options.include_usage` asks), chat goes
+through the tokenizer's chat template, streaming joins to the same text, concurrent prompts of
+different lengths decode in one batch with the same answers, and unknown models and too-long
+prompts are OpenAI errors."""
 
 from __future__ import annotations
 
@@ -12,12 +15,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import BIN, run, summary_of
-from tests.workloads.conftest import deploy_lm, serve_shutdown
+from tests.conftest import BIN, run, summary_of, wait_until
+from tests.workloads.conftest import deploy_lm, post_json, serve_shutdown
 
 pytestmark = pytest.mark.ray
 MODEL = "tiny-llama"
+LLM_MODEL = "tiny-llama-vllm"
 PROMPT = "def main(self):"
+# Where lm's Serve config was written: the llm app is deployed beside it, in the same config
+# (`serve deploy` replaces every app with the file's, and the HTTP port is the cluster's).
+DEPLOYED: dict = {}
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +51,52 @@ def hf_uri(trained) -> str:
 @pytest.fixture(scope="module")
 def lm_url(ray_cluster, aws_env, trained, tmp_path_factory):
     # The run's checkpoint, as README's serve-config example gives it: served from its hf/.
-    url = deploy_lm(ray_cluster, trained["checkpoint"], tmp_path_factory.mktemp("serve-hf"),
+    DEPLOYED["dir"] = tmp_path_factory.mktemp("serve-hf")
+    url = deploy_lm(ray_cluster, trained["checkpoint"], DEPLOYED["dir"],
                     env_vars=aws_env, model_name=MODEL, batch_wait_timeout_s=0.3)
     yield url
     serve_shutdown(ray_cluster)
+
+
+@pytest.fixture(scope="module")
+def llm_url(ray_cluster, aws_env, trained, lm_url):
+    """The llm app as a user makes it: the generator run against the live cluster (it checks
+    the replica fits there) on the run folder in S3, then `serve deploy` of that app beside lm
+    under /llm. Ready when vLLM answers a completion."""
+    import yaml
+
+    out = DEPLOYED["dir"] / "llm.yaml"
+    gen = run([str(BIN / "python"), "-m", "workloads.serve.llm_config", "--device", "cpu",
+               "--model-id", LLM_MODEL, "--model-source", trained["run_path"],
+               "--max-model-len", "256", "--engine-kwarg", "dtype=float32",
+               "--max-replicas", "1", "--output", str(out)],
+              env={**ray_cluster["env"], **aws_env}, timeout=180)
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    assert f"wrote {out}: {LLM_MODEL}, 1 CPUs per replica" in gen.stdout
+    app = yaml.safe_load(out.read_text())["applications"][0]
+    assert app["args"]["llm_configs"][0]["model_loading_config"]["model_source"] == {
+        "bucket_uri": trained["hf_export"]}
+    config = yaml.safe_load((DEPLOYED["dir"] / "lm.yaml").read_text())
+    config["applications"].append({**app, "route_prefix": "/llm",
+                                   "runtime_env": {"env_vars": dict(aws_env)}})
+    both = DEPLOYED["dir"] / "lm-and-llm.yaml"
+    both.write_text(yaml.safe_dump(config))
+    run([str(BIN / "serve"), "deploy", str(both)], env=ray_cluster["env"], check=True,
+        timeout=120)
+    url = lm_url + "/llm"
+
+    def answers():
+        try:
+            status, _ = post_json(url + "/v1/completions",
+                                  {"model": LLM_MODEL, "prompt": "x", "max_tokens": 1})
+            return status == 200
+        except OSError:
+            return False
+
+    wait_until("the llm app's first vLLM completion", answers, timeout=300, interval=2,
+               detail=lambda: run([str(BIN / "serve"), "status"],
+                                  env=ray_cluster["env"]).stdout[-3000:])
+    return url
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +113,20 @@ def export_dir(hf_uri, s3_client, checkpoint_bucket, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def client(lm_url):
+def _client(url: str):
     import openai
 
-    return openai.OpenAI(base_url=lm_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(lm_url):
+    return _client(lm_url)
+
+
+@pytest.fixture(scope="module")
+def llm_client(llm_url):
+    return _client(llm_url)
 
 
 @pytest.fixture(scope="module")
@@ -100,63 +158,90 @@ def test_models_reports_the_models_context(client, lm_url, hf_uri):
     assert data["checkpoint"] == hf_uri
 
 
-def test_llm_config_points_vllm_at_the_runs_s3_export(trained, hf_uri, aws_env, monkeypatch,
-                                                      tmp_path):
-    """The vLLM config for the same run, given its run folder in S3: a cloud mirror of the
-    export, checked offline against the export's files and context."""
-    import yaml
-
+def test_llm_config_refuses_a_context_longer_than_the_s3_exports(trained, aws_env,
+                                                                 monkeypatch, capsys):
+    """Checked in S3 from the run folder, before anything is deployed."""
     from workloads.serve import llm_config
 
     for key, value in aws_env.items():
         monkeypatch.setenv(key, value)
-    out = tmp_path / "llm.yaml"
-    run_folder = trained["run_path"]
-    assert llm_config.main(["--model-id", "serve-hf", "--model-source", run_folder,
-                            "--max-model-len", "256", "--output", str(out)]) == 0
-    llm = yaml.safe_load(out.read_text())["applications"][0]["args"]["llm_configs"][0]
-    assert llm["model_loading_config"]["model_source"] == {"bucket_uri": hf_uri}
-    assert llm_config.main(["--model-id", "serve-hf", "--model-source", run_folder,
-                            "--max-model-len", "4096", "--output", str(out)]) == 2
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert llm_config.main(["--device", "cpu", "--model-id", "serve-hf", "--model-source",
+                            trained["run_path"], "--max-model-len", "4096"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("is more than the model's max_position_embeddings 256 "
+                        f"({trained['hf_export']})") and len(err.splitlines()) == 1, err
 
 
-def test_greedy_completion_is_what_transformers_generates(client, local):
+@pytest.fixture(scope="module", params=["lm", "llm"])
+def api(request, local):
+    """Each app with the model name clients give it: the same tests hold for both."""
+    if request.param == "lm":
+        return request.getfixturevalue("client"), MODEL
+    return request.getfixturevalue("llm_client"), LLM_MODEL
+
+
+def test_greedy_completion_is_what_transformers_generates(api, local):
+    client, model = api
     tok, greedy = local
     ids = tok(PROMPT).input_ids
     text, n = greedy(ids, 16)
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0)
     assert r.choices[0].text == text
     assert r.usage.prompt_tokens == len(ids)
     assert r.usage.completion_tokens == n
     assert r.choices[0].finish_reason == ("length" if n == 16 else "stop")
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
-                                            temperature=0, stream=True))
-    assert len([c for c in chunks if c.choices[0].text]) > 2    # token by token
-    assert "".join(c.choices[0].text for c in chunks) == text
+    chunks = list(client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 2  # token by token
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    # OpenAI's usage chunk: the last, with no choices, counting what the plain answer counts.
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(ids), n)
+    assert all(c.usage is None for c in chunks[:-1])
     # Sampling with a seed: the stream joins to the same text as the plain answer.
-    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, seed=5)
-    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, seed=5,
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, seed=5)
+    streamed = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, seed=5,
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
 
 
-def test_chat_uses_the_tokenizers_template(client, local):
+def test_chat_uses_the_tokenizers_template(api, local):
+    client, model = api
     tok, greedy = local
     messages = [{"role": "user", "content": "Repeat the word echo twice."}]
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered.endswith("<|assistant|>\n")
     ids = tok(rendered, add_special_tokens=False).input_ids
     text, n = greedy(ids, 10)
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=10,
                                        temperature=0)
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == text
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == n
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages,
-                                                 max_tokens=10, temperature=0, stream=True))
+    chunks = list(client.chat.completions.create(
+        model=model, messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
-    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
+    assert chunks[-1].choices == []
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(ids), n)
+
+
+def test_an_unknown_model_and_too_long_a_prompt_are_openai_errors(api):
+    import openai
+
+    client, model = api
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
+    assert "no-such-model" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="word " * 400, max_tokens=2)
+    assert "256" in e.value.message
+    if model == MODEL:   # lm's own words; vLLM's differ
+        assert e.value.code == "context_length_exceeded" and "256 tokens" in e.value.message
 
 
 def test_concurrent_prompts_of_different_lengths_batch_with_the_same_answers(client, local):
@@ -171,11 +256,3 @@ def test_concurrent_prompts_of_different_lengths_batch_with_the_same_answers(cli
         results = list(pool.map(one, prompts))
     assert [r.choices[0].text for r in results] == expected
     assert max(r.model_extra["rayfleet"]["batch_size"] for r in results) > 1
-
-
-def test_too_long_a_prompt_is_an_openai_error(client):
-    import openai
-
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="word " * 400, max_tokens=2)
-    assert e.value.code == "context_length_exceeded" and "256 tokens" in e.value.message

@@ -18,12 +18,15 @@ import socket
 
 from workloads.serve.app_args import builder_errors
 
+# By name: that module imports ray.serve.llm's internals, which need vLLM.
+INGRESS = "workloads.serve.llm_ingress:OpenAIErrorsIngress"
+
 
 @builder_errors("llm")
 def app_builder(args: dict):
     """Serve config entry point (`import_path: workloads.serve.llm:app_builder`)."""
     from rayfleet.errors import RayfleetError
-    from workloads.serve.llm_config import check_args, live_nodes
+    from workloads.serve.llm_config import check_args, cluster_nodes
 
     try:
         from ray.serve.llm import build_openai_app
@@ -32,4 +35,9 @@ def app_builder(args: dict):
             f"vLLM cannot be imported on {socket.gethostname()}, the node where Serve builds "
             f"apps (the head) ({str(e).splitlines()[0]}); install the kit's `llm` extra there "
             "(GPU clusters: rayfleet render does; CPU: `llm-cpu`)") from None
-    return build_openai_app(check_args(args, live_nodes(), "this cluster"))
+    nodes, where = cluster_nodes()
+    checked = check_args(args, nodes, where)
+    # OpenAI's error body for an unknown model too (llm_ingress.py), unless the config
+    # chose its own ingress.
+    checked.setdefault("ingress_cls_config", {"ingress_cls": INGRESS})
+    return build_openai_app(checked)

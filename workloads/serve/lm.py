@@ -257,9 +257,17 @@ class LMServer(LMCore):
 
         if body.stream:
             async def events():
+                texts = []
                 for index, req in enumerate(reqs):
+                    parts = []
                     async for delta, finish, batch in self._run(req):
+                        parts.append(delta)
                         yield sse(chunk(index, delta, finish, batch))
+                    texts.append("".join(parts))
+                if body.wants_usage_chunk():
+                    yield sse({"id": rid, "object": "text_completion", "created": created,
+                               "model": self.model_name, "choices": [],
+                               "usage": self._usage(reqs, texts)})
                 yield SSE_DONE
             return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -279,16 +287,21 @@ class LMServer(LMCore):
             rid, created = new_id("chatcmpl"), int(time.time())
 
             async def events():
-                first = True
+                first, parts = True, []
                 async for delta, finish, batch in self._run(req):
                     d = {"role": "assistant", "content": delta} if first else (
                         {"content": delta} if delta else {})
                     first = False
+                    parts.append(delta)
                     yield sse({"id": rid, "object": "chat.completion.chunk",
                                 "created": created, "model": self.model_name,
                                 "rayfleet": {"batch_size": batch},
                                 "choices": [{"index": 0, "delta": d, "logprobs": None,
                                              "finish_reason": finish}]})
+                if body.wants_usage_chunk():
+                    yield sse({"id": rid, "object": "chat.completion.chunk",
+                               "created": created, "model": self.model_name, "choices": [],
+                               "usage": self._usage([req], ["".join(parts)])})
                 yield SSE_DONE
             return StreamingResponse(events(), media_type="text/event-stream")
         text, finish, batch = await self._collect(req)

@@ -49,6 +49,12 @@ def check_model(requested: str, served: str) -> None:
 
 # --------------------------------------------------------------------------- requests
 
+class StreamOptions(BaseModel):
+    # Clients that count tokens while streaming (LangChain, LiteLLM) ask for a last chunk
+    # carrying `usage` (and `choices: []`), as OpenAI sends it.
+    include_usage: bool = False
+
+
 class SamplingRequest(BaseModel):
     """What completions and chat requests share: the model and how to sample."""
     model: str
@@ -56,11 +62,15 @@ class SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def wants_usage_chunk(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(SamplingRequest):
