@@ -363,8 +363,8 @@ def live_check(llm: dict) -> None:
     import os
 
     address = os.environ.get("RAY_ADDRESS")
-    if not address:
-        return
+    if not address or address.startswith(("http://", "https://")):
+        return   # none, or the Jobs API's address (a tunnel to a remote cluster): no GCS here
     import ray
 
     try:
