@@ -131,3 +131,11 @@ def test_a_replica_that_no_node_set_can_hold_is_refused():
                                                 "strategy": "STRICT_PACK"}}
     with pytest.raises(llm_config.ConfigError, match="on one node"):
         llm_config.check_placement([strict], two_nodes, "x")
+    cpu = {"model_loading_config": {"model_id": "m"},
+           "engine_kwargs": {"kv_cache_memory_bytes": 8 << 30},
+           "placement_group_config": {"bundle_per_worker": {"CPU": 1}, "strategy": "STRICT_PACK"},
+           "deployment_config": {"ray_actor_options": {"num_cpus": 0}}}
+    llm_config.check_placement([cpu], [{"CPU": 4, "memory": 16 << 30}], "x")
+    with pytest.raises(llm_config.ConfigError, match="KV cache is 8.0 GiB; the largest node of x "
+                                                     "has 4.0 GiB for Ray: lower --kv-cache-gib"):
+        llm_config.check_placement([cpu], [{"CPU": 4, "memory": 4 << 30}], "x")

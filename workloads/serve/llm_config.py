@@ -327,6 +327,15 @@ def check_placement(llms: list[dict], nodes: list[dict], where: str) -> None:
         if any(not any(fits(n, b) for n in nodes) for b in bundles) or not fits(total, need):
             raise ConfigError("placement", f"a {model} replica needs {say(need)}; {where} has "
                               f"{say(total)} in all")
+        # On CPU the KV cache lives in the node's RAM (Ray's `memory` resource, where the
+        # nodes report it): a cache no node can hold fails vLLM's start on every try.
+        kv = (llm.get("engine_kwargs") or {}).get("kv_cache_memory_bytes")
+        memories = [n["memory"] for n in nodes if n.get("memory")]
+        if device_of(llm) == "cpu" and kv and memories and int(kv) > max(memories):
+            raise ConfigError("placement", f"a {model} replica's KV cache is "
+                              f"{int(kv) / (1 << 30):.1f} GiB; the largest node of {where} has "
+                              f"{max(memories) / (1 << 30):.1f} GiB for Ray: lower "
+                              "--kv-cache-gib")
 
 
 def node_capacity(path: str) -> list[dict]:
