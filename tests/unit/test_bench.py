@@ -264,3 +264,98 @@ def test_spot_notice_work_redone_ratio_and_its_section():
     # Nothing redone with the notice: no ratio to divide by.
     assert spot_notice.summarize(run(33, 33, 500, checkpoint_step=33,
                                      notice_to_checkpoint_s=0.8), run(20, 33, 500))["ratio"] is None
+
+
+def test_llm_serve_ratios_stream_batching_pick_and_its_section():
+    from bench import llm_serve
+
+    def r(ttft, rps):
+        return {"n": 20, "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft, "latency_p50_ms": 90.0,
+                "rps": rps, "tok_s": 32 * rps, "tokens_per_request": 32.0,
+                "cpu_serving_ms_per_req": 3.0, "cpu_engine_ms_per_req": 9.5}
+
+    cell = llm_serve.cell_stats([{"ttft": 0.010, "latency": 0.050, "tokens": 32}] * 9
+                                + [{"ttft": None, "latency": 0.100, "tokens": 0}], 2.0, [0.5, 1.0])
+    assert cell["ttft_p50_ms"] == 10.0 and cell["latency_p50_ms"] == 50.0
+    assert cell["rps"] == 5.0 and cell["tok_s"] == 144.0 and cell["tokens_per_request"] == 28.8
+    assert cell["cpu_serving_ms_per_req"] == 50.0 and cell["cpu_engine_ms_per_req"] == 100.0
+    results = {"bare": {1: r(20.0, 25.0), 32: r(100.0, 200.0)},
+               "llm0": {1: r(23.0, 20.0), 32: r(300.0, 100.0)},
+               "llm10": {1: r(26.0, 21.0), 32: r(250.0, 150.0)},
+               "llm50": {1: r(70.0, 15.0), 32: r(200.0, 190.0)},
+               "lm": {1: r(60.0, 10.0), 32: r(400.0, 50.0)}}
+    cmp = llm_serve.compare(results, "llm0")
+    assert cmp["ttft_p50_over_bare_ms"]["llm0/c1"] == 3.0
+    assert cmp["ttft_p99_over_bare_ms"]["llm50/c1"] == 100.0
+    assert cmp["rps_vs_bare"]["llm50/c32"] == 0.95 and "bare/c1" not in cmp["rps_vs_bare"]
+    assert cmp["lm_vs_llm"]["c32"] == {"rps": 0.5, "ttft_p50_ms": 100.0}
+    # TTFT first (within 5 ms of the lowest), then requests/s at c=32: 10 ms, not 50.
+    assert llm_serve.recommendation((0, 10, 50), cmp) == {"ms": 10, "meets_ttft_goal": False}
+    assert llm_serve.recommendation((0, 50), cmp) == {"ms": 0, "meets_ttft_goal": True}
+    out = {"command": "python -m bench.llm_serve", "results": results, **cmp,
+           "recommendation": llm_serve.recommendation((0, 10, 50), cmp),
+           "stream_ms": [0, 10, 50], "startup": {"eager": {"median_s": 40.0, "runs_s": [40.0]}},
+           "rounds": 2, "ttft_requests": 50, "requests_per_worker": 4, "max_tokens": 32,
+           "model": {"hidden": 64, "layers": 2}, "engine_kwargs": {"dtype": "float32"},
+           "kit_stream_batching_ms": 0, "load_before": 0.5, "load_avg": 1.0}
+    text = llm_serve.section(out, "2026-11-25", "2 cores")
+    assert "TTFT\noverhead <= 5 ms at c=1 —\nmet (+3 ms p50" in text
+    assert "throughput >= 0.9 of bare at c=32 —\n**missed** (0.5x)" in text
+    assert "| `llm`, 50 ms (Ray's default) | 32 | 200 ms / 400 ms | 90 ms | 190.0 |" in text
+    assert "| 3 + 9.5 | +200 ms, 0.5x |" in text           # llm0 at c=32
+    assert "| 10 | +6 ms / +12 ms | - / +150 ms | -x / 0.75x |" in text
+    assert "this run picks **10 ms** (whose TTFT is not within 5 ms of bare" in text
+    assert "| `enforce_eager: true`, empty cache | 40.0 s | 40.0 s |" in text
+    # Its section is replaced in place, the rest of the file kept; make bench keeps it.
+    md = f"# B\n\nbefore\n\n{text}\n\nafter\n"
+    assert llm_serve.section_of(md) == text and llm_serve.section_of("# B\n") == ""
+
+
+def test_llm_serve_bare_server_gets_the_generated_engine_arguments():
+    from pathlib import Path
+
+    from bench import llm_serve
+
+    cmd = llm_serve.bare_command(Path("/m"), 8001, {
+        "tensor_parallel_size": 1, "max_model_len": 256, "kv_cache_memory_bytes": 536870912,
+        "dtype": "float32", "enforce_eager": True, "enable_prefix_caching": False})
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    flags = cmd[cmd.index("8001") + 1:]
+    assert flags == ["--tensor-parallel-size", "1", "--max-model-len", "256",
+                     "--kv-cache-memory-bytes", "536870912", "--dtype", "float32",
+                     "--enforce-eager"]
+    assert llm_serve.stream_list("50,0, 10") == (0.0, 10.0, 50.0)
+
+
+def test_llm_serve_counts_cpu_of_its_own_sides_processes():
+    from bench import llm_serve
+
+    procs = {10: (1, "python -m vllm.entrypoints.openai.api_server --model m"),
+             11: (10, "VLLM::EngineCore"), 12: (11, "VLLM::Worker"),
+             20: (2, "ray::ProxyActor"), 21: (2, "ray::ServeReplica:llm-0ms:OpenAIErrorsIngress"),
+             22: (2, "ray::ServeReplica:llm-0ms:LLMServer:tiny"), 23: (22, "VLLM::EngineCore"),
+             24: (23, "VLLM::Worker"), 25: (2, "ray::ServeReplica:llm-50ms:LLMServer:tiny"),
+             26: (2, "ray::ServeReplica:lm:LMServer")}
+    assert llm_serve.side_processes("bare", 10, None, procs) == {"serving": [10],
+                                                                 "engine": [11, 12]}
+    got = llm_serve.side_processes("llm0", 10, None, procs)
+    assert sorted(got["serving"]) == [20, 21, 22] and sorted(got["engine"]) == [23, 24]
+    assert sorted(llm_serve.side_processes("lm", 10, None, procs)["serving"]) == [20, 26]
+    assert llm_serve.cpu_seconds([os.getpid()]) > 0
+    assert llm_serve.cpu_seconds([2**22 + 7]) == 0.0  # gone: nothing to count
+
+
+def test_llm_serve_bad_flags_are_one_line_and_exit_2():
+    import subprocess
+    import sys
+
+    from workloads.serve.llm_config import STREAM_BATCHING_MS
+
+    without_kit = str(STREAM_BATCHING_MS + 7)  # the kit's own interval is always measured
+    for flags, says in [(["--rounds", "1"], "at least 2"), (["--stream-ms", "x"], "0,50"),
+                        (["--stream-ms", without_kit], f"must include {STREAM_BATCHING_MS:g}")]:
+        proc = subprocess.run([sys.executable, "-m", "bench.llm_serve", *flags],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+        assert proc.stdout == ""
