@@ -385,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         data_throughput,
         data_tokenize,
         gpu,
+        llm_serve,
         serve_latency,
         spot_notice,
         train_overhead,
@@ -403,12 +404,15 @@ def main(argv: list[str] | None = None) -> None:
     # Benchmark 5 needs two nodes: its own throwaway clusters, after the shared one is down.
     sp = spot_notice.main([])
     text = render(t, d, s, args.quick, (time.perf_counter() - t0) / 60)
-    # The GPU section comes from `python -m bench.gpu` on a CUDA machine: kept as it is.
+    # The GPU section comes from `python -m bench.gpu` on a CUDA machine, the Serve LLM one
+    # from `python -m bench.llm_serve --write` (vLLM, ~15 min): both kept as they are.
     md = REPO / "BENCHMARKS.md"
     old = md.read_text() if md.exists() else ""
+    llm = llm_serve.section_of(old)
     text = (text.rstrip("\n") + "\n\n" + gpu.gpu_section_of(old) + "\n\n"
             + spot_notice.section(sp, sp["notice_at"], sp["kill_at"],
-                                  datetime.date.today().isoformat(), machine()) + "\n")
+                                  datetime.date.today().isoformat(), machine()) + "\n"
+            + (f"\n{llm}\n" if llm else ""))
     md.write_text(text)
     print(text)
 
