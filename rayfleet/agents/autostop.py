@@ -62,7 +62,12 @@ INTERNAL_NAMESPACES = frozenset({
     "ray.dataset",                      # Ray Data: batch prefetchers
     "ray_data_shuffle_disk",            # Ray Data: disk shuffle file servers
     "_train_state_actor",               # Ray Train: run state for the dashboard
+    "llm_serve_telemetry",              # Serve LLM (the llm app): usage telemetry
+    "llm_batch_telemetry",              # Ray Data LLM: usage telemetry
 })
+# Serve LLM's per-app actors ("serve::<app>::<deployment>": the prefix-aware router's tree); the
+# app itself is counted apart, while it is deployed.
+INTERNAL_NAMESPACE_PREFIXES = ("serve::",)
 LIVE_ACTOR_STATES = ("ALIVE", "PENDING_CREATION", "DEPENDENCIES_UNREADY", "RESTARTING")
 DONE_TASK_STATES = frozenset({"FINISHED", "FAILED"})
 LIVE_JOB_STATES = frozenset({"PENDING", "RUNNING"})
@@ -120,7 +125,8 @@ def busy_reasons(ray: Dashboard, now_s: float, window_s: float) -> list[str]:
     reasons += [f"Serve application {name!r} is deployed" for name in sorted(apps)]
     internal_actors = set()
     for actor in ray.state("actors"):
-        if actor.get("ray_namespace") in INTERNAL_NAMESPACES:
+        namespace = actor.get("ray_namespace") or ""
+        if namespace in INTERNAL_NAMESPACES or namespace.startswith(INTERNAL_NAMESPACE_PREFIXES):
             internal_actors.add(actor["actor_id"])
         elif actor.get("state") in LIVE_ACTOR_STATES:
             reasons.append(f"actor {actor.get('class_name')} ({actor['actor_id'][:8]}, "

@@ -22,13 +22,14 @@ def autostop():
 
 
 def test_every_detached_actor_namespace_of_rays_libraries_is_known(autostop):
-    """Ray Data, Train and Serve leave detached actors behind after a job; each of their
-    namespaces must be in INTERNAL_NAMESPACES, or an idle cluster would never stop (found
-    once: Ray Data's DataUsageCollectionActor kept the rehearsal's cluster up)."""
+    """Ray Data, Train, Serve and Serve LLM leave detached actors behind after a job or an app;
+    each of their namespaces must be in INTERNAL_NAMESPACES, or an idle cluster would never
+    stop (found twice: Ray Data's DataUsageCollectionActor, and Serve LLM's TelemetryAgent after
+    the llm app was deleted, kept the rehearsal's cluster up)."""
     import ray
 
     root = pathlib.Path(ray.__file__).parent
-    sources = [f for pkg in ("data", "train", "serve") for f in (root / pkg).rglob("*.py")
+    sources = [f for pkg in ("data", "train", "serve", "llm") for f in (root / pkg).rglob("*.py")
                if "tests" not in f.parts]
     constants = {}
     for f in root.rglob("*.py"):
@@ -40,8 +41,14 @@ def test_every_detached_actor_namespace_of_rays_libraries_is_known(autostop):
         text = f.read_text()
         if 'lifetime="detached"' in text:
             for ref in re.findall(r'namespace=("[^"]+"|\w+)', text):
+                if ref == "actor_namespace":   # built per app: "serve::<app>::<deployment>"
+                    assert '[SERVE_NAMESPACE]' in text and '"::".join' in text, f
+                    used.add("serve::")
+                    continue
                 used.add(ref.strip('"') if ref.startswith('"') else constants[ref])
-    assert used and used <= autostop.INTERNAL_NAMESPACES, used - autostop.INTERNAL_NAMESPACES
+    known = autostop.INTERNAL_NAMESPACES | set(autostop.INTERNAL_NAMESPACE_PREFIXES)
+    assert used and used <= known, used - known
+    assert {"llm_serve_telemetry", "serve::"} <= used
 
 
 
