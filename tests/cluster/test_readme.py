@@ -99,7 +99,8 @@ def test_demo_hf_runs_the_hugging_face_sections_blocks():
     page, text = find_section("Your own Hugging Face model", REPO)
     assert page == "docs/workloads.md"
     blocks = [b for _, b, e in examples(text, page) if e]
-    assert len(blocks) == 3 and "workloads.train --model" in blocks[0]
+    assert len(blocks) == 4 and "workloads.train --model" in blocks[0]
+    assert "serve deploy cluster-configs/generated/llm-sft-cpu.yaml" in blocks[2]
     proc = run([str(BIN / "python"), str(REPO / "scripts" / "readme_blocks.py"),
                 "Your own Hugging Face model"], check=True)
     assert proc.stdout.strip() == "\n".join(blocks)
