@@ -89,11 +89,14 @@ def request_body(max_tokens: int) -> dict:
 
 # --------------------------------------------------------------------------- statistics
 
-def cell_stats(samples: list[dict], wall_s: float, cpu_s: list[float] | None = None) -> dict:
-    """samples: {"ttft": s, "latency": s, "tokens": n} per request; wall_s: the cell's time;
-    cpu_s: CPU seconds of the side's serving and engine processes during it."""
+def cell_stats(samples: list[dict], walls: list[float], cpu_s: list[float] | None = None
+               ) -> dict:
+    """samples: {"ttft": s, "latency": s, "tokens": n, "events": n} per request, the same
+    number from each round; walls: the cell's time in each round; cpu_s: CPU seconds of the
+    side's serving and engine processes during the cell, all rounds."""
     ttft = [s["ttft"] for s in samples if s["ttft"] is not None]
     tokens = sum(s["tokens"] for s in samples)
+    wall_s, per_round = sum(walls), len(samples) / len(walls)
     cpu = {} if cpu_s is None else {
         "cpu_serving_ms_per_req": round(1000 * cpu_s[0] / len(samples), 1),
         "cpu_engine_ms_per_req": round(1000 * cpu_s[1] / len(samples), 1)}
@@ -102,6 +105,7 @@ def cell_stats(samples: list[dict], wall_s: float, cpu_s: list[float] | None = N
             "ttft_p99_ms": round(1000 * percentile(ttft, 99), 1) if ttft else None,
             "latency_p50_ms": round(1000 * percentile([s["latency"] for s in samples], 50), 1),
             "rps": round(len(samples) / wall_s, 2), "tok_s": round(tokens / wall_s, 1),
+            "rps_rounds": [round(per_round / w, 1) for w in walls],
             "tokens_per_request": round(tokens / len(samples), 1)}
 
 
@@ -392,6 +396,27 @@ def _home_of(pid: int) -> str | None:
     return None
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat: all but idle and
+    iowait), summed over cores."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_processes(home: str | None, bare_pid: int) -> list[int]:
+    """This run's processes: the benchmark (and load generator) itself, the bare server's
+    process group, and the throwaway cluster's (its RAYFLEET_HOME in their environment)."""
+    out = []
+    for pid in _processes():
+        try:
+            group = os.getpgid(pid)
+        except OSError:
+            continue
+        if pid == os.getpid() or group == bare_pid or (home and _home_of(pid) == home):
+            out.append(pid)
+    return out
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU time of these processes (their own threads, not their children)."""
     tick, total = os.sysconf("SC_CLK_TCK"), 0.0
@@ -515,6 +540,8 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
                     for side in sides:  # warm-up: first requests pay lazy set-up
                         stream_load(f"{urls[side]}/v1/completions", body, 8, 16)
                     load_before = round(os.getloadavg()[0], 2)
+                    own = own_processes(cenv.get("RAYFLEET_HOME"), bare.pid)
+                    busy0, own0, wall0 = machine_busy_seconds(), cpu_seconds(own), time.time()
                     for r in range(args.rounds):
                         order = sides[r % len(sides):] + sides[:r % len(sides)]
                         for c in CONCURRENCY:
@@ -532,6 +559,10 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
                         print(f"[bench.llm_serve] round {r + 1}/{args.rounds} done "
                               f"(load {os.getloadavg()[0]:.2f})", flush=True)
                     load_avg = round(os.getloadavg()[0], 2)
+                    # What other work took meanwhile: the machine's busy time less this run's
+                    # (the load average counts this run's own runnable threads too).
+                    others = (machine_busy_seconds() - busy0 - cpu_seconds(own) + own0) / (
+                        (time.time() - wall0) * (os.cpu_count() or 1))
                     stop_group(bare)
                     if args.startup_rounds:
                         startup = measure_startup(cenv, model, tmp, args.startup_rounds)
@@ -540,8 +571,8 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
         finally:
             stop_group(bare)
             log.close()
-    results = {s: {c: cell_stats(raw[s][c]["samples"], sum(raw[s][c]["walls"]),
-                                 raw[s][c]["cpu"]) for c in CONCURRENCY} for s in sides}
+    results = {s: {c: cell_stats(raw[s][c]["samples"], raw[s][c]["walls"], raw[s][c]["cpu"])
+                   for c in CONCURRENCY} for s in sides}
     cmp = compare(results, kit_side)
     given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--write"]
     out = {"command": " ".join(["python -m bench.llm_serve", *given]),
@@ -553,7 +584,8 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
            "requests_per_worker": args.requests_per_worker, "max_tokens": args.max_tokens,
            "model": {"hidden": args.hidden, "layers": args.layers}, "engine_kwargs": engine,
            "kit_stream_batching_ms": STREAM_BATCHING_MS, "load_before": load_before,
-           "load_avg": load_avg, "minutes": round((time.perf_counter() - t_start) / 60, 1)}
+           "load_avg": load_avg, "others_cpu_pct": round(100 * max(0.0, others), 1),
+           "minutes": round((time.perf_counter() - t_start) / 60, 1)}
     print(json.dumps(out))
     if args.write:
         write_section(out)
@@ -576,10 +608,15 @@ def _cpu(r: dict) -> str:
     return f"{r['cpu_serving_ms_per_req']:g} + {r['cpu_engine_ms_per_req']:g}"
 
 
+def _rounds(r: dict) -> str:
+    return f" ({', '.join(f'{v:g}' for v in r['rps_rounds'])})" if r.get("rps_rounds") else ""
+
+
 def table(out: dict) -> str:
     res = out["results"]
-    rows = ["| side | c | TTFT p50 / p99 | request p50 | req/s | tokens/s | CPU ms per request: "
-            "serving + engine | vs bare: TTFT p50, req/s |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| side | c | TTFT p50 / p99 | request p50 | req/s (each round) | tokens/s | CPU ms "
+            "per request: serving + engine | vs bare: TTFT p50, req/s |",
+            "|---|---|---|---|---|---|---|---|"]
     for c in CONCURRENCY:
         for side in res:
             r = res[side].get(c) or res[side].get(str(c))
@@ -590,8 +627,8 @@ def table(out: dict) -> str:
                 f"{_signed(out['ttft_p50_over_bare_ms'].get(key))}, "
                 f"{out['rps_vs_bare'].get(key, '-')}x")
             rows.append(f"| {label(side)} | {c} | {_ms(r['ttft_p50_ms'])} / "
-                        f"{_ms(r['ttft_p99_ms'])} | {_ms(r['latency_p50_ms'])} | {r['rps']} | "
-                        f"{r['tok_s']} | {_cpu(r)} | {vs} |")
+                        f"{_ms(r['ttft_p99_ms'])} | {_ms(r['latency_p50_ms'])} | {r['rps']}"
+                        f"{_rounds(r)} | {r['tok_s']} | {_cpu(r)} | {vs} |")
     return "\n".join(rows)
 
 
@@ -642,7 +679,9 @@ def section(out: dict, when: str, machine: str) -> str:
 
 `{out['command']}`, {when}, on {machine} (no GPU; vLLM's
 CPU build); one-minute load average {out['load_before']} before the measured rounds,
-{out['load_avg']} after. One model folder, `workloads.common.tiny_hf`'s tiny Llama (hidden
+{out['load_avg']} after (which counts this run's own busy processes); other work on the
+machine took {out.get('others_cpu_pct', '?')}% of its CPU time during the rounds.
+One model folder, `workloads.common.tiny_hf`'s tiny Llama (hidden
 {m['hidden']}, {m['layers']} layers, fp32), served at once by: bare vLLM (`python -m
 vllm.entrypoints.openai.api_server` with the engine arguments of the generated config:
 `{flags}`); the `llm` app from `python -m workloads.serve.llm_config --device cpu` (one

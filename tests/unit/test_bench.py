@@ -275,9 +275,11 @@ def test_llm_serve_ratios_stream_batching_pick_and_its_section():
                 "cpu_serving_ms_per_req": 3.0, "cpu_engine_ms_per_req": 9.5}
 
     cell = llm_serve.cell_stats([{"ttft": 0.010, "latency": 0.050, "tokens": 32}] * 9
-                                + [{"ttft": None, "latency": 0.100, "tokens": 0}], 2.0, [0.5, 1.0])
+                                + [{"ttft": None, "latency": 0.100, "tokens": 0}],
+                                [1.5, 0.5], [0.5, 1.0])
     assert cell["ttft_p50_ms"] == 10.0 and cell["latency_p50_ms"] == 50.0
     assert cell["rps"] == 5.0 and cell["tok_s"] == 144.0 and cell["tokens_per_request"] == 28.8
+    assert cell["rps_rounds"] == [3.3, 10.0]
     assert cell["cpu_serving_ms_per_req"] == 50.0 and cell["cpu_engine_ms_per_req"] == 100.0
     results = {"bare": {1: r(20.0, 25.0), 32: r(100.0, 200.0)},
                "llm0": {1: r(23.0, 20.0), 32: r(300.0, 100.0)},
@@ -302,7 +304,7 @@ def test_llm_serve_ratios_stream_batching_pick_and_its_section():
     assert "TTFT\noverhead <= 5 ms at c=1 —\nmet (+3 ms p50" in text
     assert "throughput >= 0.9 of bare at c=32 —\n**missed** (0.5x)" in text
     assert "| `llm`, 50 ms (Ray's default) | 32 | 200 ms / 400 ms | 90 ms | 190.0 |" in text
-    assert "| 3 + 9.5 | +200 ms, 0.5x |" in text           # llm0 at c=32
+    assert "| 3200.0 | 3 + 9.5 | +200 ms, 0.5x |" in text           # llm0 at c=32
     assert "| 10 | +6 ms / +12 ms | - / +150 ms | -x / 0.75x |" in text
     assert "this run picks **10 ms** (whose TTFT is not within 5 ms of bare" in text
     assert "| `enforce_eager: true`, empty cache | 40.0 s | 40.0 s |" in text
