@@ -289,7 +289,15 @@ def deploy(env: dict, config: dict, folder: Path, name: str) -> None:
 
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    proc = serve_cmd(env, "deploy", str(path))
+    deadline = time.time() + 180
+    while True:
+        proc = serve_cmd(env, "deploy", str(path))
+        # A fresh cluster's dashboard (which `serve deploy` talks to) can lag its `ray start`
+        # on a busy machine: connection refused for a while.
+        if proc.returncode == 0 or "Failed to connect to Ray" not in proc.stderr \
+                or time.time() > deadline:
+            break
+        time.sleep(3)
     if proc.returncode != 0:
         raise RuntimeError(f"serve deploy {name}: {(proc.stderr or proc.stdout)[-2000:]}")
 
