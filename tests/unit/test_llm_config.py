@@ -1,11 +1,11 @@
 """The `llm` app's Serve config (vLLM via ray.serve.llm): generated from options, validated
 offline by Serve's deploy schema and Ray's LLMConfig, and checked against the A100 capacity
-of a rendered cluster YAML. vLLM itself cannot run here; nothing imports it."""
+of a rendered cluster YAML; the CPU form and the placement rule. The GPU form is never run here
+(no CUDA); tests/workloads/test_serve_hf.py deploys the CPU form for real."""
 
 from __future__ import annotations
 
 import shlex
-import sys
 
 import pytest
 import yaml
@@ -52,7 +52,6 @@ def test_generated_config_passes_serves_schema_and_llmconfig(tmp_path):
     # Pipeline stages may spill onto a second node; tensor-parallel ranks never do.
     assert llm.placement_group_config["strategy"] == "PACK"
     assert llm.deployment_config["autoscaling_config"]["max_replicas"] == 1
-    assert "vllm" not in sys.modules
 
 
 @pytest.mark.parametrize("args,expected", [
