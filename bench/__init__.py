@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 from collections.abc import Callable
 
 from rayfleet.entrypoint import ArgumentParser, run_main
 
-__all__ = ["ArgumentParser", "at_least", "command"]
+__all__ = ["ArgumentParser", "at_least", "command", "goal", "machine"]
 
 
 def command(main: Callable[[list[str] | None], object], prog: str) -> int:
@@ -29,3 +31,24 @@ def at_least(low: float, kind=int):
         return value
 
     return parse
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, {platform.platform()}"
+
+
+def goal(ok: bool, load: float | None = None) -> str:
+    """'met' / 'missed', flagged as unreadable when the benchmark ran on a busy machine."""
+    verdict = "met" if ok else "**missed**"
+    cores = os.cpu_count() or 1
+    if load is not None and load > cores:
+        verdict += (f" (as measured at load {load:g} on {cores} cores, which says little: "
+                    "re-run on an idle machine)")
+    return verdict

@@ -14,30 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench import ArgumentParser, command
+from bench import ArgumentParser, command, goal, machine
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, {platform.platform()}"
-
-
-def goal(ok: bool, load: float | None = None) -> str:
-    """'met' / 'missed', flagged as unreadable when the benchmark ran on a busy machine."""
-    verdict = "met" if ok else "**missed**"
-    cores = os.cpu_count() or 1
-    if load is not None and load > cores:
-        verdict += (f" (as measured at load {load:g} on {cores} cores, which says little: "
-                    "re-run on an idle machine)")
-    return verdict
 
 
 def _cell(r: dict | None) -> str:

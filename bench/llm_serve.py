@@ -707,7 +707,7 @@ def startup_table(startup: dict) -> str:
 
 
 def section(out: dict, when: str, machine: str) -> str:
-    from bench.__main__ import goal
+    from bench import goal
 
     over, p99, vs = out["ttft_p50_over_bare_ms"], out["ttft_p99_over_bare_ms"], out["rps_vs_bare"]
     kit_ms = out["kit_stream_batching_ms"]
@@ -783,7 +783,7 @@ def section_of(text: str) -> str:
 
 
 def write_section(out: dict) -> None:
-    from bench.__main__ import machine
+    from bench import machine
 
     text = section(out, out.get("date") or time.strftime("%Y-%m-%d"), machine())
     old = BENCH_MD.read_text() if BENCH_MD.exists() else ""

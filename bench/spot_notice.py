@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
     s["load_avg"] = round(os.getloadavg()[0], 1)
     print(json.dumps(s, indent=1))
     if args.write:
-        from bench.__main__ import machine
+        from bench import machine
 
         text = section(s, args.notice_at, args.kill_at, time.strftime("%Y-%m-%d"), machine())
         old = BENCH_MD.read_text() if BENCH_MD.exists() else ""
