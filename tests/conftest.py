@@ -97,6 +97,9 @@ def group_for_xdist(items) -> dict[str, str]:
 
 
 def pytest_configure(config):
+    from tests.tiers import required
+
+    required()   # an unknown tier in RAYFLEET_REQUIRE stops the run before any test
     # The controller (it collects nothing) names a file for the workers' groups.
     if (getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER")
             and GROUPS_ENV not in os.environ):
@@ -134,20 +137,29 @@ def pytest_collection_modifyitems(config, items):
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker and os.environ.get(GROUPS_ENV):
         Path(f"{os.environ[GROUPS_ENV]}.{worker}").write_text(json.dumps(groups))
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
     for item in items:
         marks = {m.name for m in item.iter_markers()}
         if not marks & {"ray", "moto", "slow", "faults", "gpu", "aws_live"}:
             item.add_marker(pytest.mark.unit)
-        if "gpu" in marks and not has_cuda:
-            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
         if "aws_live" in marks and not os.environ.get("RAYFLEET_AWS_LIVE"):
             item.add_marker(pytest.mark.skip(reason="set RAYFLEET_AWS_LIVE=1 for real AWS"))
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_runtest_setup(item):
+    # A `gpu` test without CUDA: skipped, or failed where RAYFLEET_REQUIRE names gpu
+    # (`make test-gpu`), by the one helper every tier's skip goes through.
+    if item.get_closest_marker("gpu") and not has_cuda():
+        from tests.tiers import unavailable
+
+        unavailable("gpu", "needs CUDA (torch.cuda.is_available() is False here)")
 
 
 @pytest.fixture(scope="session")

@@ -54,6 +54,7 @@ import yaml
 from tests.conftest import BIN, REPO, SFT_MAX_LENGTH, free_port, run, summary_of, wait_until
 
 from tests.moto.pulumi_moto import cluster_instances
+from tests.tiers import unavailable
 
 from .cloud import (REGION, FakeCloud, Unavailable, operator_command, require_tools,
                     wheelhouse)
@@ -171,7 +172,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
     try:
         require_tools()
     except Unavailable as e:
-        pytest.skip(f"fake cloud unavailable: {e}")
+        unavailable("fakecloud", str(e))   # a skip, or a failure under RAYFLEET_REQUIRE
     root = Path(tempfile.mkdtemp(prefix="rayfleet-fakecloud-", dir="/var/tmp"))
     step = Steps(root)
     with step("wheelhouse (the nodes' package mirror)"):

@@ -31,12 +31,15 @@ def prometheus_binary() -> str:
 
 
 def installed_or_skip() -> str:
+    """The binary; without it a skip, or a failure where RAYFLEET_REQUIRE names prometheus
+    (tests/tiers.py)."""
     from rayfleet.errors import RayfleetError
+    from tests.tiers import unavailable
 
     try:
         return metrics.ensure_binary(out=sys.stderr)
     except RayfleetError as e:   # no apt-get, no Debian mirror: said in one line
-        pytest.skip(f"Debian's prometheus is not installed and cannot be: {e}")
+        unavailable("prometheus", f"Debian's prometheus is not installed and cannot be: {e}")
 
 
 def test_sd_file_is_the_one_ray_writes():
