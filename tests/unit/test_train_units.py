@@ -266,3 +266,24 @@ def test_training_options_are_every_flag_parsed_once_and_frozen():
     assert opts.num_workers == 2 and opts.batch_size == 8 and opts.env == ("A=1",)
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.num_workers = 4
+
+
+def test_the_runs_actors_are_given_the_clusters_address():
+    """Ray Train's PlacementGroupCleaner finds the cluster through RAY_ADDRESS (else it guesses
+    from `ps` and /tmp/ray, and fails with a traceback when there is a second or a stale Ray
+    instance): the driver hands its own address to the job's actors."""
+    from workloads.train.driver import cluster_address_env
+
+    assert cluster_address_env({"RAY_ADDRESS": "10.0.1.5:6379"}) == {
+        "env_vars": {"RAY_ADDRESS": "10.0.1.5:6379"}}
+    for address in ("", "auto", "ray://10.0.1.5:10001", "http://127.0.0.1:8265"):
+        assert cluster_address_env({"RAY_ADDRESS": address}) is None, address
+    assert cluster_address_env({}) is None
+    # A job that set RAY_ADDRESS in its own runtime env keeps it (Ray refuses two values).
+    job = json.dumps({"runtime_env": {"env_vars": {"RAY_ADDRESS": "10.0.1.5:6379"}}})
+    assert cluster_address_env({"RAY_ADDRESS": "10.0.1.5:6379",
+                                "RAY_JOB_CONFIG_JSON_ENV_VAR": job}) is None
+    job = json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_x.zip"}})
+    assert cluster_address_env({"RAY_ADDRESS": "127.0.0.1:6379",
+                                "RAY_JOB_CONFIG_JSON_ENV_VAR": job}) == {
+        "env_vars": {"RAY_ADDRESS": "127.0.0.1:6379"}}

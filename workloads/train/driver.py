@@ -409,6 +409,28 @@ def resolve_hf(opts: TrainOptions, manifest: dict | None):
     return spec, source, tokenizer
 
 
+def cluster_address_env(environ=os.environ) -> dict | None:
+    """This cluster's GCS address for the run's actors (the job's runtime env), or None.
+
+    Ray Train V2's PlacementGroupCleaner, a detached actor on the head, asks the state API
+    about the controller every second with no address (ray/train/v2/_internal/execution/
+    controller/placement_group_cleaner.py). Ray then guesses the cluster: RAY_ADDRESS, else
+    /tmp/ray/ray_current_cluster, else every GCS that `ps` shows. Neither the local cluster
+    (its own temp dir) nor the job's processes give it this cluster: with a second Ray
+    instance on the machine the cleaner's thread dies with "Found multiple active Ray
+    instances", with a stale ray_current_cluster it blocks on a dead GCS, and either way the
+    controller prints a traceback after every successful run (`_stop_cleaner`: GetTimeoutError,
+    "Monitor thread did not exit within 12.00 seconds"). The driver knows the address (the
+    job supervisor or `rayfleet local env` set RAY_ADDRESS): the run's actors get it too."""
+    address = environ.get("RAY_ADDRESS", "")
+    if not re.fullmatch(r"[\w.:\[\]-]+:\d+", address):
+        return None  # none, "auto", or a ray:// client address: nothing better to give
+    job = json.loads(environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    if "RAY_ADDRESS" in ((job.get("runtime_env") or {}).get("env_vars") or {}):
+        return None  # the job set it itself (a second value would be refused as a conflict)
+    return {"env_vars": {"RAY_ADDRESS": address}}
+
+
 def absolute_hf_paths(opts: TrainOptions) -> TrainOptions:
     """--model / --model-config / --tokenizer folders made absolute (the workers do not run in
     this folder; inside a Ray job a relative one must have been uploaded with it)."""
@@ -675,7 +697,7 @@ def _main(argv: list[str] | None) -> int:
     # and print worker output once (the print patch would echo it through the logger too).
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "1.0")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    ray.init(logging_level="ERROR", log_to_driver=True)
+    ray.init(logging_level="ERROR", log_to_driver=True, runtime_env=cluster_address_env())
     startup.mark("ray_connected")
     nodes, total = ray.nodes(), ray.cluster_resources()
     launchable = launchable_nodes()
