@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -93,22 +94,57 @@ def test_imds_reads_need_the_session_token_and_find_both_notices(imds):
         urllib.request.urlopen(imds.url + spot.INSTANCE_ACTION, timeout=5)
 
 
+class CountedReads(dict):
+    """StandInImds.docs that counts the metadata reads answered (each poll: two GETs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+        self.cond = threading.Condition()
+
+    def get(self, key, default=None):
+        with self.cond:
+            self.reads += 1
+            self.cond.notify_all()
+        return super().get(key, default)
+
+    def wait_for(self, n: int) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.reads >= n, timeout=60), self.reads
+
+
 def test_agent_waits_for_its_node_logs_utc_lines_and_stops_on_sigterm(imds, tmp_path):
+    imds.docs = reads = CountedReads()
     env = {"PATH": "/usr/bin:/bin", spot.IMDS_ENV: imds.url}
     proc = subprocess.Popen([sys.executable, str(AGENTS / "spot.py"), "--poll-s", "0.2",
                              "--ray-temp-dir", str(tmp_path)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines: list[str] = []
+    waiting = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "waiting for the GCS" in line:
+                waiting.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        time.sleep(1.5)  # several polls: IMDS read with the token, no GCS to find yet
+        # Its first "no GCS yet" line, then three more polls (IMDS read with the token each
+        # time): the line must not be said again.
+        assert waiting.wait(timeout=60), lines
+        reads.wait_for(reads.reads + 6)
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=20)
+        assert proc.wait(timeout=20) == 0
+        reader.join(timeout=20)
+        err = proc.stderr.read()
     finally:
         proc.kill()
-    assert proc.returncode == 0 and err == "", err
-    lines = out.splitlines()
+    assert err == "", err
     assert all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z spot: ", ln) for ln in lines)
     # One line per decision: the waiting line is said once, not once per poll.
     assert [ln.split(" spot: ")[1] for ln in lines] == [
         f"watching {imds.url} every 0.2 s",
-        "waiting for the GCS and this node's raylet to appear", "stopped"], out
+        "waiting for the GCS and this node's raylet to appear", "stopped"], lines
     assert imds.unauthorized == 0
