@@ -34,6 +34,7 @@ from rayfleet.facts import (
     RAY_CLUSTER_TAG,
     RAY_PORTS,
     RayPort,
+    port,
 )
 from rayfleet.rules import rule
 
@@ -100,7 +101,8 @@ SCHEMA: tuple[ConfigKey, ...] = (
     ConfigKey("flowLogRetentionDays", "integer", 90,
               "Days CloudWatch keeps VPC flow logs (a CloudWatch retention value)."),
     ConfigKey("operatorCidrs", "array", [],
-              "CIDRs allowed SSH (22) and dashboard (8265) to the nodes, e.g. a VPN range. "
+              f"CIDRs allowed SSH (22) and dashboard ({port('dashboard')}) to the nodes, e.g. a "
+              "VPN range. "
               "Empty (default) means SSM Session Manager only. 0.0.0.0/0 and ::/0 are refused."),
     ConfigKey("headInstanceType", "string", "m6i.2xlarge",
               "Instance type of the CPU head node."),
@@ -181,7 +183,8 @@ class AccessConfig:
 
     @property
     def mode(self) -> str:
-        """``ssm`` (Session Manager only) or ``ssm+cidr`` (plus SSH/8265 from named CIDRs)."""
+        """``ssm`` (Session Manager only) or ``ssm+cidr`` (plus SSH and the dashboard from
+        named CIDRs)."""
         return "ssm+cidr" if self.operator_cidrs else "ssm"
 
 

@@ -27,7 +27,8 @@ would be one. Everything worth keeping is already in the bucket (checkpoints, lo
 
 Run on the head as a standalone script (the node has the node environment, not the kit):
 
-    python autostop.py --cluster-name C --minutes 30 --storage s3://BUCKET/PREFIX
+    python autostop.py --cluster-name C --minutes 30 --storage s3://BUCKET/PREFIX \
+        --address http://127.0.0.1:<dashboard port>
 
 Standard library, Ray and boto3 only; it talks to Ray over the dashboard's HTTP API with the
 cluster's token (no ray.init: a connected driver would itself count as a job).
@@ -276,8 +277,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--storage", default=None, metavar="s3://BUCKET/PREFIX",
                    help="the stack's storage: the decision is logged under "
                         "clusters/<cluster>/autostop.log there")
-    p.add_argument("--address", default="http://127.0.0.1:8265",
-                   help="the head's dashboard (default http://127.0.0.1:8265)")
+    # Required: the dashboard's port is rayfleet.facts', which this standalone script cannot
+    # import; `rayfleet render` writes it into the head's start command.
+    p.add_argument("--address", required=True, metavar="URL",
+                   help="the head's dashboard, e.g. http://127.0.0.1:<dashboard port>")
     p.add_argument("--region", default=None, help="AWS region (default: the node's)")
     p.add_argument("--poll-s", type=float, default=30.0, help="seconds between looks")
     p.add_argument("--stop-first", default=None, metavar="PATTERN",

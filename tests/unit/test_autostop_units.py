@@ -53,17 +53,32 @@ def test_every_detached_actor_namespace_of_rays_libraries_is_known(autostop):
 
 
 
-def test_the_window_restarts_on_every_busy_look_and_counts_from_the_start(autostop,
-                                                                          monkeypatch):
-    looks = iter([["job a is running"], [], ["actor K is alive"], [], [], [], []])
+def _watch(autostop, monkeypatch, looks: list[list[str]]) -> tuple[float, str, list[str]]:
+    """watch() against a clock that starts at 1000 and moves only when it sleeps, Ray's
+    state given look by look: (the time it decided, its reason, what it said)."""
+    looks = iter(looks)
     monkeypatch.setattr(autostop, "busy_reasons", lambda ray, now, window: next(looks))
     t = [1000.0]
-    said = []
+    said: list[str] = []
     reason = autostop.watch(None, minutes=1, poll_s=30, clock=lambda: t[0],
                             sleep=lambda s: t.__setitem__(0, t[0] + s), out=said.append)
+    return t[0], reason, said
+
+
+def test_an_idle_cluster_is_counted_from_the_watchers_start(autostop, monkeypatch):
+    # Idle at every look from the first: not stopped at once (nothing is known of before the
+    # start), but at the first look a whole window after it.
+    t, reason, said = _watch(autostop, monkeypatch, [[], [], [], [], []])
+    assert t == 1000 + 60 and reason.startswith("idle for 1.0 min"), (t, reason)
+    assert said == [], said   # nothing busy was ever seen: no line until the decision
+
+
+def test_the_window_restarts_on_every_busy_look(autostop, monkeypatch):
+    t, reason, said = _watch(autostop, monkeypatch, [
+        ["job a is running"], [], ["actor K is alive"], [], [], [], []])
     # Looks every 30 s: busy at 1000, idle at 1030, busy again at 1060 (the window restarts),
     # idle from then on: the decision at the first look 60 s after the last busy one.
-    assert t[0] == 1060 + 60 and reason.startswith("idle for 1.0 min"), (t, reason)
+    assert t == 1060 + 60 and reason.startswith("idle for 1.0 min"), (t, reason)
     assert said[0] == "busy: job a is running" and said[-1].startswith("idle since")
 
 
@@ -88,7 +103,8 @@ def test_an_unreadable_state_is_never_idle(autostop, monkeypatch):
 ])
 def test_bad_settings_are_one_line_and_exit_2(argv, message):
     proc = subprocess.run([sys.executable, "-I", str(REPO / "rayfleet" / "agents" /
-                                                    "autostop.py"), *argv],
+                                                    "autostop.py"), *argv,
+                           "--address", "http://127.0.0.1:1"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == f"autostop.py: error: {message}", \
         proc.stderr
