@@ -96,6 +96,28 @@ def group_for_xdist(items) -> dict[str, str]:
     return groups
 
 
+def read_groups(groups_file: Path) -> dict[str, str]:
+    """Every worker's {node id: group}, as pytest_collection_modifyitems wrote them."""
+    written = sorted(groups_file.parent.glob(f"{groups_file.name}.*"))
+    if not written:
+        raise RuntimeError("no worker wrote its test groups (tests/conftest.py)")
+    groups: dict[str, str] = {}
+    for path in written:
+        groups.update(json.loads(path.read_text()))
+    return groups
+
+
+def scope_of(groups: dict[str, str], nodeid: str) -> str:
+    """A test's xdist scope: its group. A test no worker grouped is an error, not a scope of
+    its own: that is how two session clusters once started side by side."""
+    try:
+        return groups[nodeid]
+    except KeyError:
+        raise RuntimeError(f"{nodeid}: in no test group that the workers wrote (tests/"
+                           f"conftest.py, pytest_collection_modifyitems); it would run "
+                           f"outside its group, on any worker") from None
+
+
 def pytest_configure(config):
     from tests.tiers import required
 
@@ -123,11 +145,8 @@ def pytest_xdist_make_scheduler(config, log):
 
         def _split_scope(self, nodeid: str) -> str:
             if not self.groups:
-                written = sorted(Path(os.environ[GROUPS_ENV]).parent.glob("groups.*"))
-                if not written:
-                    raise RuntimeError("no worker wrote its test groups (tests/conftest.py)")
-                self.groups.update(json.loads(written[0].read_text()))
-            return self.groups.get(nodeid, nodeid)
+                self.groups.update(read_groups(Path(os.environ[GROUPS_ENV])))
+            return scope_of(self.groups, nodeid)
 
     return ByGroup(config, log)
 
