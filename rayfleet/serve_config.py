@@ -92,7 +92,23 @@ def with_package(cfg: dict[str, Any], uri: str, overrides: dict[str, Any],
                     f"URI or an absolute path every node has (--arg {key}=...)")
         runtime_env = {**(app.get("runtime_env") or {}), "working_dir": uri}
         apps.append({**app, "args": args, "runtime_env": runtime_env})
-    return {**cfg, "applications": apps}
+    return {**cfg, "http_options": remote_http_options(cfg.get("http_options")),
+            "applications": apps}
+
+
+# A remote cluster serves through HAProxy on every node (rayfleet.ingress): each ingress replica
+# answers HAProxy on other nodes too, on the host Serve's http_options give, so a loopback host
+# would leave replicas on workers unreachable. Every interface there: the security group admits
+# the pinned direct-ingress ports from the cluster only (rule 30), and the guard keeps
+# HAProxy's own frontend on loopback, reached through the tunnel.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def remote_http_options(http_options: dict[str, Any] | None) -> dict[str, Any]:
+    options = dict(http_options or {})
+    if options.get("host", "127.0.0.1") in LOOPBACK_HOSTS:
+        options["host"] = "0.0.0.0"
+    return options
 
 
 def package(working_dir: Path) -> Path:

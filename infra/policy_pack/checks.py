@@ -35,6 +35,7 @@ from rayfleet.facts import (
     RAY_CLUSTER_TAG,
     RAY_PORTS,
     RAY_PORTS_BY_NAME,
+    INGRESS_PORTS,
     SECRET_PATTERNS,
     TAG_HOP_LIMIT_REASON,
     TAG_NODE_ROLE,
@@ -406,6 +407,44 @@ def rule_4_ray_ports_from_cluster_only(resources: Sequence[Resource],
         source = ", ".join(p.cidrs + p.groups + p.prefix_lists) or "an unnamed source"
         yield _v(4, p.resource, f"opens Ray port(s) {', '.join(_ports(a, b) for a, b in hits)} "
                                 f"to {source}, not only to its own security group")
+
+
+# Serve's HAProxy ingress: the ranges the nodes pin (rayfleet.ingress), and the ranges Ray picks
+# from when nothing is pinned (ray/serve/_private/constants.py: direct ingress 30000-31000 and
+# 40000-41000), which a rule opening them would have to name.
+INGRESS_RANGES = {name: (RAY_PORTS_BY_NAME[name].from_port, RAY_PORTS_BY_NAME[name].to_port)
+                  for name in INGRESS_PORTS}
+RAY_DIRECT_INGRESS_DEFAULTS = ((30000, 31000), (40000, 41000))
+
+
+def rule_30_ingress_ports_from_cluster(resources: Sequence[Resource],
+                                       **_: Any) -> Iterator[Violation]:
+    """The cluster group (the one admitting Ray's GCS port over TCP from itself) must admit each
+    ingress range exactly, from itself: HAProxy on one node forwards to replicas on another. A
+    rule over Ray's unpinned defaults means nodes and group disagree on the ports."""
+    perms = [p for p in permissions(resources) if p.direction == "ingress" and p.tcp_or_all]
+    clusters = {p.group for p in perms if p.from_itself and not p.all_ports
+                and p.from_port <= port("gcs") <= p.to_port}
+    def of(sg: Resource, ref: str) -> bool:
+        return bool(ref) and (sg.urn in ref.split("|") or ref == _known(sg.outputs, "id"))
+
+    for sg in _all(resources, SG):
+        if not any(of(sg, c) for c in clusters):
+            continue
+        own = [p for p in perms if of(sg, p.group)]
+        for name, (lo, hi) in INGRESS_RANGES.items():
+            if not any(p.from_itself and not p.all_ports and p.port_range == (lo, hi)
+                       for p in own):
+                yield _v(30, sg, f"does not admit Serve's {name} ports {_ports(lo, hi)} from "
+                                 "itself: HAProxy on one node cannot reach replicas on another")
+        for p in own:
+            if p.all_ports or p.port_range in INGRESS_RANGES.values():
+                continue
+            if _overlaps(*p.port_range, RAY_DIRECT_INGRESS_DEFAULTS):
+                yield _v(30, p.resource, f"opens {_ports(*p.port_range)}, Ray's unpinned "
+                                         "direct-ingress range, where the nodes pin "
+                                         + ", ".join(_ports(a, b)
+                                                     for a, b in INGRESS_RANGES.values()))
 
 
 def _norm(cidr: str) -> str:
@@ -837,5 +876,5 @@ CHECKS: Mapping[int, Callable[..., Iterator[Violation]]] = {
     18: rule_18_pass_role_worker_only, 19: rule_19_ec2_trust_only,
     20: rule_20_no_secrets_in_user_data, 26: rule_26_listed_describe_actions,
     27: rule_27_bucket_access_logged, 28: rule_28_log_groups_cmk,
-    29: rule_29_explicit_key_policy,
+    29: rule_29_explicit_key_policy, 30: rule_30_ingress_ports_from_cluster,
 }

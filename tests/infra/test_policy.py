@@ -387,6 +387,13 @@ MUTATIONS: dict[int, dict[str, Mutation]] = {
                 i, lambda st: st.append({"Effect": "Allow", "Principal": "*",
                                          "Action": "kms:*", "Resource": "*"}))),
     },
+    30: {
+        "direct-ingress rule widened to Ray's unpinned 30000-31000": lambda b: edit(
+            b, f"{D}-security-serve-direct-ingress",
+            lambda i: i.update(fromPort=30000, toPort=31000)),
+        "fallback-proxy rule removed": lambda b: drop(
+            b, f"{D}-security-serve-fallback-proxy", f"{D}-security-cluster"),
+    },
 }
 
 
