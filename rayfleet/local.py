@@ -269,7 +269,8 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
         token = ensure_token().read_text().strip()
         if jobs_api_ready(existing.dashboard_url, token):
             _same_settings(existing, {k: v for k, v in asked.items() if v is not None}, store)
-            prom = _start_metrics(*_prepare_metrics(prometheus_port)) if metrics else None
+            prom = _start_metrics(*_prepare_metrics(prometheus_port),
+                                  existing.haproxy_metrics_port) if metrics else None
             if not quiet:
                 _print_info(existing, "rayfleet local cluster is already up.", prom=prom)
             return existing
@@ -356,7 +357,7 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
         if (jobs_api_ready(cluster.dashboard_url, secret) and _listening(agent_port)
                 and (ray_temp_dir() / "ray_current_cluster").exists()):
             try:
-                prom = _start_metrics(*prepared) if prepared else None
+                prom = _start_metrics(*prepared, haproxy_metrics_port) if prepared else None
             except RayfleetError:
                 _stop(cluster)  # nothing half-done: no cluster without the Prometheus asked for
                 raise
@@ -426,12 +427,13 @@ def _prepare_metrics(prometheus_port: int | None, taken: tuple[int, ...] = ()):
     return prometheus_port, metrics.ensure_binary()
 
 
-def _start_metrics(prometheus_port: int | None, binary: str | None):
+def _start_metrics(prometheus_port: int | None, binary: str | None,
+                   haproxy_port: int | None = None):
     from rayfleet import metrics
 
     if binary is None:
         return metrics.load_local()
-    return metrics.start_local(ray_temp_dir(), prometheus_port, binary)
+    return metrics.start_local(ray_temp_dir(), prometheus_port, binary, haproxy_port)
 
 
 def _listening(port: int) -> bool:

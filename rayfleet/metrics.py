@@ -48,9 +48,12 @@ READY_TIMEOUT_S = 30
 NODE_HOME_DIR = "$HOME/rayfleet-prometheus"
 
 
-def config_text(sd_file: str | Path, loopback: bool = False) -> str:
+def config_text(sd_file: str | Path, loopback: bool = False,
+                haproxy_port: int | None = None) -> str:
     """prometheus.yml: one job scraping every target in Ray's SD file. loopback: a one-machine
-    cluster, whose targets are scraped on 127.0.0.1."""
+    cluster, whose targets are scraped on 127.0.0.1. haproxy_port: also scrape the exporter of
+    this machine's HAProxy (Serve's ingress, rayfleet.ingress), which the guard keeps on
+    loopback; HAProxies on other nodes report through Ray's own serve_haproxy_* metrics."""
     job = {"job_name": "ray",
            "file_sd_configs": [{"files": [str(sd_file)], "refresh_interval": f"{SD_REFRESH_S}s"}]}
     if loopback:
@@ -63,7 +66,10 @@ def config_text(sd_file: str | Path, loopback: bool = False) -> str:
     return json.dumps({
         "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s",
                    "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
-        "scrape_configs": [job],
+        "scrape_configs": [job] + ([{
+            "job_name": "haproxy",
+            "static_configs": [{"targets": [f"127.0.0.1:{haproxy_port}"]}]}]
+            if haproxy_port else []),
     }, indent=2) + "\n"
 
 
@@ -85,12 +91,14 @@ def ray_dashboards_dir(ray_temp_dir: str | Path) -> Path:
 
 # ----------------------------------------------------------------------------- AWS head
 
-def head_commands(port: int = PROMETHEUS_PORT) -> list[str]:
+def head_commands(port: int = PROMETHEUS_PORT, haproxy: bool = True) -> list[str]:
     """Commands for the head's head_start_ray_commands, after `ray start`: install Debian's
     prometheus when missing, write its config, (re)start it on 127.0.0.1:port in the
     background. Idempotent: `ray up` runs them again on every update."""
     home = NODE_HOME_DIR
-    config = base64.b64encode(config_text(f"{NODE_RAY_TEMP_DIR}/{SD_FILE}").encode()).decode()
+    config = base64.b64encode(config_text(
+        f"{NODE_RAY_TEMP_DIR}/{SD_FILE}",
+        haproxy_port=loopback_port("haproxy-metrics") if haproxy else None).encode()).decode()
     apt = ("sudo DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 -q -y")
     return [
         # The package's own service would listen on every interface: masked before the
@@ -196,12 +204,14 @@ def ensure_binary(out=sys.stdout) -> str:
     return found
 
 
-def start_local(ray_temp_dir: Path, port: int, binary: str) -> LocalPrometheus:
+def start_local(ray_temp_dir: Path, port: int, binary: str,
+                haproxy_port: int | None = None) -> LocalPrometheus:
     """Start Prometheus on 127.0.0.1:port scraping the local cluster; wait until it is ready."""
     folder = _dir()
     (folder / "data").mkdir(parents=True, exist_ok=True)
     config = folder / "prometheus.yml"
-    config.write_text(config_text(Path(ray_temp_dir) / SD_FILE, loopback=True))
+    config.write_text(config_text(Path(ray_temp_dir) / SD_FILE, loopback=True,
+                                  haproxy_port=haproxy_port))
     log = folder / "prometheus.log"
     with open(log, "ab") as logf:
         proc = subprocess.Popen(prometheus_args(binary, str(config), str(folder / "data"), port),

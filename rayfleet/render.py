@@ -421,7 +421,7 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
             f"--autoscaling-config=~/ray_bootstrap_config.yaml --dashboard-host=127.0.0.1 "
             + port_flags(head=True),
             *head_agents(o, auth_env, autostop_minutes),
-            *(prometheus.head_commands() if metrics else []),
+            *(prometheus.head_commands(haproxy=ingress == "haproxy") if metrics else []),
         ], "Token auth on (rule 21); the node environment first on PATH, so a job's `python` "
            "is its python; the dashboard and Jobs API listen on loopback only and are "
            "reached by an SSM tunnel (rule 22); every port pinned to what the security group "

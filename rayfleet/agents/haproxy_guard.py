@@ -5,10 +5,11 @@ is closed before HAProxy reads it.
 Ray 2.60 runs HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1) from a config rendered from its own
 template (ray/serve/_private/haproxy_templates.py). As rendered, that config binds HAProxy's
 stats page and its Prometheus exporter on every interface (no authentication) and opens its
-admin socket ``mode 666`` (any local user may reconfigure the ingress). Ray lets a node name the binary it runs (RAY_SERVE_HAPROXY_BINARY_PATH): the kit
-names this file. Ray calls it as it would call HAProxy (``-db -f CONFIG [-dR] [-sf PID...]
-[-x SOCKET]``); it rewrites CONFIG in place, under the lock Ray writes it with, then becomes
-the real HAProxy (exec: same pid, same arguments, so Ray's pid and cmdline checks hold):
+admin socket ``mode 666`` (any local user may reconfigure the ingress). Ray lets a node name
+the binary it runs (RAY_SERVE_HAPROXY_BINARY_PATH): the kit names this file. Ray calls it as
+it would call HAProxy (``-db -f CONFIG [-dR] [-sf PID...] [-x SOCKET]``); it rewrites CONFIG
+in place, under the lock Ray writes it with, then becomes the real HAProxy (exec: same pid,
+same arguments, so Ray's pid and cmdline checks hold):
 
 - the stats page and the exporter bind RAYFLEET_HAPROXY_BIND (default 127.0.0.1);
 - Serve's HTTP/gRPC frontends, when Ray asks for every interface (``*``, which Ray's HAProxy

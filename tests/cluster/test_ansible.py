@@ -131,6 +131,18 @@ def test_role_installs_the_node_environment_pyproject_pins():
         assert spec[name]["default"] == defaults[name], name
 
 
+def test_role_haproxy_environment_is_the_kits():
+    """The role's Serve ingress is rayfleet.ingress's, with the role's own folder and guard."""
+    from rayfleet.ingress import DEFAULT_INGRESS, haproxy_env
+
+    defaults = _role_defaults()
+    assert defaults["ray_node_serve_ingress"] == DEFAULT_INGRESS
+    assert defaults["ray_node_haproxy_environment"] == haproxy_env(
+        "{{ ray_node_haproxy_dir }}", "{{ ray_node_haproxy_guard }}")
+    assert (ROLE / defaults["ray_node_haproxy_guard_src"].replace(
+        "{{ role_path }}/", "")).resolve() == REPO / "rayfleet" / "agents" / "haproxy_guard.py"
+
+
 def test_argument_spec_documents_every_default():
     defaults, spec = _role_defaults(), _argument_spec()
     assert set(defaults) == set(spec), "defaults/main.yml and argument_specs.yml differ"
