@@ -1,13 +1,14 @@
 """Auto-stop's idleness decision against a real local cluster: the agent (rayfleet/agents/
 autostop.py, run as the head runs it, with --dry-run: there is no EC2 here) stays put while a
 job runs, while a detached actor of a user lives, and while a Serve application is deployed,
-each of them alone; once none is left for its window it decides to tear the cluster down. The
-teardown itself is tested against moto (tests/moto/test_autostop.py) and, end to end, in the
-fake-cloud rehearsal."""
+each of them alone for longer than its window; once none is left for its window it decides
+to tear the cluster down. The teardown itself is tested against moto
+(tests/moto/test_autostop.py) and, end to end, in the fake-cloud rehearsal."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,12 +21,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 AGENT = REPO / "rayfleet" / "agents" / "autostop.py"
 WINDOW_S = 6   # --minutes 0.1
 
-KEEP = """
-import sys, time, ray
-from ray import serve
+KEEP_ACTOR = """
+import ray
 
 ray.init()
-port = int(sys.argv[1])
 
 @ray.remote(num_cpus=0)
 class Keeper:
@@ -34,6 +33,15 @@ class Keeper:
 
 k = Keeper.options(name="keeper", namespace="user", lifetime="detached").remote()
 ray.get(k.ping.remote())
+print("KEPT", flush=True)
+"""
+
+SERVE_NOT_ACTOR = """
+import sys, ray
+from ray import serve
+
+ray.init()
+port = int(sys.argv[1])
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 class Probe:
@@ -42,22 +50,18 @@ class Probe:
 
 serve.start(http_options={"host": "127.0.0.1", "port": port})
 serve.run(Probe.bind(), name="probe", route_prefix="/probe")
-print("KEPT", flush=True)
-"""
-
-DROP_ACTOR = """
-import ray
-ray.init()
 ray.kill(ray.get_actor("keeper", namespace="user"))
-print("DROPPED", flush=True)
+print("SWAPPED", flush=True)
 """
 
-DROP_SERVE = """
-import ray
+DROP_SERVE_THEN_RUN = """
+import sys, time, ray
 from ray import serve
+
 ray.init()
 serve.delete("probe")
 print("DROPPED", flush=True)
+time.sleep(float(sys.argv[1]))   # this job alone, running, for longer than the window
 """
 
 
@@ -114,24 +118,37 @@ def _hold(agent: Agent, seconds: float) -> None:
         time.sleep(0.5)
 
 
+def _alone(line: str) -> str:
+    """The one reason of a busy line ("<stamp> autostop: busy: A; B" holds two)."""
+    reason = line.split(" autostop: busy: ", 1)[1]
+    assert "; " not in reason, line
+    return reason
+
+
 def test_a_job_an_actor_and_a_serve_app_each_keep_the_cluster_up(small_cluster, tmp_path):
+    """Each alone for longer than the window: a user's detached actor, then a Serve app, then
+    a running job; then nothing, and the decision."""
     env = small_cluster
     agent = Agent(env, tmp_path / "autostop.log")
     try:
-        assert "KEPT" in _job(env, tmp_path, "keep", KEEP, str(free_port()))
-        _hold(agent, WINDOW_S + 3)   # the job is done: the actor and the app keep it up
-        busy = agent.busy_lines(0)
-        assert any("is running" in ln for ln in busy), busy
-        last = busy[-1]
-        assert "actor Keeper" in last and "Serve application 'probe'" in last, last
+        assert "KEPT" in _job(env, tmp_path, "actor", KEEP_ACTOR)
+        _hold(agent, WINDOW_S + 3)   # the job's submission leaves the window: the actor alone
+        reason = _alone(agent.busy_lines(0)[-1])
+        assert reason.startswith("actor Keeper ") and reason.endswith(" is alive"), reason
 
-        _job(env, tmp_path, "drop-actor", DROP_ACTOR)
+        assert "SWAPPED" in _job(env, tmp_path, "serve", SERVE_NOT_ACTOR, str(free_port()))
         _hold(agent, WINDOW_S + 3)   # the app alone
-        last = agent.busy_lines(0)[-1]
-        assert "Serve application 'probe'" in last and "Keeper" not in last, last
+        assert _alone(agent.busy_lines(0)[-1]) == "Serve application 'probe' is deployed"
 
-        _job(env, tmp_path, "drop-serve", DROP_SERVE)
-        # Nothing left: the last submission's window, then the decision.
+        since = len(agent.lines())
+        # The app deleted, then the job runs on alone past the window: still up when it ends.
+        assert "DROPPED" in _job(env, tmp_path, "run", DROP_SERVE_THEN_RUN, str(WINDOW_S + 2))
+        assert agent.proc.poll() is None, agent.lines()[-5:]
+        busy = agent.busy_lines(since)
+        assert any(re.fullmatch(r"job \S+ is running", _alone(ln)) for ln in busy
+                   if "; " not in ln), busy
+
+        # Nothing left: the window, then the decision.
         agent.proc.wait(timeout=WINDOW_S + 60)
         assert agent.proc.returncode == 0, agent.lines()[-5:]
         tail = agent.lines()
