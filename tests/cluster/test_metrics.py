@@ -177,9 +177,21 @@ def test_status_says_where_prometheus_is(ray_cluster, prometheus):
     assert f"prometheus: {prometheus['url']}  (loopback only" in proc.stdout
 
 
-def test_every_target_is_scraped_on_loopback(prometheus, workloads):
-    targets = api(prometheus["url"], "targets")["activeTargets"]
-    assert targets and all(t["scrapeUrl"].startswith("http://127.0.0.1:") for t in targets)
+def test_every_target_is_scraped_on_loopback_and_up(prometheus, workloads):
+    """Every target Ray's service-discovery file names is on loopback, and its last scrape
+    succeeded (health `up`): a target listed but failing would leave its panels empty."""
+    deadline = time.time() + VISIBLE_WITHIN_S
+    while True:
+        targets = api(prometheus["url"], "targets")["activeTargets"]
+        assert targets and all(t["scrapeUrl"].startswith("http://127.0.0.1:") for t in targets)
+        # "unknown" until a target's first scrape (every 5 s); "down" may be a scrape that
+        # raced a process starting, so both get until the deadline.
+        not_up = [(t["scrapeUrl"], t["health"], t["lastError"]) for t in targets
+                  if t["health"] != "up"]
+        if not not_up:
+            break
+        assert time.time() < deadline, f"targets not up after {VISIBLE_WITHIN_S}s: {not_up}"
+        time.sleep(2)
 
 
 def test_serve_request_count_is_in_prometheus(prometheus, workloads):
