@@ -1,24 +1,33 @@
 """The examples of README and docs/, run as written, in order, against the session's cluster.
 
 Every fenced ```bash block in README.md and the docs/ pages is preceded by a marker:
-    <!-- readme-test expect="REGEX" [expect="REGEX" ...] -->   run it; it must exit 0 and
-                                                                 print every REGEX
+    <!-- readme-test expect="REGEX" [expect="REGEX" ...] -->   run it; it must exit 0, print
+                                                                 every REGEX and no traceback
     <!-- readme-test skip: why -->                              not runnable here, and why
 The blocks are read from the pages themselves (scripts/readme_blocks.py: README first, then
 the docs pages in its PAGES order), so an example cannot drift from what is tested; `make
 demo-hf` runs one section's blocks the same way. They run in a copy of the repository's files
-(so `$PWD/runs/...` and `cluster-configs/generated/` land there), with the session cluster's
-client environment (what `eval "$(rayfleet local env)"` exports) and the venv's bin first on
-PATH (what `source .venv/bin/activate` does). The one change made to them: the committed Serve
-configs' port 8000 becomes a free port.
+(so `$PWD/runs/...` and `cluster-configs/generated/` land there), each page's blocks in one
+bash of its own, one after another, as a reader's terminal: what a block exports, `eval`s or
+`cd`s carries over to the page's next block, and nothing else is preset. The shell starts with
+the venv's bin first on PATH (what `source .venv/bin/activate` does), RAYFLEET_HOME naming the
+session's cluster (so `rayfleet local up` finds it up, and `rayfleet local env` prints its
+client environment) and a HOME of its own whose `rayfleet-runs` (the default storage) is the
+session cluster's storage folder; no RAY_* variable and no RAYFLEET_STORAGE: a block that
+forgot `eval "$(rayfleet local env)"` fails. The one change made to the blocks: the committed
+Serve configs' port 8000 becomes a free port.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -53,43 +62,115 @@ def _split() -> int:
     return next(i for i, (_, body, _) in enumerate(blocks) if "serve/rag.yaml" in body) + 1
 
 
-def _run_blocks(blocks, work: Path, env: dict, port: int) -> None:
+TRACEBACK = "Traceback (most recent call last)"
+
+
+class PageShell:
+    """One page's bash: its blocks run in it one after another, each as `set -e -o pipefail`
+    runs a script. A failing block ends the shell; the test fails there."""
+
+    def __init__(self, page: str, work: Path, env: dict, logs: Path):
+        self.page, self.logs, self.n = page, logs, 0
+        self.proc = subprocess.Popen(
+            ["bash", "--noprofile", "--norc", "-e", "-o", "pipefail"], cwd=work, env=env,
+            stdin=subprocess.PIPE, stdout=open(logs / f"{_slug(page)}.shell.log", "w"),
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def run(self, body: str, timeout: float) -> tuple[int, str]:
+        """(exit status, output) of one block."""
+        self.n += 1
+        stem = self.logs / f"{_slug(self.page)}-{self.n}"
+        script, out, rc = (stem.with_suffix(".sh"), stem.with_suffix(".out"),
+                           stem.with_suffix(".rc"))
+        script.write_text(body + "\n")
+        q = shlex.quote
+        # Its stdin is /dev/null: a command reading stdin must not eat the page's next block.
+        self.proc.stdin.write(f"source {q(str(script))} > {q(str(out))} 2>&1 < /dev/null\n"
+                              f"echo $? > {q(str(rc))}.new && mv {q(str(rc))}.new {q(str(rc))}\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while not rc.exists() and self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                self.close()
+                return 124, out.read_text() if out.exists() else ""
+            time.sleep(0.2)
+        status = int(rc.read_text()) if rc.exists() else self.proc.returncode
+        return status, out.read_text() if out.exists() else ""
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _slug(page: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", page)
+
+
+def _reader_env(ray_cluster, home: Path) -> dict:
+    """What a reader's fresh terminal has, plus the venv on PATH (see the module docstring)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_") and k not in ("RAYFLEET_STORAGE", "RAYFLEET_HOME")}
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "rayfleet-runs").symlink_to(ray_cluster["storage"], target_is_directory=True)
+    env.update(HOME=str(home), RAYFLEET_HOME=str(ray_cluster["home"]),
+               PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    return env
+
+
+def _run_blocks(blocks, shells: dict, open_shell, port: int) -> None:
     for where, body, expects in blocks:
+        page = where.split(" line ")[0]
+        if page not in shells:
+            shells[page] = open_shell(page)
         body = body.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-        proc = run(["bash", "-e", "-o", "pipefail", "-c", body], env=env, cwd=work,
-                   timeout=420)
-        out = proc.stdout + proc.stderr
-        where = f"{where}: exit {proc.returncode}\n{out[-4000:]}"
-        assert proc.returncode == 0, where
+        status, out = shells[page].run(body, timeout=420)
+        where = f"{where}: exit {status}\n{out[-4000:]}"
+        assert status == 0, where
         for pattern in expects:
             assert re.search(pattern, out), f"{where}\nexpected: {pattern}"
+        assert TRACEBACK not in out, f"{where}\na traceback in its output"
 
 
 @pytest.fixture(scope="module")
 def readme(ray_cluster, tmp_path_factory):
     """The runnable blocks up to the `rag` deploy, in the pages' order; what they leave (files,
     and the `rag` app) is what the tests below look at."""
-    work = _copy_of_repo(tmp_path_factory.mktemp("readme") / "checkout")
+    root = tmp_path_factory.mktemp("readme")
+    work = _copy_of_repo(root / "checkout")
     port = free_port()
     for cfg in (work / "cluster-configs" / "serve").glob("*.yaml"):
         cfg.write_text(cfg.read_text().replace("port: 8000", f"port: {port}"))
-    env = {**ray_cluster["env"], "PATH": f"{BIN}:{ray_cluster['env'].get('PATH', '')}"}
+    env = _reader_env(ray_cluster, root / "home")
+    (root / "logs").mkdir()
+    shells: dict[str, PageShell] = {}
     serve_shutdown(ray_cluster)   # Serve's HTTP port is fixed by the first deploy
     try:
-        _run_blocks(_runnable()[:_split()], work, env, port)
-        yield {"work": work, "storage": ray_cluster["storage"], "env": env, "port": port,
+        _run_blocks(_runnable()[:_split()], shells,
+                    lambda page: PageShell(page, work, env, root / "logs"), port)
+        yield {"work": work, "storage": ray_cluster["storage"], "port": port,
+               "shells": shells, "open_shell": lambda page: PageShell(page, work, env,
+                                                                        root / "logs"),
                "rag_url": f"http://127.0.0.1:{port}"}
     except BaseException:
         serve_shutdown(ray_cluster)
         raise
+    finally:
+        for shell in shells.values():
+            shell.close()
 
 
 @pytest.fixture(scope="module")
 def readme_rest(readme, ray_cluster):
     """The blocks after the `rag` deploy (the Hugging Face line, the llm config, the cloud
-    steps), once the rag tests are done, in the same checkout and shell state."""
+    steps), once the rag tests are done, in the same checkout and the same page shells."""
     try:
-        _run_blocks(_runnable()[_split():], readme["work"], readme["env"], readme["port"])
+        _run_blocks(_runnable()[_split():], readme["shells"], readme["open_shell"],
+                    readme["port"])
         yield readme
     finally:
         serve_shutdown(ray_cluster)
@@ -111,6 +192,28 @@ def test_demo_hf_runs_the_hugging_face_sections_blocks():
         "readme_blocks: README has no section '## Nope'"
 
 
+def _indented_code(text: str) -> list[int]:
+    """Line numbers of Markdown's indented code blocks (4+ spaces after a blank line, not a
+    list item's continuation), outside fences: commands there would escape the markers."""
+    lines, found, fenced = text.split("\n"), [], False
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced or not re.match(r"( {4,}|\t)\S", line) or i == 0 or lines[i - 1].strip():
+            continue
+        before = next((ln for ln in reversed(lines[:i]) if ln.strip()), "")
+        if not re.match(r"\s|[-*+] |\d+\. ", before):
+            found.append(i + 1)
+    return found
+
+
+def test_an_indented_code_block_is_found():
+    text = ("Run this:\n\n    make setup\n\n- a list item\n\n    its second paragraph\n\n"
+            "```bash\n    indented inside a fence\n```\n")
+    assert _indented_code(text) == [3]
+
+
 def test_every_bash_example_in_readme_is_marked():
     # Every page of docs/ is one the examples are read from, so none of its blocks is skipped.
     assert {p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")} <= set(PAGES)
@@ -120,6 +223,10 @@ def test_every_bash_example_in_readme_is_marked():
         on_page = examples(text, page)
         assert len(on_page) == len(FENCE.findall(text)), \
             f"{page}: a ```bash block without a readme-test marker"
+        # Commands in an indented block (or an indented fence) escape the markers: fence them.
+        assert _indented_code(text) == [], f"{page}: indented code at lines " \
+            f"{_indented_code(text)}; use a fenced ```bash block with a marker (or ```text)"
+        assert not re.search(r"^[ \t]+```", text, re.M), f"{page}: an indented fence"
         found += on_page
     assert sum(e is not None for _, _, e in found) >= 6
 
