@@ -221,17 +221,29 @@ def test_a_missing_bucket_is_one_line(aws_env, monkeypatch, capsys):
                    "no-such-bucket-rf does not exist (is this the stack's bucket?)\n")
 
 
-def test_metrics_and_loss_curve_sit_beside_the_logs(shipped, s3_client):
-    # A training run named after its job (workloads.train's default under --submission-id)
-    # writes these under the same runs/<id>/: --list shows them with the logs.
-    for name, body in (("metrics.csv", b"step,loss\n1,2.0\n"), ("loss.png", b"\x89PNG\r\n")):
+def test_files_beside_the_logs_are_listed_and_a_binary_one_needs_o(shipped, s3_client):
+    # What a training run named after its job leaves beside the logs (runs/<id>/metrics.csv
+    # and loss.png), made here by the training summary's own writers: this test checks that
+    # `rayfleet logs` lists them and refuses to print a binary one. That a training job
+    # submitted with --submission-id writes them there is checked where one runs on a cloud
+    # node (tests/fakecloud/test_ray_up.py: the training job's keys, then `rayfleet logs
+    # --list` after the cluster is gone).
+    from workloads.train import checkpoint as ckpt
+    from workloads.train.runinfo import loss_png
+
+    history = [{"step": 1, "loss": 2.0, "lr": 0.001, "tokens_per_s": 10.0},
+               {"step": 2, "loss": 1.5, "lr": 0.001, "tokens_per_s": 10.0}]
+    for name, body in (("metrics.csv", ckpt.history_csv(history).encode()),
+                       ("loss.png", loss_png(history, "logs test"))):
         s3_client.put_object(Bucket=shipped["bucket"],
                              Key=f"rayfleet/runs/{shipped['run']}/{name}", Body=body)
     rf = str(BIN / "rayfleet")
     listed = run([rf, "logs", shipped["run"], "--storage", shipped["storage"], "--list"],
                  env=shipped["env"], check=True).stdout
     assert "metrics.csv" in listed and "loss.png" in listed
+    csv = run([rf, "logs", shipped["run"], "--storage", shipped["storage"], "--file",
+               "metrics.csv"], env=shipped["env"], check=True).stdout
+    assert csv.splitlines() == ckpt.history_csv(history).splitlines(), csv
     png = run([rf, "logs", shipped["run"], "--storage", shipped["storage"], "--file",
                "loss.png"], env=shipped["env"])
     assert png.returncode == 2 and "is binary; write it with -o PATH" in png.stderr
-
