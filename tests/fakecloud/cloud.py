@@ -15,15 +15,24 @@
   a package mirror; nodes have no route off the bridge).
 - **Addresses**: everything lives in 198.18.0.0/15 (RFC 2544's benchmarking range). The
   harness refuses to start if anything on the machine already uses that range, and checks
-  that the range routes to its own bridge before it starts a node. Nodes get no default
-  route: a packet from a node can reach only the bridge's network.
+  that the range routes to its own bridge before it starts a node.
+- **Fences**, enforced, not only by construction: nodes get no default route; each node's
+  namespace has an nftables table that drops every packet it sends to anything but loopback
+  and 198.18.0.0/15 (counted, so a test can see the rule match), and forwards nothing; on the
+  host, the part of the range the bridge does not hold is a blackhole route, so nothing here
+  sends an address of the range off the machine; the proxy variables (HTTP_PROXY, ...) are
+  removed from every process the fake cloud starts, and the stand-in `aws` ignores them and
+  refuses a target `ip route get` does not send through the bridge.
 
-`FakeCloud.close()` removes everything it made (nodes, namespaces, bridge, moto), also after
-a failure; use it as a context manager.
+`FakeCloud.close()` removes everything it made (nodes, namespaces, bridge, routes, moto), also
+after a failure; `teardown()` runs the user's `ray down` first, and neither a hung `ray down`
+nor a second SIGTERM stops the removal. What a run killed with SIGKILL left (its namespaces,
+bridge, moto and node folders) is removed by the next start, which says so in one line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import json
@@ -41,11 +50,28 @@ from pathlib import Path
 FAKE_RANGE = ipaddress.ip_network("198.18.0.0/15")
 HERE = Path(__file__).resolve().parent
 TOOLS = {"ip": "iproute2", "unshare": "util-linux", "sshd": "openssh-server",
-         "ssh": "openssh-client", "ssh-keygen": "openssh-client", "rsync": "rsync"}
+         "ssh": "openssh-client", "ssh-keygen": "openssh-client", "rsync": "rsync",
+         "nft": "nftables"}
 REGION = "us-east-1"
+# Where a proxy would take HTTP (boto3, urllib, requests, pip all read these): the fake cloud's
+# traffic goes to its own addresses, never through a proxy host.
+PROXY_VARS = tuple(v for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy",
+                                  "ftp_proxy") for v in (name.upper(), name))
+BRIDGE_ENV = "RAYFLEET_FAKECLOUD_BRIDGE"   # tells the stand-in `aws` which bridge is ours
+FENCE_TABLE = "rayfleet_fence"
+FENCE_COUNTER = "left_range"   # IPv4 packets a node tried to send outside the range
+
+# One file per live fake cloud (JSON: its owner's pid, its folder, its moto's pid), so the
+# next start can remove what a killed run left.
+STATE = Path("/run/rayfleet-fakecloud")
 
 
-STATE = Path("/run/rayfleet-fakecloud")   # one file per live fake cloud: its owner's pid
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # never a proxy
+
+
+def without_proxies(env) -> dict[str, str]:
+    """``env`` (a mapping, e.g. os.environ) less every proxy variable."""
+    return {k: v for k, v in env.items() if k not in PROXY_VARS}
 
 
 class Unavailable(Exception):
@@ -134,6 +160,7 @@ class FakeCloud:
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._made_bridge = False
+        self._made_blackhole = False
         self._counter = 0
         self._lock = threading.Lock()
 
@@ -147,29 +174,76 @@ class FakeCloud:
             raise Unavailable(f"{FAKE_RANGE} is already in use on this machine "
                               f"({'; '.join(taken)}): the fake cloud will not share it")
         self.root.mkdir(parents=True, exist_ok=True)
-        (STATE / self.suffix).write_text(str(os.getpid()))
+        self._save_state()
         sh("ip", "link", "add", self.bridge, "type", "bridge")
         self._made_bridge = True
         sh("ip", "addr", "add", f"{self.gateway}/{self.vpc.prefixlen}", "dev", self.bridge)
         sh("ip", "link", "set", self.bridge, "up")
+        # The rest of the range goes nowhere: without this route an address of the range
+        # outside the VPC would follow this machine's default route off it.
+        sh("ip", "route", "add", "blackhole", str(FAKE_RANGE))
+        self._made_blackhole = True
         self.check_route(str(self.vpc.network_address + 10))
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)   # sshd's privilege separation
+        # The host forwards between interfaces only when ip_forward is 1; the nodes' fences
+        # hold either way (they drop before routing), so it is reported, not changed.
+        print(f"fake cloud: host net.ipv4.ip_forward={host_ip_forward()}; nodes fenced to "
+              f"{FAKE_RANGE} and loopback by nftables, forwarding off", flush=True)
 
         port = _free_port(self.gateway)
         log = open(self.root / "moto.log", "wb")
+        # moto's recorder (off until record_calls()) writes the requests it serves here.
+        self.recording = self.root / "moto-recording.jsonl"
         self.moto_proc = subprocess.Popen([moto_server, "-H", self.gateway, "-p", str(port)],
-                                          stdout=log, stderr=subprocess.STDOUT)
+                                          stdout=log, stderr=subprocess.STDOUT,
+                                          env={**without_proxies(os.environ),
+                                               "MOTO_RECORDER_FILEPATH": str(self.recording)})
+        self._save_state()
         self.endpoint = f"http://{self.gateway}:{port}"
         deadline = time.time() + 30
         while True:
             try:
-                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1)
+                _DIRECT.open(self.endpoint + "/moto-api/", timeout=1)
                 break
             except OSError:
                 if time.time() > deadline or self.moto_proc.poll() is not None:
                     raise RuntimeError(f"moto_server did not start on {self.endpoint}") from None
                 time.sleep(0.2)
         return self
+
+    def record_calls(self) -> None:
+        """From now on moto records every request it serves (what record_calls() started,
+        terminated_in_order() reads)."""
+        for what in ("reset-recording", "start-recording"):
+            _DIRECT.open(urllib.request.Request(
+                f"{self.endpoint}/moto-api/recorder/{what}", data=b"", method="POST"),
+                timeout=10)
+
+    def terminated_in_order(self) -> list[list[str]]:
+        """The instance ids of each TerminateInstances call moto served since record_calls(),
+        in the order it served them: what EC2 was asked, not what the caller says it did."""
+        import base64
+        import urllib.parse
+
+        _DIRECT.open(urllib.request.Request(f"{self.endpoint}/moto-api/recorder/stop-recording",
+                                            data=b"", method="POST"), timeout=10)
+        calls = []
+        for line in self.recording.read_text().splitlines():
+            entry = json.loads(line)
+            body = entry.get("body") or ""
+            if entry.get("body_encoded"):
+                body = base64.b64decode(body).decode(errors="replace")
+            form = urllib.parse.parse_qs(body if isinstance(body, str) else "")
+            if form.get("Action") == ["TerminateInstances"]:
+                calls.append([v[0] for k, v in sorted(form.items())
+                              if k.startswith("InstanceId.")])
+        return calls
+
+    def _save_state(self) -> None:
+        moto = self.moto_proc.pid if self.moto_proc is not None else None
+        (STATE / self.suffix).write_text(json.dumps({
+            "pid": os.getpid(), "root": str(self.root), "moto": moto,
+            "moto_started": _start_time(moto) if moto else None}))
 
     def check_route(self, ip: str) -> None:
         """Refuse to send anything unless ``ip`` is in the fake range and routes to our
@@ -261,17 +335,40 @@ class FakeCloud:
         sh("ip", "-n", netns, "addr", "add", f"{ip}/{self.vpc.prefixlen}", "dev", "eth0")
         sh("ip", "-n", netns, "link", "set", "eth0", "up")
         sh("ip", "-n", netns, "link", "set", "lo", "up")
+        self.fence(netns)
         script = _NODE_INIT.format(hostname=hostname, root=root)
         log = root / "node.log"
         with open(log, "wb") as f:
             proc = subprocess.Popen(["ip", "netns", "exec", netns, "unshare", "--mount",
                                      "--uts", "--pid", "--fork", "--mount-proc",
                                      "--propagation", "private", "sh", "-ec", script],
-                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=without_proxies(os.environ))
         node = Node(instance_id, ip, netns, root, proc, log)
         self.nodes[instance_id] = node
         self.events.append(f"start {instance_id} {ip}")
         return node
+
+    @staticmethod
+    def fence(netns: str) -> None:
+        """The node's firewall, before anything runs in it: what it sends goes to loopback or
+        the fake range, or is dropped (and IPv4 drops counted); it forwards nothing."""
+        rules = _FENCE.format(table=FENCE_TABLE, counter=FENCE_COUNTER, range=FAKE_RANGE)
+        proc = subprocess.run(["ip", "netns", "exec", netns, "nft", "-f", "-"], input=rules,
+                              capture_output=True, text=True, timeout=30)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nft in {netns}: {proc.stderr.strip()}")
+        sh("ip", "netns", "exec", netns, "sh", "-c",
+           "echo 0 > /proc/sys/net/ipv4/ip_forward && "
+           "echo 0 > /proc/sys/net/ipv6/conf/all/forwarding")
+
+    @staticmethod
+    def fence_drops(netns: str) -> int:
+        """How many IPv4 packets the node's fence has dropped."""
+        out = json.loads(sh("ip", "netns", "exec", netns, "nft", "-j", "list", "counter",
+                            "inet", FENCE_TABLE, FENCE_COUNTER).stdout)
+        (counter,) = [o["counter"] for o in out["nftables"] if "counter" in o]
+        return counter["packets"]
 
     def stop_node(self, instance_id: str) -> None:
         node = self.nodes.pop(instance_id)
@@ -308,6 +405,9 @@ class FakeCloud:
                 self.moto_proc.kill()
         if self._made_bridge:
             sh("ip", "link", "del", self.bridge, check=False)
+        if self._made_blackhole:
+            sh("ip", "route", "del", "blackhole", str(FAKE_RANGE), check=False)
+            self._made_blackhole = False
         left = _overlaps(FAKE_RANGE)
         if left:
             problems.append(f"still in {FAKE_RANGE}: {'; '.join(left)}")
@@ -335,24 +435,115 @@ class FakeCloud:
 
 def sweep_stale() -> list[str]:
     """Remove what a fake cloud whose process died without closing it left behind (a test run
-    killed with SIGKILL): its nodes' namespaces and processes, its bridge, its moto server."""
+    killed with SIGKILL): its nodes' namespaces and processes, its bridge and blackhole route,
+    its moto server (by the pid it recorded, if that process is still the one it started) and
+    its nodes' folders (their venvs are gigabytes; each node.log stays). Says so in one line."""
     removed = []
     for f in STATE.glob("*") if STATE.is_dir() else []:
         try:
-            os.kill(int(f.read_text()), 0)
+            state = json.loads(f.read_text())
+        except ValueError:
+            state = {}
+        if not isinstance(state, dict):   # an older harness's file: the owner's pid alone
+            state = {"pid": state}
+        try:
+            os.kill(int(state.get("pid")), 0)
             continue   # its owner lives
-        except (ProcessLookupError, ValueError):
+        except (ProcessLookupError, TypeError, ValueError):
             pass
-        suffix = f.name
+        suffix, gone = f.name, []
         for ns in sh("ip", "netns", "list").stdout.split():
             if ns.startswith(f"rfn{suffix}"):
                 _kill_netns(ns)
-                removed.append(ns)
+                gone.append(ns)
         if sh("ip", "link", "del", f"rfc{suffix}", check=False).returncode == 0:
-            removed.append(f"rfc{suffix}")
-        sh("pkill", "-f", "moto_server -H 198.1[89]", check=False)
+            gone.append(f"bridge rfc{suffix}")
+        # One fake cloud holds the range at a time: with no bridge of a live one, the
+        # blackhole left is this one's.
+        if not any(ln.startswith("rfc") for ln in sh("ip", "-br", "link").stdout.split()) \
+                and sh("ip", "route", "del", "blackhole", str(FAKE_RANGE),
+                       check=False).returncode == 0:
+            gone.append(f"blackhole {FAKE_RANGE}")
+        moto = state.get("moto")
+        if moto and _start_time(moto) == state.get("moto_started"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(moto, signal.SIGKILL)
+                gone.append(f"moto pid {moto}")
+        nodes = Path(state["root"]) / "nodes" if state.get("root") else None
+        if nodes is not None and nodes.is_dir():
+            for node in sorted(nodes.iterdir()):
+                for part in node.iterdir():
+                    if part.name != "node.log":
+                        if part.is_dir() and not part.is_symlink():
+                            shutil.rmtree(part, ignore_errors=True)
+                        else:
+                            part.unlink(missing_ok=True)
+                gone.append(f"node folder {node}")
         f.unlink()
+        print(f"fake cloud: removed what a killed run (pid {state.get('pid')}) left: "
+              f"{', '.join(gone) or 'nothing'}", flush=True)
+        removed += gone
     return removed
+
+
+def _ignore_sigterm(*_) -> None:
+    # os.write, not print: a handler that prints while the main thread prints raises.
+    os.write(2, b"fake cloud: SIGTERM during teardown: ignored until the fake cloud is "
+                b"removed\n")
+
+
+def stop_on_first_sigterm():
+    """From now on the first SIGTERM raises (the run stops, its `finally` tears down) and any
+    later one is ignored, saying so, so that it cannot abort the teardown. Returns the handler
+    it replaced, to put back."""
+    def first(*_):
+        signal.signal(signal.SIGTERM, _ignore_sigterm)
+        raise RuntimeError("terminated (SIGTERM)")
+
+    return signal.signal(signal.SIGTERM, first)
+
+
+def teardown(cloud: FakeCloud, down: list[str] | None = None, env: dict | None = None,
+             down_timeout: float = 300, cwd: Path | None = None) -> list[str]:
+    """Take the cluster down the user's way (``down``, e.g. `ray down -y`), then remove the
+    fake cloud, whatever happens on the way: a ``down`` still running after ``down_timeout``
+    s is killed (its process group) and the fake cloud is removed all the same; SIGTERM is
+    ignored, and said so, until it is done. Returns what went wrong (empty when clean)."""
+    previous = signal.signal(signal.SIGTERM, _ignore_sigterm)
+    print("fake cloud: tearing down", flush=True)
+    problems = []
+    try:
+        if down:
+            proc = subprocess.Popen(down, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                out = proc.communicate(timeout=down_timeout)[0]
+                if proc.returncode != 0:
+                    problems.append(f"{' '.join(down[-3:])} exited {proc.returncode}: "
+                                    f"{out.decode(errors='replace')[-1000:]}")
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                problems.append(f"{' '.join(down[-3:])} still running after "
+                                f"{down_timeout:.0f} s: killed it; removing the nodes anyway")
+        problems += cloud.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return problems
+
+
+def host_ip_forward() -> str:
+    return Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot), to tell it from a later one given
+    the same pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def operator_command(ssh_dir: Path, argv: list[str]) -> list[str]:
@@ -425,6 +616,24 @@ MaxSessions 100
 MaxStartups 100
 LogLevel ERROR
 Subsystem sftp internal-sftp
+"""
+
+
+# A node's firewall (nftables, in its own namespace): it may send to loopback and to the fake
+# range; anything else is dropped before it is routed, IPv4 drops counted. Nothing is forwarded.
+_FENCE = """
+table inet {table} {{
+  counter {counter} {{ }}
+  chain output {{
+    type filter hook output priority 0; policy drop;
+    oifname "lo" accept
+    ip daddr {range} accept
+    meta nfproto ipv4 counter name "{counter}" drop
+  }}
+  chain forward {{
+    type filter hook forward priority 0; policy drop;
+  }}
+}}
 """
 
 
