@@ -345,14 +345,11 @@ the tables above but not this section.
   The event-loop settings move nothing that a second run would not: the ceiling is the Python
   proxy. HAProxy replaces that proxy: requests go from HAProxy straight to the replica's own
   HTTP server. That takes Serve's floor from about 9 ms to 0.5 ms, doubles the c=16 share of
-  bare, and lifts the batching gain past 3x. **It is not in the shipped configs.** In Ray
-  2.60, HAProxy's stats page listens on `0.0.0.0:8404` and its metrics on `0.0.0.0:9101`,
-  both without authentication (checked with `ss -ltnp`). Ray's template hard-codes the
-  stats address, so the kit's rule that nothing listens on the world would break, and on AWS
-  only the security group would stand between those pages and the VPC. To use it anyway on a
-  machine you control: `RAY_SERVE_ENABLE_HA_PROXY=1 rayfleet local up ...` (the variable
-  reaches `ray start`; `haproxy` must be on PATH), or the same variable before `ray start` in
-  the cluster YAML's start commands.
+  bare, and lifts the batching gain past 3x. At the time it was left out of the shipped
+  configs: Ray's template binds HAProxy's stats page and exporter on every interface without
+  authentication. Since issue 28 it is the kit's default ingress, started through a guard
+  that keeps those pages on loopback (rule 30 in docs/security.md); section 7 measures it
+  against Serve's Python proxy and bare in one run (`python -m bench.ingress`).
 """
 
 

@@ -15,8 +15,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def local_cluster(num_cpus: int = 4, extra_env: dict | None = None):
-    """extra_env reaches `ray start` and so every Ray process (e.g. RAY_SERVE_* settings)."""
+def local_cluster(num_cpus: int = 4, extra_env: dict | None = None, ingress: str | None = None):
+    """extra_env reaches `ray start` and so every Ray process (e.g. RAY_SERVE_* settings);
+    ingress is Serve's (`rayfleet local up --ingress`; default the kit's)."""
     from rayfleet.local import free_port
 
     with tempfile.TemporaryDirectory(prefix="rayfleet-bench-") as home:
@@ -25,7 +26,8 @@ def local_cluster(num_cpus: int = 4, extra_env: dict | None = None):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         subprocess.run([str(BIN / "rayfleet"), "local", "up", "--num-cpus", str(num_cpus),
                         "--object-store-memory", "1GB", "--port", str(free_port()),
-                        "--dashboard-port", str(free_port())], env=env, check=True,
+                        "--dashboard-port", str(free_port()),
+                        *(["--ingress", ingress] if ingress else [])], env=env, check=True,
                        capture_output=True)
         try:
             exports = subprocess.run([str(BIN / "rayfleet"), "local", "env"], env=env,

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError
-from rayfleet.facts import loopback_port, port
+from rayfleet.facts import port
 from rayfleet.ingress import DEFAULT_INGRESS, ENABLE, GUARD_NAME, INGRESS_CHOICES, haproxy_env
 
 # Ray's own defaults, the ports a cluster of the stack uses too.
@@ -173,6 +173,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (each held until all are picked)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _pick(default: int) -> int:
     return default if not port_in_use(default) else free_port()
 
@@ -296,7 +308,7 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     client_port, agent_port = _pick(DEFAULT_CLIENT_PORT), _pick(DEFAULT_AGENT_PORT)
     metrics_port = _pick(DEFAULT_METRICS_PORT)
     ingress = ingress or DEFAULT_INGRESS
-    ingress_env, haproxy_metrics_port = _ingress_env(ingress, logdir)
+    ingress_env, haproxy_metrics_port = _ingress_env(ingress)
     cmd = [
         _ray_bin(python), "start", "--head", "--block", "--disable-usage-stats",
         f"--port={port}",
@@ -369,23 +381,23 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     raise ClusterError(f"Ray head did not answer within {START_TIMEOUT_S}s; see {log}")
 
 
-def _ingress_env(ingress: str, logdir: Path) -> tuple[dict[str, str], int | None]:
+def _ingress_env(ingress: str) -> tuple[dict[str, str], int | None]:
     """`ray start`'s environment for Serve's ingress, and HAProxy's exporter port.
 
     HAProxy's files go to a 0700 folder of this cluster's own; its stats page, exporter and
-    Serve's fallback proxy take their usual ports unless another process (another local
-    cluster) has them: two HAProxies never share a port (Ray starts them without
-    SO_REUSEPORT), so a taken one would keep this cluster's ingress down."""
+    Serve's fallback proxy get free ports of their own (two HAProxies never share a port: Ray
+    starts them without SO_REUSEPORT)."""
     if ingress != "haproxy":
         return {}, None
-    folder = logdir / "haproxy"
+    folder = _haproxy_folder()
     shutil.rmtree(folder, ignore_errors=True)  # a previous run's sockets and state
-    folder.mkdir(mode=0o700, parents=True)
+    folder.mkdir(mode=0o700)
     folder.chmod(0o700)
-    stats, exporter = _pick(loopback_port("haproxy-stats")), _pick(
-        loopback_port("haproxy-metrics"))
-    fallback = {name: _pick(port(name)) for name in ("serve-fallback-proxy",
-                                                     "serve-fallback-proxy-grpc")}
+    # Free ports of their own, never the usual ones: HAProxy and the fallback proxy bind them
+    # only when Serve starts, so two clusters that both found the usual port free at `up` would collide
+    # at their first `serve deploy`.
+    stats, exporter, http, grpc = free_ports(4)
+    fallback = {"serve-fallback-proxy": http, "serve-fallback-proxy-grpc": grpc}
     guard = Path(__file__).resolve().parent / "agents" / f"{GUARD_NAME}.py"
     return haproxy_env(str(folder), str(guard), stats, exporter, fallback), exporter
 
@@ -488,6 +500,13 @@ def _forget() -> None:
         _state_file().unlink()
     except FileNotFoundError:
         pass
+    shutil.rmtree(_haproxy_folder(), ignore_errors=True)  # HAProxy's sockets and state
+
+
+def _haproxy_folder() -> Path:
+    """Serve's HAProxy files (rayfleet.ingress): beside Ray's session folder and as short, as
+    Ray adds a 56-character node folder and HAProxy refuses a socket path over 97 characters."""
+    return ray_temp_dir().with_name(ray_temp_dir().name.replace("rayfleet-", "rfhap-"))
 
 
 STRAGGLER_GRACE_S = 3.0

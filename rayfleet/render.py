@@ -449,8 +449,9 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
 
 # Serve's HAProxy ingress on a node (rayfleet.ingress): its files in a 0700 folder of the
 # node user's, emptied at each start (a previous Ray's sockets and state), and HAProxy started
-# through the guard agent.
-REMOTE_HAPROXY = "$HOME/rayfleet-haproxy"
+# through the guard agent. Short: Ray adds a 56-character node folder, and HAProxy refuses a
+# socket path over 97 characters.
+REMOTE_HAPROXY = "$HOME/.rfhap"
 INGRESS_WHY = {
     "haproxy": "; Serve's ingress is HAProxy on every node (Python proxy out of the request "
                "path), started through the kit's guard: its stats page and exporter on "

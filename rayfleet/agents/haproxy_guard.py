@@ -46,6 +46,8 @@ ADMIN_LISTENERS = {("frontend", "prometheus"), ("listen", "stats")}
 SERVE_LISTENERS = {("frontend", "http_frontend"), ("frontend", "grpc_frontend")}
 ANY_HOST = ("", "*", "0.0.0.0", "::", "[::]")
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+# HAProxy's limit on a Unix socket path (sizeof(sun_path) less its own prefix).
+MAX_SOCKET_PATH = 97
 
 
 class GuardError(Exception):
@@ -61,6 +63,13 @@ def _split_bind(line: str) -> tuple[str, str, str]:
     if not port.isdigit():
         raise GuardError(f"a bind line without a port number: {line.strip()!r}")
     return host, port, parts[2] if len(parts) > 2 else ""
+
+
+def _short_enough(path: str, what: str) -> None:
+    if len(path) > MAX_SOCKET_PATH:
+        raise GuardError(f"the {what} {path} is {len(path)} characters, over HAProxy's "
+                         f"{MAX_SOCKET_PATH}: point RAY_SERVE_HAPROXY_SOCKET_PATH and "
+                         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH into a shorter folder")
 
 
 def _private_folder(path: str) -> None:
@@ -133,12 +142,15 @@ def guard(text: str, bind: str = "127.0.0.1", frontend: str = "127.0.0.1") -> st
             if "mode" not in words or words.index("mode") + 1 >= len(words):
                 raise GuardError(f"a stats socket without a mode: {stripped!r}")
             sockets += 1
+            _short_enough(path, "admin socket")
             _private_folder(path)
             words[words.index("mode") + 1] = "600"
             line = indent + " ".join(words)
-        elif key == "log" and section[0] == "global":
-            target = stripped.split()[1] if len(stripped.split()) > 1 else ""
-            if not (target.startswith("/") or target.rpartition(":")[0] in LOOPBACK):
+        elif key == "log" and len(stripped.split()) > 1 and stripped.split()[1] != "global":
+            target = stripped.split()[1]
+            if target.startswith("/"):
+                _short_enough(target, "log socket")
+            elif target.rpartition(":")[0] not in LOOPBACK:
                 raise GuardError(f"a log target off this machine: {stripped!r}")
         out.append(line)
     if sockets != 1:
@@ -183,6 +195,10 @@ def _rewrite(path: str, bind: str, frontend: str) -> None:
 def main(argv: list[str]) -> int:
     bind = os.environ.get("RAYFLEET_HAPROXY_BIND", "127.0.0.1")
     frontend = os.environ.get("RAYFLEET_HAPROXY_FRONTEND", "127.0.0.1")
+    if argv[:1] in (["--help"], ["-h"]):
+        print("usage: haproxy_guard.py -db -f CONFIG [HAPROXY ARGS...]  (as Ray runs HAProxy)\n"
+              "       haproxy_guard.py --check CONFIG  (print the config HAProxy would get)")
+        return 0
     try:
         if argv[:1] == ["--check"] and len(argv) == 2:
             with open(argv[1]) as f:

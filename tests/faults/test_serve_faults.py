@@ -56,55 +56,77 @@ def _running_replicas(ray_cluster) -> int:
     return dep.get("replica_states", {}).get("RUNNING", 0)
 
 
+class Load:
+    """CLIENTS threads sending REQUESTS completions between them (and more until ``until`` is
+    set, when given), each retrying a failed one up to RETRIES times as the openai client does.
+    Counts: answered, answered at the first try, failed at the first try (what a client
+    without retries loses), failed for good."""
+
+    def __init__(self, url: str, trigger_after: int, until: threading.Event | None = None):
+        self.url, self.trigger_after, self.until = url, trigger_after, until
+        self.body = {"model": "rayfleet-lm", "prompt": "def ", "max_tokens": 2,
+                     "temperature": 0}
+        self.lock, self.triggered = threading.Lock(), threading.Event()
+        self.counts = {"sent": 0, "ok": 0, "first_try": 0, "first_try_failed": 0, "failed": 0}
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._client) for _ in range(CLIENTS)]
+
+    def _client(self) -> None:
+        c = self.counts
+        while True:
+            with self.lock:
+                if c["sent"] >= REQUESTS and (self.until is None or self.until.is_set()):
+                    return
+                c["sent"] += 1
+            for attempt in range(RETRIES + 1):
+                try:
+                    out = _call(self.url + "/v1/completions", self.body)
+                    assert out["choices"][0]["finish_reason"] == "length"
+                    with self.lock:
+                        c["ok"] += 1
+                        c["first_try"] += attempt == 0
+                        if c["ok"] == self.trigger_after:
+                            self.triggered.set()
+                    break
+                # Any failure of an attempt counts: a replica killed mid-response also
+                # surfaces as http.client.IncompleteRead/RemoteDisconnected, not OSError.
+                except Exception as e:  # noqa: BLE001
+                    with self.lock:
+                        c["first_try_failed"] += attempt == 0
+                        self.errors.append(repr(e)[:200])
+                        if attempt == RETRIES:
+                            c["failed"] += 1
+                    time.sleep(0.5 * (attempt + 1))
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+        assert self.triggered.wait(180), \
+            f"load never reached {self.trigger_after} answers: {self.counts} {self.errors}"
+
+    def join(self) -> dict[str, int]:
+        for t in self.threads:
+            t.join(300)
+        c = self.counts
+        assert c["ok"] + c["failed"] == c["sent"] >= REQUESTS, c
+        return c
+
+
 def test_killed_replica_under_load(ray_cluster, lm_checkpoint, tmp_path):
     url = deploy_lm(ray_cluster, lm_checkpoint, tmp_path, deployment={"autoscaling_config": {
         "min_replicas": 2, "max_replicas": 2, "target_ongoing_requests": 8}})
     try:
         before = _replicas(url, 2)
         assert len(before) == 2, before
-        body = {"model": "rayfleet-lm", "prompt": "def ", "max_tokens": 2, "temperature": 0}
-        lock, done = threading.Lock(), threading.Event()
-        counts = {"sent": 0, "ok": 0, "first_try": 0, "failed": 0}
-        errors: list[str] = []
-        killed: dict[str, int] = {}
-
-        def client():
-            while True:
-                with lock:
-                    if counts["sent"] >= REQUESTS:
-                        return
-                    counts["sent"] += 1
-                for attempt in range(RETRIES + 1):
-                    try:
-                        out = _call(url + "/v1/completions", body)
-                        assert out["choices"][0]["finish_reason"] == "length"
-                        with lock:
-                            counts["ok"] += 1
-                            counts["first_try"] += attempt == 0
-                            if counts["ok"] == KILL_AFTER:
-                                done.set()
-                        break
-                    # Any failure of an attempt counts: a replica killed mid-response also
-                    # surfaces as http.client.IncompleteRead/RemoteDisconnected, not OSError.
-                    except Exception as e:  # noqa: BLE001
-                        if attempt == RETRIES:
-                            with lock:
-                                counts["failed"] += 1
-                                errors.append(repr(e)[:200])
-                        time.sleep(0.5 * (attempt + 1))
-
-        threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
-        for t in threads:
-            t.start()
-        assert done.wait(180), f"load never reached {KILL_AFTER} answers: {counts} {errors}"
+        load = Load(url, KILL_AFTER)
+        load.start()
         victim, pid = next(iter(before.items()))
         os.kill(pid, signal.SIGKILL)          # the replica's actor process, mid-load
-        killed[victim] = pid
-        for t in threads:
-            t.join(300)
-        print(f"\nserve fault: {counts} errors={errors[:3]}")
-        assert counts["ok"] + counts["failed"] == REQUESTS
-        assert counts["ok"] >= 0.99 * REQUESTS, (counts, errors)
+        counts = load.join()
+        print(f"\nserve fault: {counts} errors={load.errors[:3]}")
+        # docs/faults.md: every request answered for a client that retries as the openai
+        # client does; what a client without retries would have lost is measured and printed.
+        assert counts["failed"] == 0, (counts, load.errors)
 
         # Serve notices the dead actor, starts a replacement, and reports healthy again.
         deadline = time.time() + 180
@@ -112,6 +134,38 @@ def test_killed_replica_under_load(ray_cluster, lm_checkpoint, tmp_path):
             time.sleep(2)
         assert _running_replicas(ray_cluster) == 2
         after = _replicas(url, 2)
-        assert victim not in after and len(after) == 2, (killed, after)
+        assert victim not in after and len(after) == 2, (victim, after)
+    finally:
+        serve_shutdown(ray_cluster)
+
+
+def test_new_version_deployed_while_traffic_flows(ray_cluster, lm_checkpoint, tmp_path):
+    """`serve deploy` of a changed config under load: Serve starts the new version's replica,
+    moves traffic to it and stops the old one gracefully; no request is lost."""
+    url = deploy_lm(ray_cluster, lm_checkpoint, tmp_path, deployment={"autoscaling_config": {
+        "min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 8}})
+    try:
+        old = _replicas(url, 1)
+        rolled = threading.Event()
+        load = Load(url, KILL_AFTER, until=rolled)
+        load.start()
+        # A new version: the app's args change (the batching window), the answers do not.
+        path = tmp_path / "lm.yaml"
+        cfg = yaml.safe_load(path.read_text())
+        cfg["applications"][0]["args"]["batch_wait_timeout_s"] = 0.04
+        path.write_text(yaml.safe_dump(cfg))
+        run([str(BIN / "serve"), "deploy", str(path)], env=ray_cluster["env"], check=True,
+            timeout=120)
+        # Traffic flows until the new version alone answers and the old replica is gone.
+        deadline = time.time() + 180
+        new: dict[str, int] = {}
+        while time.time() < deadline and not (
+                new and not set(new) & set(old) and _running_replicas(ray_cluster) == 1):
+            new = _replicas(url, 1, deadline_s=10)
+        rolled.set()
+        counts = load.join()
+        print(f"\nserve rollout: {counts} errors={load.errors[:3]}")
+        assert new and not set(new) & set(old), (old, new)  # the new version answers
+        assert counts["failed"] == 0 and counts["first_try_failed"] == 0, (counts, load.errors)
     finally:
         serve_shutdown(ray_cluster)

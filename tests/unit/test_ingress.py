@@ -115,6 +115,8 @@ def test_a_host_the_serve_config_names_is_kept(tmp_path):
     (lambda t: re.sub(r"stats socket \S+", "stats socket ipv4@0.0.0.0:9999", t),
      "not a unix path"),
     (lambda t: re.sub(r"log 127\.0\.0\.1:514", "log 10.1.2.3:514", t), "off this machine"),
+    (lambda t: re.sub(r"stats socket (\S+)/admin.sock", "stats socket \\1/" + "a" * 100, t),
+     "over HAProxy's 97"),
     (lambda t: t.replace("frontend prometheus\n    bind :",
                          "frontend prometheus\n    bind 10.0.0.5:"), "neither every interface"),
 ])

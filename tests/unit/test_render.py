@@ -154,7 +154,9 @@ def test_node_agents_are_shipped_beside_the_token_and_started(tmp_path, outputs)
     _, cfg = rendered(tmp_path, outputs)
     folder = Path(cfg["file_mounts"]["~/rayfleet-agents"])
     assert folder == tmp_path / "agents"
-    assert sorted(p.name for p in folder.iterdir()) == ["autostop.py", "logship.py", "spot.py"]
+    assert sorted(p.name for p in folder.iterdir()) == ["autostop.py", "haproxy_guard.py",
+                                                        "logship.py", "spot.py"]
+    assert os.access(folder / "haproxy_guard.py", os.X_OK)  # Ray runs it as HAProxy
     for script in folder.iterdir():   # standalone: they run with the node environment alone
         proc = subprocess.run([sys.executable, "-I", str(script), "--help"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=60)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rayfleet.facts import RAY_PORTS_BY_NAME
 from tests.conftest import REPO
 from tests.workloads.conftest import deploy_lm, serve_shutdown
 
@@ -53,6 +55,43 @@ def test_models_and_health(client, lm_url):
     assert [m.id for m in models.data] == [MODEL]
     status, body = http(lm_url + "/health")
     assert status == 200 and body["status"] == "ok"
+
+
+def _listeners(root_pid: int) -> list[tuple[str, int, str, int]]:
+    """(address, port, process name, pid) of every TCP listener of the cluster's processes (the
+    head's `ray start` and everything below it), from `ss -ltnpH`."""
+    import psutil
+
+    pids = {root_pid} | {p.pid for p in psutil.Process(root_pid).children(recursive=True)}
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        cols = line.split()
+        addr, _, port = cols[3].rpartition(":")
+        for name, pid in re.findall(r'\("([^"]+)",pid=(\d+)', line):
+            if int(pid) in pids:
+                found.append((addr.strip("[]"), int(port), name, int(pid)))
+    return found
+
+
+def test_haproxy_serves_and_nothing_new_listens_on_the_world(ray_cluster, lm_url):
+    """The session cluster's ingress is HAProxy (rayfleet.ingress, the default): HAProxy
+    answers on the Serve port; every HAProxy socket, the replica's direct-ingress port and the
+    fallback proxy are on loopback; what listens beyond loopback is Ray's own (GCS, raylet and
+    workers' gRPC, behind the token), and none of it on a port of the ingress."""
+    port = int(lm_url.rsplit(":", 1)[1])
+    found = _listeners(ray_cluster["pid"])
+    world = {(a, p, n) for a, p, n, _ in found if a not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")}
+    haproxy = {(a, p) for a, p, n, _ in found if n == "haproxy"}
+    assert (("127.0.0.1", port) in haproxy), (port, found)          # HAProxy is the ingress
+    assert all(a == "127.0.0.1" for a, _ in haproxy), haproxy      # stats, exporter, frontend
+    direct = RAY_PORTS_BY_NAME["serve-direct-ingress"]
+    replica = [(a, p) for a, p, n, _ in found if direct.from_port <= p <= direct.to_port]
+    assert replica and all(a == "127.0.0.1" for a, _ in replica), found
+    assert not [w for w in world if w[2] == "haproxy" or w[1] in {port, *(p for _, p in haproxy)}
+                or direct.from_port <= w[1] <= direct.to_port], world
+    assert all(n in ("gcs_server", "raylet") or n.startswith(("ray::", "python", "default_"))
+               for _, _, n in world), world
 
 
 def test_completion_is_seeded_and_bytes_long(client):
