@@ -197,9 +197,12 @@ def ray_cluster(rayfleet_home, tmp_path_factory):
     for k in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
         env.pop(k, None)
     gcs, dash = free_port(), free_port()
+    # Serve's ingress: the kit's default (HAProxy); RAYFLEET_TEST_INGRESS=python runs the same
+    # tests through Serve's Python proxy (how docs/faults.md compares the two).
+    ingress = os.environ.get("RAYFLEET_TEST_INGRESS")
     up = run([str(BIN / "rayfleet"), "local", "up", "--num-cpus", "4",
-              "--object-store-memory", "1GB", "--port", str(gcs), "--dashboard-port", str(dash)],
-             env=env, timeout=180)
+              "--object-store-memory", "1GB", "--port", str(gcs), "--dashboard-port", str(dash),
+              *(["--ingress", ingress] if ingress else [])], env=env, timeout=180)
     assert up.returncode == 0, up.stderr
     client = json.loads((rayfleet_home / "local" / "cluster.json").read_text())
     exports = run([str(BIN / "rayfleet"), "local", "env"], env=env, check=True).stdout

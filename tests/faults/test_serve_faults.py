@@ -1,7 +1,9 @@
-"""Fault 3 (docs/faults.md): a Serve replica killed while a load generator sends
-requests. At least 99% of the requests succeed (for a client that retries as the openai client
-does: twice, on a connection error or a 5xx), Serve replaces the replica, and the app reports
-healthy with its full replica count again."""
+"""Faults 3 and 3b (docs/faults.md), through the session cluster's ingress (HAProxy, the kit's
+default): a Serve replica killed while a load generator sends requests: every request is
+answered for a client that retries as the openai client does (twice, on a connection error or
+a 5xx), Serve replaces the replica, and the app reports healthy with its full replica count
+again. A new version deployed with `serve deploy` while requests flow: none is lost, not even
+at the first try, and the new version alone answers afterwards."""
 
 from __future__ import annotations
 
