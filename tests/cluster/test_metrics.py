@@ -194,6 +194,16 @@ def test_every_target_is_scraped_on_loopback_and_up(prometheus, workloads):
         time.sleep(2)
 
 
+def test_haproxy_exporter_is_scraped(prometheus, workloads):
+    """Serve's ingress is HAProxy (the kit's default): its own exporter, on loopback, is a
+    Prometheus target, and its count of the echo app's requests is there (the dashboard's
+    ingress panel reads it)."""
+    expr = 'sum(haproxy_backend_http_requests_total{proxy="http-echo"})'
+    wait_for(prometheus["url"], expr, lambda r: float(r[0]["value"][1]) >= REQUESTS)
+    jobs = {t["labels"]["job"] for t in api(prometheus["url"], "targets")["activeTargets"]}
+    assert "haproxy" in jobs, jobs
+
+
 def test_serve_request_count_is_in_prometheus(prometheus, workloads):
     expr = ('sum(ray_serve_num_http_requests_total{application="echo",route="/echo",'
             'status_code="200"})')
@@ -216,5 +226,7 @@ def test_every_kit_dashboard_panel_is_valid_promql(prometheus, workloads):
                        start=prometheus["started"], end=end, step=1)
             if "rayfleet_train" in expr:
                 assert [r["metric"] for r in data["result"]] == [{"run": RUN}], (expr, data)
+            if expr.startswith("sum by (proxy) (rate(haproxy_backend"):  # the ingress panel
+                assert {"proxy": "http-echo"} in [r["metric"] for r in data["result"]], data
             seen += 1
-    assert seen == 8
+    assert seen == sum(len(p["targets"]) for p in dashboard["panels"]) == 10
