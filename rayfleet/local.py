@@ -394,8 +394,8 @@ def _ingress_env(ingress: str) -> tuple[dict[str, str], int | None]:
     folder.mkdir(mode=0o700)
     folder.chmod(0o700)
     # Free ports of their own, never the usual ones: HAProxy and the fallback proxy bind them
-    # only when Serve starts, so two clusters that both found the usual port free at `up` would collide
-    # at their first `serve deploy`.
+    # only when Serve starts, so two clusters that both found the usual port free at `up`
+    # would collide at their first `serve deploy`.
     stats, exporter, http, grpc = free_ports(4)
     fallback = {"serve-fallback-proxy": http, "serve-fallback-proxy-grpc": grpc}
     guard = Path(__file__).resolve().parent / "agents" / f"{GUARD_NAME}.py"

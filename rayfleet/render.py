@@ -100,7 +100,15 @@ def setup_commands(env: nodeenv.NodeEnv) -> list[str]:
         *([f"{VENV}/bin/pip install --quiet --no-compile --no-build-isolation "
            + " ".join(shlex.quote(r) for r in env.after_torch)] if env.after_torch else []),
         "chmod 700 ~/.rayfleet && chmod 600 " + REMOTE_TOKEN,
+        # The shells Ray's own commands run in (`ray down` runs `ray stop` on each node through
+        # `bash --login -c -i 'source ~/.bashrc; ...'`) find the node environment's `ray`;
+        # without it, `ray down` skips `ray stop` and terminates the instance regardless.
+        LOGIN_PATH,
     ]
+
+
+LOGIN_PATH = (f"grep -qsF '{VENV.replace('~', '$HOME', 1)}/bin' ~/.bashrc || echo 'export "
+              f"PATH=\"{VENV.replace('~', '$HOME', 1)}/bin:$PATH\"' >> ~/.bashrc")
 
 
 # `rayfleet render --vllm`: which vLLM the head and the worker types get (cuda: the GPU types;
