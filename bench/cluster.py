@@ -41,12 +41,13 @@ def local_cluster(num_cpus: int = 4, extra_env: dict | None = None, ingress: str
 
 
 @contextlib.contextmanager
-def cluster_env(env: dict | None, num_cpus: int = 4, extra_env: dict | None = None):
+def cluster_env(env: dict | None, num_cpus: int = 4, extra_env: dict | None = None,
+                ingress: str | None = None):
     """The caller's cluster environment when given (`make bench` runs every benchmark on one
     cluster: one start-up instead of three), else a throwaway cluster for this benchmark
     (started with extra_env)."""
     if env is not None:
         yield env
         return
-    with local_cluster(num_cpus, extra_env) as fresh:
+    with local_cluster(num_cpus, extra_env, ingress) as fresh:
         yield fresh

@@ -1,9 +1,10 @@
 """Serve LLM: the kit's `llm` app (vLLM through `ray.serve.llm`, `--device cpu`, one replica,
-through Serve's HTTP proxy) vs bare vLLM's own OpenAI server on the same model folder with the
-same engine settings, and `lm` (the kit's transformers app) on the same export, interleaved in
-one run on this machine. Every request streams (`stream: true` to `/v1/completions`,
-`max_tokens` 32, greedy, `ignore_eos`): time to first token (the first SSE event carrying
-text) p50/p99 at concurrency 1, and TTFT, requests/s and tokens/s at concurrency 8 and 32.
+through the cluster's Serve ingress: `--ingress`, HAProxy by default) vs bare vLLM's own OpenAI
+server on the same model folder with the same engine settings, and `lm` (the kit's transformers
+app) on the same export, interleaved in one run on this machine. Every request streams (`stream:
+true` to `/v1/completions`, `max_tokens` 32, greedy, `ignore_eos`): time to first token (the
+first SSE event carrying text) p50/p99 at concurrency 1, and TTFT, requests/s and tokens/s at
+concurrency 8 and 32.
 
     python -m bench.llm_serve [--rounds 2] [--stream-ms 0,10,50] [--startup-rounds 1] [--write]
     python -m bench.llm_serve --render run.json --write    # the section from a run's JSON line
@@ -52,6 +53,12 @@ CONCURRENCY = (1, 8, 32)
 TTFT_GOAL_MS = 5                # issue 27: Serve's TTFT overhead over bare at c=1
 BARE_LABEL = "bare vLLM"
 LM_LABEL = "`lm` (transformers)"
+
+
+# Serve's ingress of the run's cluster, as the section names it (runs before issue 28 went
+# through Serve's Python proxy and record no ingress).
+INGRESS_WORDS = {"python": "Serve's Python proxy",
+                 "haproxy": "HAProxy, the kit's Serve ingress"}
 
 
 def llm_side(ms: float) -> str:
@@ -479,7 +486,7 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 @contextlib.contextmanager
-def cluster(env: dict | None, num_cpus: int):
+def cluster(env: dict | None, num_cpus: int, ingress: str | None = None):
     """bench.cluster's cluster_env, with `rayfleet local up` tried up to 3 times (a free port
     it picked can be taken by the time Ray binds it, on a machine where tests start clusters
     too), and its own message when it still fails."""
@@ -488,7 +495,7 @@ def cluster(env: dict | None, num_cpus: int):
     for attempt in range(3):
         stack = contextlib.ExitStack()
         try:
-            cenv = stack.enter_context(cluster_env(env, num_cpus=num_cpus))
+            cenv = stack.enter_context(cluster_env(env, num_cpus=num_cpus, ingress=ingress))
         except subprocess.CalledProcessError as e:
             why = (e.stderr or b"").decode(errors="replace").strip()[-1000:]
             if attempt == 2:
@@ -532,6 +539,9 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
     ap.add_argument("--layers", type=at_least(1), default=2)
     ap.add_argument("--startup-rounds", type=at_least(0), default=1,
                     help="deploy -> first answer, eager vs compiled (0: skip)")
+    ap.add_argument("--ingress", choices=("haproxy", "python"), default=None,
+                    help="Serve's ingress of the throwaway cluster (default: the kit's, "
+                         "HAProxy)")
     ap.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
     ap.add_argument("--render", metavar="JSON", help="no run: the section from the JSON line a "
                     "run printed (with --write: into BENCHMARKS.md, else to stdout)")
@@ -577,7 +587,7 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
             # Bare first, alone: it writes the compile cache the Serve replicas then read.
             ready = {"bare": wait_answering(urls["bare"], READY_S,
                                             lambda: (tmp / "bare-vllm.log").read_text()[-3000:])}
-            with cluster(env, num_cpus=8) as cenv:
+            with cluster(env, num_cpus=8, ingress=args.ingress) as cenv:
                 try:
                     t0 = time.perf_counter()
                     deploy(cenv, config, tmp, "serve")
@@ -628,6 +638,7 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
            "date": time.strftime("%Y-%m-%d"), "results": results,
            **cmp,
            "stream_ms": list(args.stream_ms), "startup": startup,
+           "ingress": args.ingress or "haproxy",
            "ready_s": {k: round(v, 1) for k, v in ready.items()},
            "rounds": args.rounds, "ttft_requests": args.ttft_requests,
            "requests_per_worker": args.requests_per_worker, "max_tokens": args.max_tokens,
@@ -738,7 +749,8 @@ One model folder, `workloads.common.tiny_hf`'s tiny Llama (hidden
 {m['hidden']}, {m['layers']} layers, fp32), served at once by: bare vLLM (`python -m
 vllm.entrypoints.openai.api_server` with the engine arguments of the generated config:
 `{flags}`); the `llm` app from `python -m workloads.serve.llm_config --device cpu` (one
-replica, through Serve's HTTP proxy), once per `stream_batching_interval_ms` ({intervals});
+replica, through {INGRESS_WORDS[out.get('ingress', 'python')]}), once per
+`stream_batching_interval_ms` ({intervals});
 and `lm` (cluster-configs/serve/lm.yaml, one replica) on the same folder. Every request
 streams `/v1/completions` (`max_tokens` {out['max_tokens']}, greedy, `ignore_eos`); TTFT =
 time to the first SSE event carrying text. c=1: {out['ttft_requests']} sequential requests per
