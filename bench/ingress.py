@@ -32,9 +32,10 @@ from bench.serve_latency import (
     REPO,
     _ttft,
     cell_stats,
-    load,
+    interleave,
     make_checkpoint,
     serve_config,
+    start_bare,
     wait_healthy,
 )
 
@@ -60,17 +61,7 @@ def measure(args, tmp: Path, checkpoint: str, bare_urls: dict[str, str]) -> dict
             urls = {ingress: {b: f"http://127.0.0.1:{port}/{b}" for b in APPS},
                     "bare": bare_urls}
             wait_healthy([f"{u}/health" for u in urls[ingress].values()])
-            for side in urls.values():  # warm-up: first requests pay lazy set-up
-                for u in side.values():
-                    load(f"{u}/v1/completions", 8, 16)
-            for _ in range(args.rounds):
-                for b in APPS:
-                    for c in CONCURRENCY:
-                        total = max(20, c * args.requests_per_worker)
-                        for side in urls:  # this ingress, bare, this ingress, bare, ...
-                            lat, wall = load(f"{urls[side][b]}/v1/completions", c, total)
-                            raw[side][b][c][0].extend(lat)
-                            raw[side][b][c][1].append(wall)
+            interleave(urls, raw, args.rounds, args.requests_per_worker, CONCURRENCY)
             for side in urls:
                 for b in ("on", "off"):
                     t = asyncio.run(_ttft(f"{urls[side][b]}/v1/completions",
@@ -170,11 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
         tmp = Path(tmp_s)
         checkpoint = make_checkpoint(tmp / "ckpt")
         ports = {b: free_port() for b in APPS}
-        bare = [subprocess.Popen([str(BIN / "python"), "-m", "bench.serve_latency",
-                                  "--bare-server", str(p), checkpoint, b], cwd=REPO,
-                                 env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                for b, p in ports.items()]
+        bare = start_bare(ports, checkpoint)
         try:
             urls = {b: f"http://127.0.0.1:{p}/{b}" for b, p in ports.items()}
             wait_healthy([f"{u}/health" for u in urls.values()])

@@ -749,8 +749,8 @@ One model folder, `workloads.common.tiny_hf`'s tiny Llama (hidden
 {m['hidden']}, {m['layers']} layers, fp32), served at once by: bare vLLM (`python -m
 vllm.entrypoints.openai.api_server` with the engine arguments of the generated config:
 `{flags}`); the `llm` app from `python -m workloads.serve.llm_config --device cpu` (one
-replica, through {INGRESS_WORDS[out.get('ingress', 'python')]}), once per
-`stream_batching_interval_ms` ({intervals});
+replica, through {INGRESS_WORDS[out.get('ingress', 'python')]}),
+once per `stream_batching_interval_ms` ({intervals});
 and `lm` (cluster-configs/serve/lm.yaml, one replica) on the same folder. Every request
 streams `/v1/completions` (`max_tokens` {out['max_tokens']}, greedy, `ignore_eos`); TTFT =
 time to the first SSE event carrying text. c=1: {out['ttft_requests']} sequential requests per

@@ -142,6 +142,32 @@ def load(url: str, concurrency: int, total: int) -> tuple[list[float], float]:
 
 # --------------------------------------------------------------------------- the two sides
 
+def start_bare(ports: dict[str, int], checkpoint: str) -> list[subprocess.Popen]:
+    """The bare side: one uvicorn process per app (bench.serve_latency --bare-server)."""
+    return [subprocess.Popen([str(BIN / "python"), "-m", "bench.serve_latency",
+                              "--bare-server", str(port), checkpoint, b], cwd=REPO,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for b, port in ports.items()]
+
+
+def interleave(urls: dict, raw: dict, rounds: int, requests_per_worker: int,
+               concurrency: tuple[int, ...]) -> None:
+    """Warm every route up, then per round, app and concurrency, one load per side in turn
+    (Serve, bare, Serve, bare, ...): latencies and wall times go into raw[side][app][c]."""
+    for side in urls.values():  # warm-up: first requests pay lazy set-up
+        for u in side.values():
+            load(f"{u}/v1/completions", 8, 16)
+    for _ in range(rounds):
+        for b in APPS:
+            for c in concurrency:
+                total = max(20, c * requests_per_worker)
+                for side in urls:
+                    lat, wall = load(f"{urls[side][b]}/v1/completions", c, total)
+                    raw[side][b][c][0].extend(lat)
+                    raw[side][b][c][1].append(wall)
+
+
 def make_checkpoint(folder: Path) -> str:
     """A finished `tiny` checkpoint (the demo's model), written by the loop in one process
     without Ray: a few seconds, and the Serve side and the bare side load the same files."""
@@ -275,28 +301,14 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
         bare_ports = {b: free_port() for b in APPS}
         (tmp / "serve.yaml").write_text(yaml.safe_dump(
             serve_config(checkpoint, serve_port, dict(args.app_env))))
-        bare = [subprocess.Popen([str(BIN / "python"), "-m", "bench.serve_latency",
-                                  "--bare-server", str(port), checkpoint, b], cwd=REPO,
-                                 env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                for b, port in bare_ports.items()]
+        bare = start_bare(bare_ports, checkpoint)
         try:
             subprocess.run([str(BIN / "serve"), "deploy", str(tmp / "serve.yaml")], cwd=REPO,
                            env=cenv, check=True, capture_output=True, text=True, timeout=180)
             urls = {"serve": {b: f"http://127.0.0.1:{serve_port}/{b}" for b in APPS},
                     "bare": {b: f"http://127.0.0.1:{p}/{b}" for b, p in bare_ports.items()}}
             wait_healthy([f"{u}/health" for side in urls.values() for u in side.values()])
-            for side in urls.values():  # warm-up: first requests pay lazy set-up
-                for u in side.values():
-                    load(f"{u}/v1/completions", 8, 16)
-            for _ in range(args.rounds):
-                for b in APPS:
-                    for c in CONCURRENCY:
-                        total = max(20, c * args.requests_per_worker)
-                        for side in urls:  # Serve, bare, Serve, bare, ...
-                            lat, wall = load(f"{urls[side][b]}/v1/completions", c, total)
-                            raw[side][b][c][0].extend(lat)
-                            raw[side][b][c][1].append(wall)
+            interleave(urls, raw, args.rounds, args.requests_per_worker, CONCURRENCY)
             for side in urls:
                 for b in BATCHING:
                     t = asyncio.run(_ttft(f"{urls[side][b]}/v1/completions",
