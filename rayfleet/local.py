@@ -29,7 +29,14 @@ from pathlib import Path
 
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError
 from rayfleet.facts import port
-from rayfleet.ingress import DEFAULT_INGRESS, ENABLE, GUARD_NAME, INGRESS_CHOICES, haproxy_env
+from rayfleet.ingress import (
+    BINARY,
+    DEFAULT_INGRESS,
+    ENABLE,
+    GUARD_NAME,
+    INGRESS_CHOICES,
+    haproxy_env,
+)
 
 # Ray's own defaults, the ports a cluster of the stack uses too.
 DEFAULT_GCS_PORT = port("gcs")
@@ -342,8 +349,10 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     # coordinator actor lives on), so `down` would sit out the whole grace period before
     # SIGKILLing everything; without the drain it stops the node at once.
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
-    for key in [k for k in env if k.startswith("RAY_SERVE_HAPROXY") or k == ENABLE]:
-        del env[key]  # the ingress is the kit's choice (--ingress), not a stray variable's
+    # The ingress is the kit's choice (--ingress), not a stray variable's: HAProxy is never
+    # turned on without the guard. Ray's other RAY_SERVE_HAPROXY_* tunings pass through.
+    env.pop(ENABLE, None)
+    env.pop(BINARY, None)
     env.update(ingress_env)
     with open(log, "ab") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
