@@ -2,8 +2,9 @@
 default): a Serve replica killed while a load generator sends requests: every request is
 answered for a client that retries as the openai client does (twice, on a connection error or
 a 5xx), Serve replaces the replica, and the app reports healthy with its full replica count
-again. A new version deployed with `serve deploy` while requests flow: none is lost, not even
-at the first try, and the new version alone answers afterwards."""
+again. Autoscaling, then a new version deployed with `serve deploy`, while requests flow: the
+second replica joins and answers through the ingress, the new version replaces both and alone
+answers afterwards, and no request is lost, not even at the first try."""
 
 from __future__ import annotations
 
@@ -141,16 +142,25 @@ def test_killed_replica_under_load(ray_cluster, lm_checkpoint, tmp_path):
         serve_shutdown(ray_cluster)
 
 
-def test_new_version_deployed_while_traffic_flows(ray_cluster, lm_checkpoint, tmp_path):
-    """`serve deploy` of a changed config under load: Serve starts the new version's replica,
-    moves traffic to it and stops the old one gracefully; no request is lost."""
+def test_autoscaling_then_a_new_version_while_traffic_flows(ray_cluster, lm_checkpoint,
+                                                              tmp_path):
+    """One deployment under steady load from 4 clients: load above the target adds the second
+    replica, which answers through the ingress; then `serve deploy` of a changed config rolls
+    both replicas over to the new version, which alone answers afterwards. No request is lost
+    in either, not even at the first try."""
     url = deploy_lm(ray_cluster, lm_checkpoint, tmp_path, deployment={"autoscaling_config": {
-        "min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 8}})
+        "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
+        "upscale_delay_s": 1, "look_back_period_s": 2}})
     try:
-        old = _replicas(url, 1)
-        rolled = threading.Event()
-        load = Load(url, KILL_AFTER, until=rolled)
+        assert _running_replicas(ray_cluster) == 1
+        done = threading.Event()
+        load = Load(url, 4, until=done)
         load.start()
+        deadline = time.time() + 180
+        while time.time() < deadline and _running_replicas(ray_cluster) < 2:
+            time.sleep(1)
+        old = _replicas(url, 2)        # both, through the ingress, while the load runs
+        scaled = dict(load.counts)
         # A new version: the app's args change (the batching window), the answers do not.
         path = tmp_path / "lm.yaml"
         cfg = yaml.safe_load(path.read_text())
@@ -158,15 +168,14 @@ def test_new_version_deployed_while_traffic_flows(ray_cluster, lm_checkpoint, tm
         path.write_text(yaml.safe_dump(cfg))
         run([str(BIN / "serve"), "deploy", str(path)], env=ray_cluster["env"], check=True,
             timeout=120)
-        # Traffic flows until the new version alone answers and the old replica is gone.
-        deadline = time.time() + 180
         new: dict[str, int] = {}
-        while time.time() < deadline and not (
-                new and not set(new) & set(old) and _running_replicas(ray_cluster) == 1):
+        while time.time() < deadline and not (new and not set(new) & set(old)):
             new = _replicas(url, 1, deadline_s=10)
-        rolled.set()
+        done.set()
         counts = load.join()
-        print(f"\nserve rollout: {counts} errors={load.errors[:3]}")
+        print(f"\nserve upscale then rollout: scaled at {scaled}, end {counts}, "
+              f"old={old} new={new}")
+        assert len(old) == 2, old                          # the second replica answered
         assert new and not set(new) & set(old), (old, new)  # the new version answers
         assert counts["failed"] == 0 and counts["first_try_failed"] == 0, (counts, load.errors)
     finally:
