@@ -30,6 +30,7 @@ GUARD_NAME = "haproxy_guard"
 # The variables that turn HAProxy on and point it at the guard: lint looks for them.
 ENABLE = "RAY_SERVE_ENABLE_HA_PROXY"
 BINARY = "RAY_SERVE_HAPROXY_BINARY_PATH"
+DRAIN_S = 5
 
 
 def pinned_ports(overrides: dict[str, int] | None = None) -> dict[str, str]:
@@ -60,5 +61,12 @@ def haproxy_env(folder: str, guard: str, stats_port: int | None = None,
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": f"{folder}/metrics.sock",
         "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port or loopback_port("haproxy-stats")),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics_port or loopback_port("haproxy-metrics")),
+        # A stopping ingress replica stays open this long so that load balancers in front of
+        # it deregister it first. Ray's 30 s is for a cloud load balancer's health checks;
+        # here the only one is HAProxy, which the controller reconfigures at once (and which
+        # health-checks every 250 ms while a server changes state), so 30 s only made every
+        # `serve shutdown`, scale-down and rollout wait. tests/faults/test_serve_faults.py
+        # measures rollouts and a killed replica with this value: nothing lost.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAIN_S),
         **pinned_ports(port_overrides),
     }
