@@ -89,6 +89,7 @@ class Steps:
     def __init__(self, root: Path):
         self.root = root
         self.times: list[tuple[str, float]] = []
+        self.context = lambda: ""   # what the fake cloud last did, once there is one
 
     @contextlib.contextmanager
     def __call__(self, name: str):
@@ -97,7 +98,7 @@ class Steps:
             yield
         except Exception as e:
             raise AssertionError(f"rehearsal step '{name}' failed (logs in {self.root}): "
-                                 f"{e}") from e
+                                 f"{e}{self.context()}") from e
         finally:
             self.times.append((name, time.monotonic() - t0))
             print(f"rehearsal: {name}: {time.monotonic() - t0:.1f} s", flush=True)
@@ -151,6 +152,11 @@ def _submit(client: dict, log: Path, *argv: str) -> str:
     """`ray job submit --working-dir .` through the tunnel, as README's cloud path submits."""
     return _ok(_logged([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
                         "python", "-m", *argv], client, log, 400), f"the {argv[0]} job")
+
+
+def _strategy_argv(strategy: str, runs: str) -> tuple[str, ...]:
+    return ("workloads.train", "--smoke-test", "--strategy", strategy, "--max-steps", "10",
+            "--checkpoint-every", "10", "--storage-path", runs)
 
 
 def _keys(s3, bucket: str, prefix: str) -> list[str]:
@@ -213,6 +219,8 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         wheels = (PREBUILD["future"].result() if "future" in PREBUILD
                   else wheelhouse(BIN / "pip"))
     cloud = FakeCloud(root=root / "cloud", vpc_cidr=VPC, wheelhouse=wheels)
+    # A node stopped under a step (auto-stop, a crash) is the first thing to know of a failure.
+    step.context = lambda: f"\nthe fake cloud's last events: {cloud.events[-4:]}"
     tunnels: list[subprocess.Popen] = []
     background: list[subprocess.Popen] = []   # a job submitted while the next steps run
     op_home = root / "operator"
@@ -412,6 +420,18 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                                                     "tokenizer.json")} <= set(
                 _keys(s3, bucket, export + "/"))
 
+        # The FSDP job trains while the Serve configs are made here and deployed: the client-side
+        # steps alone can outlast the test's one-minute auto-stop window on a loaded machine,
+        # and a cluster with a job running is not idle (a user's cluster is kept up the same way).
+        fsdp_log = root / "fsdp.log"
+        with open(fsdp_log, "w") as f:
+            fsdp = subprocess.Popen(
+                [str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
+                 "python", "-m", *_strategy_argv("fsdp", runs)],
+                env=client, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True,
+                start_new_session=True)
+        background.append(fsdp)
+
         with step("serve deploy of lm and llm (vLLM's CPU build), their code from the bucket"):
             # lm on the byte GPT's checkpoint; llm on the Hugging Face run, its Serve config
             # written by the kit's generator for the run folder in S3 (the export a cloud mirror
@@ -452,9 +472,18 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
 
         for strategy in ("fsdp", "deepspeed"):
             with step(f"ray job submit: {strategy}, per-rank shards in the bucket"):
-                job = _submit(client, root / f"{strategy}.log", "workloads.train",
-                              "--smoke-test", "--strategy", strategy, "--max-steps", "10",
-                              "--checkpoint-every", "10", "--storage-path", runs)
+                if strategy == "fsdp":   # submitted before the Serve step, above
+                    try:
+                        fsdp.wait(timeout=400)
+                    except subprocess.TimeoutExpired:
+                        raise RuntimeError(f"the fsdp job still running after 400 s: "
+                                           f"{fsdp_log.read_text()[-3000:]}") from None
+                    job = _ok(subprocess.CompletedProcess([], fsdp.returncode,
+                                                          fsdp_log.read_text(), ""),
+                              "the fsdp job")
+                else:
+                    job = _submit(client, root / f"{strategy}.log",
+                                  *_strategy_argv(strategy, runs))
                 r = summary_of(job)
                 assert r["steps"] == 10 and r["final_loss"] < r["first_loss"], r
                 ckpt = r["checkpoint"].removeprefix(f"s3://{bucket}/")
