@@ -46,7 +46,7 @@ SECTION = "## 7. Serve's ingress: Python proxy vs HAProxy vs bare"
 
 def measure(args, tmp: Path, checkpoint: str, bare_urls: dict[str, str]) -> dict:
     from bench.cluster import local_cluster
-    from rayfleet.local import free_port
+    from rayfleet.commands.host import free_port
 
     raw = {side: {b: {c: ([], []) for c in CONCURRENCY} for b in APPS}
            for side in (*INGRESSES, "bare")}
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ttft-requests", type=at_least(1), default=10)
     ap.add_argument("--write", action="store_true", help="replace BENCHMARKS.md's section")
     args = ap.parse_args(argv)
-    from rayfleet.local import free_port
+    from rayfleet.commands.host import free_port
 
     with tempfile.TemporaryDirectory(prefix="rayfleet-bench-ingress-") as tmp_s:
         tmp = Path(tmp_s)

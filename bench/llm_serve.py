@@ -370,7 +370,7 @@ def deploy(env: dict, config: dict, folder: Path, name: str) -> None:
 def measure_startup(env: dict, model: Path, tmp: Path, rounds: int) -> dict:
     """Seconds from `serve deploy` to the first answer of a fresh llm app (Serve shut down
     before each deploy, so each starts its proxy too), per variant; medians over rounds."""
-    from rayfleet.local import free_port
+    from rayfleet.commands.host import free_port
 
     times: dict[str, list[float]] = {v: [] for v, _ in STARTUP}
     for r in range(rounds):
@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
             print(section(out, time.strftime("%Y-%m-%d"), "this machine"))
         return out
 
-    from rayfleet.local import free_port
+    from rayfleet.commands.host import free_port
     from workloads.common.tiny_hf import make_hf_model_dir
     from workloads.serve.llm_config import STREAM_BATCHING_MS
 

@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
     import yaml
 
     from bench.cluster import cluster_env
-    from rayfleet.local import free_port
+    from rayfleet.commands.host import free_port
 
     if args.cluster_env and env is not None:
         ap.error("--cluster-env needs a throwaway cluster: run it alone, not under make bench")

@@ -99,7 +99,8 @@ def two_node_cluster(root: Path):
     that node. Token auth on both, as on a real multi-node cluster. The GCS health check is
     tightened (1 s x 3) so a dead node is noticed in seconds, not 15 s. Yields {"env",
     "worker" (its Popen), "worker_temp_dir", "home"}."""
-    from rayfleet.local import free_port, ray_temp_dir
+    from rayfleet.commands.host import free_port
+    from rayfleet.commands.local import ray_temp_dir
 
     home = root / "home"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayfleet.local import port_in_use
+from rayfleet.commands.local import port_in_use
 from tests.conftest import BIN, REPO, free_port, run
 
 ANSIBLE = REPO / "infra" / "ansible"

@@ -110,7 +110,7 @@ def test_cluster_keeps_its_own_ray_session_folder(ray_cluster, monkeypatch):
     # Ray's job supervisor points each driver at the cluster named in
     # <temp dir>/ray_current_cluster: with the shared /tmp/ray, a cluster started later by
     # someone else on this machine would receive this cluster's jobs.
-    from rayfleet import local
+    from rayfleet.commands import local
 
     monkeypatch.setenv("RAYFLEET_HOME", str(ray_cluster["home"]))
     current = local.ray_temp_dir() / "ray_current_cluster"

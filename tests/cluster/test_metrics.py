@@ -36,7 +36,7 @@ def rayfleet(ray_cluster, *args, timeout=120):
 
 def stop_prometheus(home: Path) -> None:
     """Stop the Prometheus `--metrics` started, leaving the session's cluster up."""
-    from rayfleet import metrics
+    from rayfleet.commands import metrics
 
     old = os.environ.get("RAYFLEET_HOME")
     os.environ["RAYFLEET_HOME"] = str(home)
@@ -213,7 +213,7 @@ def test_serve_request_count_is_in_prometheus(prometheus, workloads):
 def test_every_kit_dashboard_panel_is_valid_promql(prometheus, workloads):
     """Each panel's query as Grafana sends it (a range query, the template variables set):
     Prometheus accepts all; the training panels show the run."""
-    from rayfleet import metrics
+    from rayfleet.commands import metrics
 
     dashboard = json.loads(metrics.kit_dashboard().read_text())
     end = time.time()

@@ -477,7 +477,7 @@ def assert_refused(rc: int, out: str, err: str, prog: str, expected: str, code: 
 
 def _main(program: str) -> Callable[[list[str]], int]:
     if program == "rayfleet":
-        from rayfleet.cli import main
+        from rayfleet.commands.cli import main
     elif program == "workloads.train":
         from workloads.train.driver import main
     elif program == "workloads.data":
@@ -558,7 +558,7 @@ def test_a_finished_run_says_so_and_trains_nothing(tmp_path, monkeypatch, capsys
 def test_the_guards_see_an_aws_call(tmp_path, guarded, trap, capsys):
     """The counters are live: a valid command that does call AWS is seen by both (so an
     empty count above means no call, not a blind counter)."""
-    from rayfleet.cli import main
+    from rayfleet.commands.cli import main
 
     rc = main(["sweep", "--cluster-name", "rayfleet-dev", "--region", "us-east-1"])
     err = capsys.readouterr().err

@@ -16,7 +16,7 @@ import copy
 
 import pytest
 
-from rayfleet import cli, sweep
+from rayfleet.commands import cli, sweep
 from tests.moto import pulumi_moto
 from tests.moto.pulumi_moto import cluster_instances, ray_launch_config
 

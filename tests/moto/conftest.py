@@ -130,7 +130,7 @@ def stack(ec2, ami, tmp_path):
 @pytest.fixture
 def rendered(stack, tmp_path):
     """The stack rendered to a cluster YAML (token created in tmp_path)."""
-    from rayfleet import render
+    from rayfleet.commands import render
 
     return render.render(str(stack["path"]), out=str(tmp_path / "cluster.yaml"),
                          token_file=str(tmp_path / "token"))

@@ -14,7 +14,7 @@ import json
 import boto3
 import pytest
 
-from rayfleet import cli, sweep
+from rayfleet.commands import cli, sweep
 
 from .pulumi_moto import account_inventory, cluster_instances, ray_launch_config, role_actions
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rayfleet import cli
+from rayfleet.commands import cli
 from tests.conftest import BIN, REPO, run, wait_until
 
 pytestmark = [pytest.mark.moto, pytest.mark.ray]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from rayfleet import cli, preflight
+from rayfleet.commands import cli, preflight
 
 pytestmark = pytest.mark.moto
 

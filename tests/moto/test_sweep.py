@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rayfleet import cli, sweep
+from rayfleet.commands import cli, sweep
 
 pytestmark = pytest.mark.moto
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayfleet import cli, cost
+from rayfleet.commands import cli, cost
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "cluster-configs" / "aws-a100.example.yaml"

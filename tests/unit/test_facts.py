@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayfleet import catalog, config, cost, facts, lint
+from rayfleet import catalog, config, facts
+from rayfleet.commands import cost, lint
 
 REPO = Path(__file__).resolve().parents[2]
 ROLE = REPO / "infra" / "ansible" / "roles" / "ray_node"

@@ -11,7 +11,7 @@ import pytest
 import ray.autoscaler
 import yaml
 
-from rayfleet import cli, lint
+from rayfleet.commands import cli, lint
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "cluster-configs"
@@ -71,7 +71,7 @@ def test_our_configs_are_clean(name, capsys):
 
 
 def test_freshly_rendered_config_is_clean(tmp_path):
-    from rayfleet import render
+    from rayfleet.commands import render
 
     out = render.render(str(CONFIGS / "examples" / "dev-outputs.json"),
                         out=str(tmp_path / "c.yaml"), token_file=str(tmp_path / "t"))

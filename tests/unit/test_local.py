@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from rayfleet import local
+from rayfleet.commands import host, local
 from rayfleet.errors import ClusterError, ConfigError
 
-RAYFLEET = [sys.executable, "-m", "rayfleet.cli"]
+RAYFLEET = [sys.executable, "-m", "rayfleet.commands.cli"]
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def test_up_refuses_a_taken_port_without_starting_anything(home):
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(ClusterError, match=f"port {port} \\(GCS\\) is already in use"):
-            local.up(port=port, dashboard_port=local.free_port(), quiet=True)
+            local.up(port=port, dashboard_port=host.free_port(), quiet=True)
     assert local.load_state() is None
 
 

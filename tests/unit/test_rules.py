@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rayfleet import lint
+from rayfleet.commands import lint
 from rayfleet.rules import RULES
 
 pytestmark = pytest.mark.unit

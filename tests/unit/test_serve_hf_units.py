@@ -335,7 +335,7 @@ def test_llm_config_refusals_are_one_line(tmp_path, hf_model_dir, capsys, case, 
 def test_serve_config_checks_an_llm_app(tmp_path, hf_model_dir, capsys, import_path):
     """`rayfleet serve-config` on an llm config, the kit's builder or Ray's own: checked by the
     generator's rules, the export resolved in the written file."""
-    from rayfleet.cli import main
+    from rayfleet.commands.cli import main
 
     ckpt = _checkpoint_with_export(tmp_path / "runs", hf_model_dir)
     rc, cfg = _llm(tmp_path, "--model-source", "Qwen/Qwen2.5-0.5B-Instruct", "--max-model-len",

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayfleet import cli, render, stack
+from rayfleet import stack
+from rayfleet.commands import cli, render
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "cluster-configs" / "examples" / "dev-outputs.json"

@@ -210,7 +210,7 @@ def test_serve_config_checks_the_args_before_a_deploy(tmp_path, lm_checkpoint, m
     """Without --package-to (a cluster on this machine), `rayfleet serve-config` runs the
     app's own argument check and writes the config with the resolved args, or refuses in one
     line and writes nothing: what `serve deploy` would only show in `serve status`."""
-    from rayfleet.cli import main
+    from rayfleet.commands.cli import main
 
     out = tmp_path / "lm.yaml"
     # The fixture run's storage folder as the default storage: `checkpoint: latest` finds it.

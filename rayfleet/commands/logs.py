@@ -20,8 +20,8 @@ from pathlib import Path
 
 from rayfleet.errors import ConfigError, RayfleetError, StorageError
 from rayfleet.facts import CLUSTER_NAME, S3_BUCKET_NAME
-from rayfleet.lint import load_yaml
-from rayfleet.preflight import bucket_from_header
+from rayfleet.commands.lint import load_yaml
+from rayfleet.commands.preflight import bucket_from_header
 
 # A run is a job's submission id or a training --name, one folder under runs/: anything that
 # is not one folder name is refused here; a name that merely does not exist is answered with

@@ -16,7 +16,7 @@ from typing import Any
 
 from rayfleet import catalog
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
-from rayfleet.lint import load_yaml
+from rayfleet.commands.lint import load_yaml
 
 
 def load_prices() -> dict[str, Any]:

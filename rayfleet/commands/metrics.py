@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
+from rayfleet.commands.host import alive, last_line, port_in_use, state_dir
 from rayfleet.errors import ClusterError
 from rayfleet.facts import loopback_port
 
@@ -133,7 +134,6 @@ class LocalPrometheus:
 
 
 def _dir() -> Path:
-    from rayfleet.local import state_dir
 
     return state_dir() / "prometheus"
 
@@ -144,13 +144,12 @@ def _state_file() -> Path:
 
 def load_local() -> LocalPrometheus | None:
     """The running local Prometheus, if any (a stale state file is removed)."""
-    from rayfleet.local import _alive
 
     try:
         prom = LocalPrometheus(**json.loads(_state_file().read_text()))
     except (FileNotFoundError, json.JSONDecodeError, TypeError):
         return None
-    if _alive(prom.pid) and _is_ours(prom):
+    if alive(prom.pid) and _is_ours(prom):
         return prom
     _state_file().unlink(missing_ok=True)
     return None
@@ -165,7 +164,6 @@ def _is_ours(prom: LocalPrometheus) -> bool:
 
 
 def check_port(port: int, flag: str = "--prometheus-port") -> None:
-    from rayfleet.local import port_in_use
 
     if port_in_use(port):
         raise ClusterError(f"port {port} (Prometheus) is already in use by another process; "
@@ -224,7 +222,6 @@ def start_local(ray_temp_dir: Path, port: int, binary: str,
     deadline = time.time() + READY_TIMEOUT_S
     while time.time() < deadline:
         if proc.poll() is not None:
-            from rayfleet.local import _last_line as last_line
 
             _state_file().unlink(missing_ok=True)
             raise ClusterError(f"prometheus exited with code {proc.returncode}: "
@@ -253,12 +250,11 @@ def stop_local(timeout: float = 10.0) -> LocalPrometheus | None:
         os.kill(prom.pid, signal.SIGTERM)
     except ProcessLookupError:
         pass
-    from rayfleet.local import _alive
 
     end = time.time() + timeout
-    while time.time() < end and _alive(prom.pid):
+    while time.time() < end and alive(prom.pid):
         time.sleep(0.2)
-    if _alive(prom.pid):
+    if alive(prom.pid):
         try:
             os.kill(prom.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -43,7 +43,7 @@ def _local(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from rayfleet import local
+    from rayfleet.commands import local
 
     if args.action == "up":
         local.up(num_cpus=args.num_cpus, num_gpus=args.num_gpus,
@@ -146,7 +146,7 @@ def _ops(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_render(args: argparse.Namespace) -> int:
-    from rayfleet import render
+    from rayfleet.commands import render
 
     path = render.render(args.outputs, out=args.out, token_file=args.token_file,
                          key_name=args.key_name, idle_timeout_minutes=args.idle_timeout,
@@ -158,32 +158,32 @@ def _run_render(args: argparse.Namespace) -> int:
 
 
 def _run_lint(args: argparse.Namespace) -> int:
-    from rayfleet import lint
+    from rayfleet.commands import lint
 
     return lint.main(args.config)
 
 
 def _run_cost(args: argparse.Namespace) -> int:
-    from rayfleet import cost
+    from rayfleet.commands import cost
 
     return cost.main(args.config, stack_file=args.stack_file, budget_usd=args.budget_usd,
                      hours_per_month=args.hours_per_month)
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
-    from rayfleet import sweep
+    from rayfleet.commands import sweep
 
     return sweep.main(args.cluster_name, region=args.region, delete_=args.delete)
 
 
 def _run_preflight(args: argparse.Namespace) -> int:
-    from rayfleet import preflight
+    from rayfleet.commands import preflight
 
     return preflight.main(args.config, num_gpus=args.num_gpus, bucket=args.bucket)
 
 
 def _run_serve_config(args: argparse.Namespace) -> int:
-    from rayfleet import serve_config
+    from rayfleet.commands import serve_config
 
     if args.package_to is None:
         path = serve_config.checked_config(args.config, arg_pairs=args.arg, out=args.out)
@@ -214,7 +214,7 @@ def _logs(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_logs(args: argparse.Namespace) -> int:
-    from rayfleet import logs
+    from rayfleet.commands import logs
 
     return logs.main(args.run, storage=args.storage, config=args.config, list_=args.list,
                      file=args.file, out_path=args.out, cluster=args.cluster)

@@ -22,7 +22,7 @@ from pathlib import Path
 from rayfleet import catalog
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError
 from rayfleet.facts import S3_BUCKET_NAME
-from rayfleet.lint import load_yaml
+from rayfleet.commands.lint import load_yaml
 
 PASS, FAIL, UNKNOWN = "PASS", "FAIL", "UNKNOWN"
 

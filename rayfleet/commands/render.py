@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from rayfleet import metrics as prometheus
+from rayfleet.commands import metrics as prometheus
 from rayfleet import nodeenv
 from rayfleet.errors import ConfigError, RayfleetError
 from rayfleet.facts import HEAD_ONLY_PORTS, RAY_CLUSTER_TAG, RAY_PORTS, loopback_port, port
@@ -50,7 +50,7 @@ RAY_BIN = f"{VENV}/bin/ray"
 # need) land here on every node; render copies them next to the cluster's token first, so the
 # YAML names a folder of the operator's, not the kit's install path.
 REMOTE_AGENTS = "~/rayfleet-agents"
-AGENTS = Path(__file__).resolve().parent / "agents"
+AGENTS = Path(__file__).resolve().parent.parent / "agents"
 AGENT_NAMES = ("autostop", "logship", "spot", GUARD_NAME)
 
 # ----------------------------------------------------------------------------- outputs
@@ -228,7 +228,7 @@ def default_token_file(cluster_name: str) -> str:
 
 def ensure_token(path: str) -> Path:
     """Create the cluster's token (0600) if it does not exist yet; never print it."""
-    from rayfleet.local import ensure_token as _ensure
+    from rayfleet.commands.local import ensure_token as _ensure
 
     return _ensure(path)
 

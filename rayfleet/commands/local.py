@@ -27,6 +27,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rayfleet.commands.host import alive, free_port, free_ports, last_line, port_in_use, state_dir
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError
 from rayfleet.facts import port
 from rayfleet.ingress import (
@@ -51,11 +52,6 @@ DEFAULT_METRICS_PORT = 8080
 # Ray refuses an object store below 75 MiB (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
 MIN_OBJECT_STORE = 75 * 1024 * 1024
 START_TIMEOUT_S = 120
-
-
-def state_dir() -> Path:
-    """The rayfleet state folder: $RAYFLEET_HOME, else ~/.rayfleet."""
-    return Path(os.environ.get("RAYFLEET_HOME") or Path.home() / ".rayfleet").expanduser()
 
 
 def ray_temp_dir() -> Path:
@@ -149,49 +145,6 @@ def _save_state(cluster: LocalCluster) -> None:
     tmp.replace(path)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of this process still answers kill(0); treat it as gone.
-    try:
-        return os.waitpid(pid, os.WNOHANG) == (0, 0)
-    except ChildProcessError:
-        return True
-
-
-def port_in_use(port: int) -> bool:
-    for host in ("0.0.0.0", "127.0.0.1"):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError:
-                return True
-    return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports (each held until all are picked)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _pick(default: int) -> int:
     return default if not port_in_use(default) else free_port()
 
@@ -236,7 +189,7 @@ def _print_info(cluster: LocalCluster, headline: str, out=sys.stdout, prom=None)
     print(f"  dashboard:  {cluster.dashboard_url}  (loopback only; token required)", file=out)
     print(f"  token:      {env['RAY_AUTH_TOKEN_PATH']}  (mode 0600)", file=out)
     if prom is not None:
-        from rayfleet import metrics
+        from rayfleet.commands import metrics
 
         print("\n".join(metrics.info_lines(prom, ray_temp_dir())), file=out)
     print("  submit a job:", file=out)
@@ -284,7 +237,7 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
                           f"must be a TCP port between 1 and 65535, got {prometheus_port}")
 
     existing = load_state()
-    if existing and _alive(existing.pid):
+    if existing and alive(existing.pid):
         token = ensure_token().read_text().strip()
         if jobs_api_ready(existing.dashboard_url, token):
             _same_settings(existing, {k: v for k, v in asked.items() if v is not None}, store)
@@ -369,7 +322,7 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
         if proc.poll() is not None:
             _forget()
             raise ClusterError(f"ray start exited with code {proc.returncode}: "
-                               f"{_last_line(log)} (full log: {log})")
+                               f"{last_line(log)} (full log: {log})")
         # The Jobs API answers before the head's dashboard agent has registered, and until it
         # has, `ray job submit` fails with "No available agent to submit job" (on a busy
         # machine the gap is seconds): ready means both.
@@ -407,7 +360,7 @@ def _ingress_env(ingress: str) -> tuple[dict[str, str], int | None]:
     # would collide at their first `serve deploy`.
     stats, exporter, http, grpc = free_ports(4)
     fallback = {"serve-fallback-proxy": http, "serve-fallback-proxy-grpc": grpc}
-    guard = Path(__file__).resolve().parent / "agents" / f"{GUARD_NAME}.py"
+    guard = Path(__file__).resolve().parent.parent / "agents" / f"{GUARD_NAME}.py"
     return haproxy_env(str(folder), str(guard), stats, exporter, fallback), exporter
 
 
@@ -432,7 +385,7 @@ def _same_settings(existing: LocalCluster, asked: dict, store: int | None) -> No
 
 def _prepare_metrics(prometheus_port: int | None, taken: tuple[int, ...] = ()):
     """(port, binary) for a Prometheus still to start; (None, None) when one already runs."""
-    from rayfleet import metrics
+    from rayfleet.commands import metrics
 
     running = metrics.load_local()
     if running is not None:
@@ -450,7 +403,7 @@ def _prepare_metrics(prometheus_port: int | None, taken: tuple[int, ...] = ()):
 
 def _start_metrics(prometheus_port: int | None, binary: str | None,
                    haproxy_port: int | None = None):
-    from rayfleet import metrics
+    from rayfleet.commands import metrics
 
     if binary is None:
         return metrics.load_local()
@@ -495,15 +448,6 @@ def _check_node_env(python: str | None) -> str:
     return python
 
 
-def _last_line(log: Path) -> str:
-    try:
-        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return "(no log)"
-    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-    return (errors or lines or ["(empty log)"])[-1].strip()[:300]
-
-
 def _forget() -> None:
     try:
         _state_file().unlink()
@@ -537,13 +481,13 @@ def _stop(cluster: LocalCluster, timeout: float = STOP_GRACE_S) -> bool:
         pgid = cluster.pid  # the leader is gone; its group may still hold raylet/workers
     end = time.time() + timeout
     while time.time() < end and _group_alive(pgid):
-        if not _alive(cluster.pid):
+        if not alive(cluster.pid):
             # The leader has finished its orderly teardown; what is left of the group are
             # stragglers (idle workers, a job driver) that would hold `down` for the full
             # grace period: a few seconds more, then SIGKILL.
             end = min(end, time.time() + STRAGGLER_GRACE_S)
         time.sleep(0.3)
-    forced = _alive(cluster.pid)
+    forced = alive(cluster.pid)
     if _group_alive(pgid):
         try:
             os.killpg(pgid, signal.SIGKILL)
@@ -575,7 +519,7 @@ def _group_alive(pgid: int) -> bool:
 
 def down(quiet: bool = False) -> bool:
     """Stop the head `up` started, and only it. Returns False when there was nothing to stop."""
-    from rayfleet import metrics
+    from rayfleet.commands import metrics
 
     prom = metrics.stop_local()
     if prom is not None and not quiet:
@@ -597,7 +541,7 @@ def down(quiet: bool = False) -> bool:
 
 def require_running() -> LocalCluster:
     cluster = load_state()
-    if cluster is None or not _alive(cluster.pid):
+    if cluster is None or not alive(cluster.pid):
         raise ClusterError("no rayfleet local cluster is running; start one with "
                            "`rayfleet local up`")
     return cluster
@@ -630,7 +574,7 @@ def status(out=sys.stdout) -> int:
         ray.shutdown()
     print(f"rayfleet local cluster at {cluster.address}  dashboard {cluster.dashboard_url}",
           file=out)
-    from rayfleet import metrics
+    from rayfleet.commands import metrics
 
     prom = metrics.load_local()
     if prom is not None:
