@@ -35,6 +35,21 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)" if self.help_hint else message)
 
 
+def at_least(low: float, kind=int):
+    """An argparse type: a number of `kind` no smaller than `low`."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value >= low:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {text}")
+        return value
+
+    return parse
+
+
 def run_main(fn: Callable[[list[str] | None], int | None], argv: list[str] | None,
              prog: str) -> int:
     """Call fn(argv) and return its exit code (None is 0); expected failures become one line
