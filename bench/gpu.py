@@ -1,7 +1,7 @@
-"""GPU benchmark (issue 7, item 4): the LM training loop on one GPU in bf16 under `torchrun`
-(no Ray, by design: the GPU machines carry torch but not Ray), tokens/s and MFU against the
-GPU's dense bf16 peak (rayfleet/catalog.json) for the 350m and 1b presets and a
-1.1B Hugging Face Llama (`--model-config`, fresh weights), each eager and with `--compile`
+"""GPU benchmark (benchmark 4 in docs/benchmarks.md): the LM training loop on one GPU in bf16
+under `torchrun` (no Ray, by design: the GPU machines carry torch but not Ray), tokens/s and
+MFU against the GPU's dense bf16 peak (rayfleet/catalog.json) for the 350m and 1b presets and
+a 1.1B Hugging Face Llama (`--model-config`, fresh weights), each eager and with `--compile`
 (torch.compile in place) side by side in one run.
 
     python -m bench.gpu                  # where CUDA exists; rewrites BENCHMARKS.md's GPU section
@@ -32,9 +32,9 @@ NO_RUN = f"""{BEGIN}
 
 No GPU run exists yet: no machine with CUDA was available to the sessions that wrote this
 file. Reproduce on one: `python -m bench.gpu` (needs torch with CUDA; Ray is not needed). It
-trains the 350m and 1b presets for a few dozen steps in bf16 and records tokens/s and MFU
-against the GPU's dense bf16 peak, eager and with torch.compile. Goal (issue 7): >= 45% MFU
-on an H100.
+trains the 350m and 1b presets and a 1.1B Hugging Face Llama for a few dozen steps in bf16
+and records tokens/s and MFU against the GPU's dense bf16 peak, eager and with torch.compile.
+Goal: >= 45% MFU on an H100.
 {END}"""
 
 
@@ -64,7 +64,7 @@ def prepare_hf(out: Path, shape: dict, vocab: int, seq_len: int, corpus_bytes: i
 
     from workloads.common.hf import tokenizer_identity
     from workloads.common.tiny_hf import make_tokenizer
-    from workloads.train.data import stdlib_corpus
+    from workloads.common.corpus import stdlib_corpus
 
     folder = out / "model"
     tok = make_tokenizer(folder, vocab_size=vocab, corpus_bytes=corpus_bytes)
@@ -148,7 +148,7 @@ logged 10-step intervals after the first; no Ray on that machine, by design).
 |---|---|---|---|---|---|
 {table}
 
-Goal (issue 7): >= 45% MFU on an H100 — {"met" if best >= 0.45 else "**missed**"}
+Goal: >= 45% MFU on an H100 — {"met" if best >= 0.45 else "**missed**"}
 (best {100 * best:.1f}%).
 {END}"""
     text = BENCH_MD.read_text() if BENCH_MD.exists() else ""

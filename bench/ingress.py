@@ -135,7 +135,7 @@ Serve's floor (no-op p50 over bare, c=1): Python proxy {py['floor_p50_ms_c1']} m
 proxy {py['lm_rps_vs_bare_c16']}, HAProxy **{hp['lm_rps_vs_bare_c16']}**. Batching gain:
 Python proxy {py['batching_gain_c16']}x, HAProxy **{hp['batching_gain_c16']}x**.
 
-Goals (issue 28, on 2 cores): {goals}
+Goals (on 2 cores): {goals}
 """
 
 

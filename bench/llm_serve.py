@@ -50,13 +50,13 @@ PROMPT = "def main(argv):\n"
 MAX_MODEL_LEN = 256
 STREAM_MS = (0, 10, 50)         # stream_batching_interval_ms of the llm apps (--stream-ms)
 CONCURRENCY = (1, 8, 32)
-TTFT_GOAL_MS = 5                # issue 27: Serve's TTFT overhead over bare at c=1
+TTFT_GOAL_MS = 5                # goal: Serve's TTFT over bare's at c=1, at most this (ms)
 BARE_LABEL = "bare vLLM"
 LM_LABEL = "`lm` (transformers)"
 
 
-# Serve's ingress of the run's cluster, as the section names it (runs before issue 28 went
-# through Serve's Python proxy and record no ingress).
+# Serve's ingress of the run's cluster, as the section names it (a run recorded before HAProxy
+# became the kit's default names none: it went through Serve's Python proxy).
 INGRESS_WORDS = {"python": "Serve's Python proxy",
                  "haproxy": "HAProxy, the kit's Serve ingress"}
 
@@ -83,68 +83,6 @@ STARTUP = (("eager", "`enforce_eager: true`, empty cache"),
            ("compiled", "default (inductor), empty compile cache"),
            ("compiled-warm", "default (inductor), the cache the row above wrote"))
 READY_S = 900
-# What the numbers mean (written from the runs of 2026-11-25; a re-run keeps this text).
-LLM_NOTES = """**Reading it (2026-11-25).** Other work shared the 2 cores through most of the day;
-the run above is the one during which it took least (the share in the header). Four
-complete runs, the headline cells (TTFT p50 over bare at c=1; Serve's req/s over bare's at
-c=32) per stream batching interval:
-
-| run | others' CPU | TTFT over bare, c=1: 0 / 10 / 50 ms | req/s vs bare, c=32: same |
-|---|---|---|---|
-| 1, `--rounds 2` | ? (load 4.2 before) | -7.0 / -1.3 / +24.1 ms | 0.13 / 0.18 / 0.30x |
-| 2, `--rounds 2` | 11.5% | +58.0 / +14.0 / +16.0 ms | 0.34 / 0.45 / 0.54x |
-| 3, as above | 18.9% | +71.0 / +11.2 / +39.2 ms | 0.34 / 0.32 / 0.52x |
-| 4, the table above | 2.8% | -5.7 / -1.3 / +29.1 ms | 0.22 / 0.29 / 0.41x |
-
-What held in all four:
-
-- **Throughput is CPU, and Serve spends it per token.** Serve's processes (the proxy, the
-  OpenAI ingress replica, the LLMServer replica) used 24-35 ms of CPU per streamed request
-  at c=32 with 0 ms stream batching and 12-18 ms with 50 ms, against 1.6-2.6 ms for vLLM's
-  own API server; vLLM's engine used 4-23 ms per request on either side. With 0 ms every
-  token is its own Ray streaming message twice (replica -> ingress -> proxy); py-spy on the
-  three processes shows Ray's streaming-generator, cross-thread future and metrics code
-  (vLLM's stats through Ray's metrics too), no single hot spot. On 2 cores that caps Serve
-  at 27-90 req/s where bare vLLM reached 90-300: 0.13-0.54x, nowhere near the 0.9 goal at
-  any interval. On a GPU node the engine's work is on the GPU and Serve's processes have
-  cores of their own, which is why the public anchor loses 12%, not 50-85%; this machine
-  cannot say what the kit's A100 replicas lose.
-- **Stream batching groups Ray messages, not SSE events** (the ingress still writes one
-  event per token), and it holds the first token back: Ray's Batcher flushes at the end of
-  each interval from the request's start, or when the answer is complete. A 32-token answer
-  here takes 40-60 ms, so at 50 ms the whole answer came in one flush (TTFT = request time,
-  +16 to +39 ms over bare); with any answer longer than the interval the first token waits
-  up to the interval, on GPU ~50 ms: the anchor's 64.8 vs 16.9 ms.
-- **0 ms at c=1 depends on the 2 cores being free.** vLLM's engine core and worker keep one
-  to one and a half cores busy while they generate (the engine column at c=1), and the
-  three Serve processes relay each token on what is left: with the machine quiet (runs 1
-  and 4) the first token came as fast as bare's (p50), though p99 was ~90 ms over; with
-  other work, only near the end of the answer (TTFT 83-88 ms for a 92-103 ms request).
-  10 ms stayed within 15 ms of bare's p50 in all four runs (-1.3, +14.0, +11.2, -1.3 ms).
-- **What the kit ships: 0 ms, kept.** Any interval holds the first token back up to its
-  length wherever the replica runs, and the goal is TTFT within 5 ms of bare; 0 is the only
-  setting that cannot miss it by construction, and it met it whenever the machine was
-  quiet. Its price is Serve's CPU per token: on a GPU node a request gets one token per
-  decode step (tens of ms for the kit's model sizes), so a short interval would group
-  little there, and 50 ms costs the anchor's ~48 ms of TTFT; what 0 ms costs in throughput
-  there needs the GPU cluster to measure. On CPU-only replicas at high concurrency a small
-  interval pays: 10 ms gave 1.5-2.1x 0 ms's req/s at c=8 (0.9-1.3x at c=32) within 15 ms
-  of bare's TTFT (`--stream-batching-ms 10`), and 50 ms the most throughput.
-- **`lm` vs `llm` on the same export:** `lm` (transformers in its replica, `@serve.batch`
-  8 requests / 50 ms, one Serve hop fewer: no ingress deployment) served 2.2-2.6x `llm`'s
-  req/s at c=8 and 1.2-1.7x at c=32 with 0 ms, 0.6-1.05x of it with 50 ms; at c=1 its TTFT
-  carries the batching window (+35 to +49 ms over bare). For a tiny model on CPU `lm` is
-  the cheaper path; vLLM's batching and paged KV cache are for real models on GPUs.
-- **Start-up** (`serve deploy` to the first answer, one app, Serve shut down before each):
-  `enforce_eager: true` came up 7-37 s sooner than vLLM's default with an empty compile
-  cache (torch inductor compiling the model; 7-10 s in run 4, the quiet one), and the
-  default with the cache the previous deploy wrote (`VLLM_CACHE_ROOT`) came up as fast as
-  eager or faster (52-53 vs 60-65 s in run 4). So eager is not worth a default: a compile
-  cache that survives the replica (a node-local `VLLM_CACHE_ROOT`) wins the start-up back,
-  and on GPUs eager also gives up CUDA graphs. What inductor buys on CPU in steady state is
-  not measured here: this model's forward pass is too small to show it."""
-
-
 def request_body(max_tokens: int) -> dict:
     """Streaming, greedy, exactly max_tokens tokens (vLLM's ignore_eos; lm ignores the field
     and its tiny random model rarely meets EOS: the tokens column counts what came back)."""
@@ -764,7 +702,7 @@ serving overhead, not vLLM's kernels; vLLM, Ray and the load generator share the
 
 {table(out)}
 
-Goals (issue 27), with the stream batching the kit ships ({kit_ms:g} ms): Serve's TTFT
+Goals, with the stream batching the kit ships ({kit_ms:g} ms): Serve's TTFT
 overhead <= {TTFT_GOAL_MS} ms at c=1 —
 {verdict(o1 is not None and o1 <= TTFT_GOAL_MS)} ({_signed(o1)} p50,
 {_signed(p99.get(f'{kit}/c1'))} p99); throughput >= 0.9 of bare at c=32 —
@@ -783,7 +721,8 @@ The kit ships {kit_ms:g} ms (`STREAM_BATCHING_MS` in workloads/serve/llm_config.
 
 {startup_table(out.get('startup') or {})}
 
-{LLM_NOTES}
+What these numbers mean, read with the other runs of the same day, and why the kit ships
+its stream batching interval: [docs/benchmarks.md](docs/benchmarks.md).
 {END}"""
 
 
