@@ -151,6 +151,14 @@ def port(name: str) -> int:
     return RAY_PORTS_BY_NAME[name].from_port
 
 
+# A local cluster's node metrics endpoint (`rayfleet local up` pins it with
+# --metrics-export-port, or takes any free port when it is taken): plain HTTP, read-only, and
+# on every interface, as Ray binds it (docs/local-cluster.md, "What listens"). Pinned because
+# Ray otherwise picks a random port on every start. Not RAY_PORTS' metrics-export (8079, a
+# cluster node's, which its security group opens): the local cluster's docs name 8080.
+LOCAL_METRICS_EXPORT_PORT = 8080
+
+
 # ----------------------------------------------------------------------------- names
 
 # A rayfleet cluster name goes into resource names, IAM policy conditions and Ray's

@@ -27,9 +27,10 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rayfleet import raystart
 from rayfleet.commands.host import alive, free_port, free_ports, last_line, port_in_use, state_dir
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError
-from rayfleet.facts import port
+from rayfleet.facts import LOCAL_METRICS_EXPORT_PORT, port
 from rayfleet.ingress import (
     BINARY,
     DEFAULT_INGRESS,
@@ -46,9 +47,8 @@ DEFAULT_DASHBOARD_PORT = port("dashboard")
 # (the test suite's, say) can run beside the user's.
 DEFAULT_CLIENT_PORT = port("client")
 DEFAULT_AGENT_PORT = port("dashboard-agent-http")
-# The node's Prometheus endpoint (plain HTTP, no token; README, "What listens"): pinned, as
-# Ray otherwise picks a random port on every start.
-DEFAULT_METRICS_PORT = 8080
+# The node's Prometheus endpoint (facts.LOCAL_METRICS_EXPORT_PORT).
+DEFAULT_METRICS_PORT = LOCAL_METRICS_EXPORT_PORT
 # Ray refuses an object store below 75 MiB (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
 MIN_OBJECT_STORE = 75 * 1024 * 1024
 START_TIMEOUT_S = 120
@@ -269,27 +269,18 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     metrics_port = _pick(DEFAULT_METRICS_PORT)
     ingress = ingress or DEFAULT_INGRESS
     ingress_env, haproxy_metrics_port = _ingress_env(ingress)
-    cmd = [
-        _ray_bin(python), "start", "--head", "--block", "--disable-usage-stats",
-        f"--port={port}",
-        # The dashboard serves the Jobs API (remote code execution by design): loopback only
-        # (CVE-2023-48022; rule 22). Remote users reach it through a tunnel.
-        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+    cmd = raystart.argv(
+        _ray_bin(python), head=True, block=True, usage_stats=False,
+        # The dashboard serves the Jobs API (remote code execution by design): it stays on
+        # raystart's loopback host (CVE-2023-48022; rule 22). Remote users reach it through a
+        # tunnel. The ports not named here are left to Ray's own (random) picks.
+        ports={"gcs": port, "dashboard": dashboard_port, "client": client_port,
+               "dashboard-agent-http": agent_port, "metrics-export": metrics_port},
         # Ray 2.60 turns 127.0.0.1 into the machine's own address
         # (services.resolve_ip_for_localhost): the GCS, raylet and client server still bind
         # beyond loopback, behind the token (README, "What listens").
-        "--node-ip-address=127.0.0.1",
-        f"--temp-dir={ray_temp_dir()}",
-        f"--ray-client-server-port={client_port}",
-        f"--dashboard-agent-listen-port={agent_port}",
-        f"--metrics-export-port={metrics_port}",
-    ]
-    if num_cpus is not None:
-        cmd.append(f"--num-cpus={num_cpus}")
-    if num_gpus is not None:
-        cmd.append(f"--num-gpus={num_gpus}")
-    if store is not None:
-        cmd.append(f"--object-store-memory={store}")
+        node_ip_address="127.0.0.1", temp_dir=str(ray_temp_dir()),
+        num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=store)
     env = {**os.environ, **auth_env(token)}
     # Job drivers inherit the head's PATH: put the kit's interpreter first so that
     # `ray job submit -- python -m workloads...` runs with the pinned Ray and torch even

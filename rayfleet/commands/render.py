@@ -2,7 +2,7 @@
 
 The outputs (the contract is ``rayfleet/stack.py``) come from a file, stdin (``-``) or
 ``pulumi stack output --json`` (the ``rayfleet`` key). Every ID in the YAML is
-copied from them — none is hand-typed (convention 3) — so Ray's bootstrap finds a security
+copied from them, none hand-typed (docs/house.md, convention 3), so Ray's bootstrap finds a security
 group, subnets and an instance profile on every node type and creates none of its permissive
 defaults (rule 3). The result is written to ``cluster-configs/generated/<stack>.yaml``.
 
@@ -31,9 +31,9 @@ from typing import Any
 import yaml
 
 from rayfleet.commands import metrics as prometheus
-from rayfleet import nodeenv
+from rayfleet import nodeenv, raystart
 from rayfleet.errors import ConfigError, RayfleetError
-from rayfleet.facts import HEAD_ONLY_PORTS, RAY_CLUSTER_TAG, RAY_PORTS, loopback_port, port
+from rayfleet.facts import RAY_CLUSTER_TAG, loopback_port, port
 from rayfleet.ingress import DEFAULT_INGRESS, GUARD_NAME, haproxy_env
 from rayfleet.stack import StackOutputs, WorkerNodeType
 from rayfleet.stack import parse as parse_outputs
@@ -159,7 +159,7 @@ def llm_setup_commands(env: nodeenv.NodeEnv, build: str = "cuda") -> list[str]:
 
 @dataclass(frozen=True)
 class Why:
-    """A value with the sentence that goes above its key (convention 3)."""
+    """A value with the sentence that goes above its key (docs/house.md, convention 3)."""
 
     value: Any
     why: str
@@ -204,20 +204,11 @@ def _wrap(text: str, width: int) -> list[str]:
 
 # ----------------------------------------------------------------------------- the cluster
 
-def port_flags(head: bool) -> str:
-    """Every Ray port pinned to what infra's security group opens (RAY_PORTS, rule 4)."""
-    flags = []
-    for p in RAY_PORTS:
-        if not p.flag.startswith("--"):
-            continue  # ssh, and Serve's ports (set in the Serve config, not by ray start)
-        if p.name in HEAD_ONLY_PORTS and not head:
-            continue  # head-only listeners
-        if "/" in p.flag:
-            lo_flag, hi_flag = p.flag.split("/")
-            flags += [f"{lo_flag}={p.from_port}", f"{hi_flag}={p.to_port}"]
-        else:
-            flags.append(f"{p.flag}={p.from_port}")
-    return " ".join(flags)
+def ray_start(**kwargs) -> str:
+    """A node's `ray start` (:func:`rayfleet.raystart.argv`) with every Ray port pinned to
+    what infra's security group opens (rule 4). Joined unquoted: the node's shell expands
+    ``~`` and ``$RAY_HEAD_IP``."""
+    return " ".join(raystart.argv(RAY_BIN, **kwargs))
 
 
 def default_token_file(cluster_name: str) -> str:
@@ -425,9 +416,8 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
         if llm_commands and vllm == "cpu" else [],
         "head_start_ray_commands": Why([
             f"{RAY_BIN} stop; {STOP_AGENTS}",
-            f"ulimit -n 65536; {auth_env}{serve_env}; {RAY_BIN} start --head "
-            f"--autoscaling-config=~/ray_bootstrap_config.yaml --dashboard-host=127.0.0.1 "
-            + port_flags(head=True),
+            f"ulimit -n 65536; {auth_env}{serve_env}; "
+            + ray_start(head=True, autoscaling_config="~/ray_bootstrap_config.yaml"),
             *head_agents(o, auth_env, autostop_minutes),
             *(prometheus.head_commands(haproxy=ingress == "haproxy") if metrics else []),
         ], "Token auth on (rule 21); the node environment first on PATH, so a job's `python` "
@@ -445,8 +435,8 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
            + "."),
         "worker_start_ray_commands": Why([
             f"{RAY_BIN} stop; {STOP_AGENTS}",
-            f"ulimit -n 65536; {auth_env}{serve_env}; {RAY_BIN} start "
-            f"--address=$RAY_HEAD_IP:{port('gcs')} " + port_flags(head=False),
+            f"ulimit -n 65536; {auth_env}{serve_env}; "
+            + ray_start(head=False, address=f"$RAY_HEAD_IP:{port('gcs')}"),
             agent_command("spot", f"--address=$RAY_HEAD_IP:{port('gcs')}", auth_env),
         ], "Same token, pinned ports and Serve ingress on every worker; the spot agent watches "
            "the instance "
