@@ -107,8 +107,9 @@ SCHEMA: tuple[ConfigKey, ...] = (
     ConfigKey("headInstanceType", "string", "m6i.2xlarge",
               "Instance type of the CPU head node."),
     ConfigKey("workerInstanceType", "string", "p4d.24xlarge",
-              "A100 worker instance type: p4d.24xlarge (8x A100 40 GB) or p4de.24xlarge "
-              "(8x A100 80 GB)."),
+              "A100 worker instance type: " + " or ".join(
+                  f"{name} ({t.gpus}x A100 {t.gpu_memory_gib} GB)"
+                  for name, t in WORKER_INSTANCE_TYPES.items()) + "."),
     ConfigKey("minWorkers", "integer", 0,
               "A100 workers the autoscaler keeps running."),
     ConfigKey("maxWorkers", "integer", 2,
@@ -561,15 +562,16 @@ def _operator_cidrs(values: list[str]) -> tuple[str, ...]:
 
 def _nodes(v: Mapping[str, Any], worker_type: str) -> NodesConfig:
     head = v["headInstanceType"]
+    # The catalog's head types, in a few words: its families and its smallest to largest size.
+    families, sizes = catalog.data()["head_families"], list(catalog.data()["head_sizes"])
+    head_types = f"{' '.join(families)}, {sizes[0]} to {sizes[-1]}"
     if head in WORKER_INSTANCE_TYPES:
         raise ConfigError(_q("headInstanceType"), f"{head} is a GPU type; the head is a CPU "
-                                                  "node (it runs no training)",
-                          allowed=["m6i.2xlarge", "m6i.4xlarge", "m7i.2xlarge"])
+                                                  f"node (it runs no training): pick one of "
+                                                  f"{head_types}")
     if head not in HEAD_INSTANCE_TYPES:
-        families, sizes = catalog.data()["head_families"], list(catalog.data()["head_sizes"])
         raise ConfigError(_q("headInstanceType"), f"{head!r} is not a supported head type "
-                                                  f"({' '.join(families)}, {sizes[0]} to "
-                                                  f"{sizes[-1]})"
+                                                  f"({head_types})"
                                                   f"{did_you_mean(head, HEAD_INSTANCE_TYPES)}")
     min_w = _int_range("minWorkers", v["minWorkers"], 0, 64)
     max_w = _int_range("maxWorkers", v["maxWorkers"], 1, 64)
