@@ -42,7 +42,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class InstanceSpec:
-    """What a node type offers; render declares these as Ray resources (convention 3)."""
+    """A node type's offer, declared by render as Ray resources (docs/house.md, convention 3)."""
 
     name: str
     vcpus: int

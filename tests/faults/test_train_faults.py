@@ -118,7 +118,7 @@ def test_killed_worker_then_killed_driver_resume_to_the_uninterrupted_loss(ray_c
     assert logged and min(logged) > int(again.group(1)), (logged, again.group(1))
 
     # The uninterrupted reference: the same loop, seed and world size under plain torchrun
-    # (convention 5: the loop is the same code; an uninterrupted Ray Train run ends at the
+    # (docs/house.md, convention 5: one loop; an uninterrupted Ray Train run ends at the
     # same loss to the last digit, and torchrun starts in seconds instead of ~20).
     clean = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
                             "-m", "workloads.train.torchrun", *ARGS,

@@ -1,4 +1,4 @@
-"""GPU checks of the same loop under `torchrun` (convention 5): no Ray needed on the GPU host.
+"""GPU checks of the same loop under `torchrun` (docs/house.md, convention 5): no Ray needed.
 Skipped without CUDA (conftest)."""
 
 import os
