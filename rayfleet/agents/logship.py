@@ -35,9 +35,11 @@ from pathlib import Path
 PROG = "logship"
 # Ray job statuses after which nothing more is written (ray.job_submission.JobStatus).
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
-# The rule for bucket names lives in rayfleet/facts.py, which a node cannot import; this only
-# refuses what is plainly not a bucket (render passes the stack's already-checked URI).
-BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]*[a-z0-9]")
+# S3's bucket-name rule, rayfleet/facts.py's S3_BUCKET_NAME to the character: this script runs
+# on nodes that do not have the kit, so it cannot import it, and facts does not import this
+# (it would load the agent's modules into every import of facts); tests/unit/test_facts.py
+# holds the two equal.
+S3_BUCKET_NAME = re.compile(r"(?![^/]*\.\.)[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 # Ray names a worker's logs worker-<worker id>-<job id hex>-<pid>.out|.err.
 WORKER_LOG = re.compile(r"worker-[0-9a-f]+-([0-9a-f]+)-\d+\.(out|err)")
 
@@ -69,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="look for new and ended jobs this often (default 5)")
     args = p.parse_args(argv)
     m = re.fullmatch(r"s3://([^/]+)/*(.*?)/*", args.storage)
-    if not m or not BUCKET.fullmatch(m.group(1)) or len(m.group(1)) > 63:
+    if not m or not S3_BUCKET_NAME.fullmatch(m.group(1)):
         raise BadArgs(f"--storage {args.storage!r} is not s3://BUCKET/PREFIX")
     args.bucket, args.prefix = m.group(1), m.group(2)
     if not re.fullmatch(r"https?://[^/\s]+", args.address.rstrip("/")):

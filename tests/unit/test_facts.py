@@ -36,6 +36,7 @@ def _hits(pattern: str, *homes: Path) -> list[str]:
 
 FACTS = REPO / "rayfleet" / "facts.py"
 CATALOG = [REPO / "rayfleet" / "catalog.py", REPO / "rayfleet" / "catalog.json"]
+LOGSHIP = REPO / "rayfleet" / "agents" / "logship.py"
 
 
 # ----------------------------------------------------------------------------- tags, patterns
@@ -76,11 +77,23 @@ def test_references_to_secrets_are_not_secrets(text):
 
 
 def test_bucket_and_cluster_name_rules_live_in_facts():
-    assert _hits(r"\{1,61\}|\{1,30\}", FACTS) == []
+    # The log shipper's copy (a node agent cannot import the kit) is held equal just below.
+    assert _hits(r"\{1,61\}|\{1,30\}", FACTS, LOGSHIP) == []
     for good in ("rayfleet-data-0001", "a.b-c", "abc"):
         assert facts.is_bucket_name(good), good
     for bad in ("My_Bucket", "ab", "a..b", "-abc", "abc-", "a" * 64):
         assert not facts.is_bucket_name(bad), bad
+
+
+def test_the_log_shipper_refuses_what_facts_refuses():
+    from rayfleet.agents import logship
+
+    assert logship.S3_BUCKET_NAME.pattern == facts.S3_BUCKET_NAME.pattern
+    for bad in ("My_Bucket", "ab", "a..b", "-abc", "abc-", "a" * 64):
+        with pytest.raises(logship.BadArgs, match="is not s3://BUCKET/PREFIX"):
+            logship.parse_args(["--storage", f"s3://{bad}/p", "--address", "http://h:1"])
+    args = logship.parse_args(["--storage", "s3://a.b-c/p/", "--address", "http://h:1"])
+    assert (args.bucket, args.prefix) == ("a.b-c", "p")
 
 
 def test_ports_and_hop_limits_are_not_respelled():
