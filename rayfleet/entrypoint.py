@@ -35,19 +35,31 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)" if self.help_hint else message)
 
 
-def at_least(low: float, kind=int):
-    """An argparse type: a number of `kind` no smaller than `low`."""
+def bounded(kind, ok: Callable[[float], bool], says: str):
+    """An argparse type: a number of `kind` for which ``ok(value)`` holds; any other number is
+    refused with "must be <says>, got <text>", where argparse names the flag."""
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not value >= low:  # also refuses nan
-            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {text}")
+        if not ok(value):  # NaN fails every comparison, so `ok` written as one refuses it
+            raise argparse.ArgumentTypeError(f"must be {says}, got {text}")
         return value
 
     return parse
+
+
+def at_least(low: float, kind=int, unit: str = ""):
+    """An argparse type: a number of `kind` no smaller than `low` ("at least 1 minute" with
+    ``unit="minute"``)."""
+    return bounded(kind, lambda value: value >= low,
+                   f"at least {low:g}" + (f" {unit}" if unit else ""))
+
+
+# A TCP port to listen on (socket.bind() answers one outside it with an OverflowError).
+tcp_port = bounded(int, lambda value: 1 <= value <= 65535, "a TCP port between 1 and 65535")
 
 
 def run_main(fn: Callable[[list[str] | None], int | None], argv: list[str] | None,

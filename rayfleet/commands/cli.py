@@ -4,9 +4,11 @@ prints one line to stderr and exits 2, no traceback."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
-from rayfleet.entrypoint import ArgumentParser, run_main
+from rayfleet.commands import cost, lint, local, logs, preflight, render, serve_config, sweep
+from rayfleet.entrypoint import ArgumentParser, at_least, bounded, run_main, tcp_port
 from rayfleet.facts import loopback_port, port
 from rayfleet.ingress import DEFAULT_INGRESS, INGRESS_CHOICES
 
@@ -15,13 +17,13 @@ def _local(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("local", help="a real single-machine Ray cluster with token auth")
     lsub = p.add_subparsers(dest="action", required=True, metavar="{up,down,status,env}")
     up = lsub.add_parser("up", help="start the head (idempotent)")
-    up.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule "
+    up.add_argument("--num-cpus", type=at_least(1), default=None, help="CPUs Ray may schedule "
                     "(default: all cores)")
-    up.add_argument("--num-gpus", type=int, default=None, help="GPUs Ray may schedule")
+    up.add_argument("--num-gpus", type=at_least(0), default=None, help="GPUs Ray may schedule")
     up.add_argument("--object-store-memory", default=None, metavar="SIZE",
                     help="object store size, e.g. 2GB (raise it on ObjectStoreFullError)")
-    up.add_argument("--port", type=int, default=None, help=f"GCS port (default {port('gcs')})")
-    up.add_argument("--dashboard-port", type=int, default=None,
+    up.add_argument("--port", type=tcp_port, default=None, help=f"GCS port (default {port('gcs')})")
+    up.add_argument("--dashboard-port", type=tcp_port, default=None,
                     help=f"dashboard and Jobs API port on 127.0.0.1 (default {port('dashboard')})")
     up.add_argument("--python", default=None, metavar="PATH",
                     help="interpreter of the environment Ray and its jobs run in (default: "
@@ -29,7 +31,7 @@ def _local(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--metrics", action="store_true",
                     help="also run Prometheus scraping the cluster (installs Debian's "
                          "prometheus when missing); on a running cluster, starts it for it")
-    up.add_argument("--prometheus-port", type=int, default=None,
+    up.add_argument("--prometheus-port", type=tcp_port, default=None,
                     help="Prometheus's port on 127.0.0.1 (default "
                          f"{loopback_port('prometheus')})")
     up.add_argument("--ingress", choices=INGRESS_CHOICES, default=None,
@@ -43,8 +45,6 @@ def _local(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from rayfleet.commands import local
-
     if args.action == "up":
         local.up(num_cpus=args.num_cpus, num_gpus=args.num_gpus,
                  object_store_memory=args.object_store_memory, port=args.port,
@@ -86,11 +86,14 @@ def _ops(sub: argparse._SubParsersAction) -> None:
                         "created 0600 if missing)")
     p.add_argument("--key-name", default=None,
                    help="existing EC2 key pair for SSH over SSM (default <cluster>-operator)")
-    p.add_argument("--idle-timeout", type=int, default=10, metavar="MINUTES",
+    p.add_argument("--idle-timeout", type=at_least(1, unit="minute"), default=10,
+                   metavar="MINUTES",
                    help="minutes before an idle worker is terminated (default 10)")
     p.add_argument("--no-create-token", action="store_true",
                    help="do not create the token file if it is missing")
-    p.add_argument("--autostop-minutes", type=int, default=None, metavar="MINUTES",
+    p.add_argument("--autostop-minutes",
+                   type=bounded(int, lambda m: m >= 0, "0 (never) or more minutes"),
+                   default=None, metavar="MINUTES",
                    help="tear the whole cluster down, head included, once it has been idle "
                         "this long: no job, Serve app or user actor; 0: never (default: the "
                         "stack's rayfleet:autostopMinutes, 0 unless set)")
@@ -114,9 +117,16 @@ def _ops(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="Ray cluster-launcher YAML")
     p.add_argument("--stack-file", default=None,
                    help="Pulumi.<stack>.yaml whose rayfleet:budgetMonthlyUsd to compare with")
-    p.add_argument("--budget-usd", type=float, default=None, help="monthly budget in USD")
-    p.add_argument("--hours-per-month", type=float, default=730.0,
-                   help="hours a month the cluster runs (default 730, always on)")
+    p.add_argument("--budget-usd",
+                   type=bounded(float, lambda usd: 0 < usd < math.inf,
+                                "a positive amount of USD"),
+                   default=None, help="monthly budget in USD")
+    p.add_argument("--hours-per-month",
+                   type=bounded(float, lambda h: 0 < h <= cost.MAX_HOURS_PER_MONTH,
+                                f"between 0 and {cost.MAX_HOURS_PER_MONTH}"),
+                   default=cost.HOURS_PER_MONTH,
+                   help=f"hours a month the cluster runs (default {cost.HOURS_PER_MONTH:g}, "
+                        "always on)")
 
     p = sub.add_parser("sweep", help="find (and with --delete remove) what a cluster left "
                                      "behind after `ray down`")
@@ -139,15 +149,13 @@ def _ops(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("preflight", help="check the AWS account can launch a cluster YAML")
     p.add_argument("config", help="Ray cluster-launcher YAML")
-    p.add_argument("--num-gpus", type=int, default=None,
+    p.add_argument("--num-gpus", type=at_least(0), default=None,
                    help="GPUs one job's worker asks for: some node type must offer them")
     p.add_argument("--bucket", default=None, help="s3://bucket/prefix to check reachable and "
                                                   "writable (default: from the YAML header)")
 
 
 def _run_render(args: argparse.Namespace) -> int:
-    from rayfleet.commands import render
-
     path = render.render(args.outputs, out=args.out, token_file=args.token_file,
                          key_name=args.key_name, idle_timeout_minutes=args.idle_timeout,
                          create_token=not args.no_create_token,
@@ -158,33 +166,23 @@ def _run_render(args: argparse.Namespace) -> int:
 
 
 def _run_lint(args: argparse.Namespace) -> int:
-    from rayfleet.commands import lint
-
     return lint.main(args.config)
 
 
 def _run_cost(args: argparse.Namespace) -> int:
-    from rayfleet.commands import cost
-
     return cost.main(args.config, stack_file=args.stack_file, budget_usd=args.budget_usd,
                      hours_per_month=args.hours_per_month)
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
-    from rayfleet.commands import sweep
-
     return sweep.main(args.cluster_name, region=args.region, delete_=args.delete)
 
 
 def _run_preflight(args: argparse.Namespace) -> int:
-    from rayfleet.commands import preflight
-
     return preflight.main(args.config, num_gpus=args.num_gpus, bucket=args.bucket)
 
 
 def _run_serve_config(args: argparse.Namespace) -> int:
-    from rayfleet.commands import serve_config
-
     if args.package_to is None:
         path = serve_config.checked_config(args.config, arg_pairs=args.arg, out=args.out)
     else:
@@ -214,8 +212,6 @@ def _logs(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_logs(args: argparse.Namespace) -> int:
-    from rayfleet.commands import logs
-
     return logs.main(args.run, storage=args.storage, config=args.config, list_=args.list,
                      file=args.file, out_path=args.out, cluster=args.cluster)
 

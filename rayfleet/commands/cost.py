@@ -10,14 +10,17 @@ stack's budget.
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any
 
 from rayfleet import catalog
+from rayfleet.config import load_stack_file
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
 from rayfleet.commands.lint import load_yaml
 
+# Always on: 365 days x 24 hours / 12 months. A month has at most 31 x 24 hours.
+HOURS_PER_MONTH = 730.0
+MAX_HOURS_PER_MONTH = 744
 
 def load_prices() -> dict[str, Any]:
     return catalog.prices()
@@ -38,7 +41,7 @@ def hourly(instance_type: str, market: str, prices: dict[str, Any]) -> float:
 
 
 def estimate(cfg: dict[str, Any], prices: dict[str, Any] | None = None,
-             hours_per_month: float = 730.0) -> dict[str, Any]:
+             hours_per_month: float = HOURS_PER_MONTH) -> dict[str, Any]:
     prices = prices or load_prices()
     provider = cfg.get("provider") or {}
     if provider.get("type") != "aws":
@@ -98,17 +101,9 @@ def estimate(cfg: dict[str, Any], prices: dict[str, Any] | None = None,
 
 
 def main(path: str, stack_file: str | None = None, budget_usd: float | None = None,
-         hours_per_month: float = 730.0, out=None) -> int:
+         hours_per_month: float = HOURS_PER_MONTH, out=None) -> int:
     out = out or sys.stdout
-    # `not 0 < x <= 744` rather than `x <= 0 or x > 744`: NaN fails every comparison.
-    if not 0 < hours_per_month <= 744:
-        raise ConfigError("--hours-per-month", f"must be between 0 and 744, got "
-                                               f"{hours_per_month}")
-    if budget_usd is not None and not 0 < budget_usd < math.inf:
-        raise ConfigError("--budget-usd", f"must be a positive amount of USD, got {budget_usd}")
     if budget_usd is None and stack_file:
-        from rayfleet.config import load_stack_file
-
         budget_usd = float(load_stack_file(stack_file).budget.monthly_usd) or None
     cfg, _ = load_yaml(path)
     e = estimate(cfg, hours_per_month=hours_per_month)

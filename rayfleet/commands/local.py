@@ -218,23 +218,12 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
         raise ConfigError(f"--ingress {ingress!r}: choose one of {', '.join(INGRESS_CHOICES)}")
     port = DEFAULT_GCS_PORT if port is None else port
     dashboard_port = DEFAULT_DASHBOARD_PORT if dashboard_port is None else dashboard_port
-    if num_cpus is not None and num_cpus < 1:
-        raise ConfigError("--num-cpus", f"must be at least 1, got {num_cpus}")
-    if num_gpus is not None and num_gpus < 0:
-        raise ConfigError("--num-gpus", f"must be 0 or more, got {num_gpus}")
-    for flag, value in (("--port", port), ("--dashboard-port", dashboard_port)):
-        # Checked here: socket.bind() answers an out-of-range port with an OverflowError.
-        if not 1 <= value <= 65535:
-            raise ConfigError(flag, f"must be a TCP port between 1 and 65535, got {value}")
     store = parse_size(object_store_memory)
     if store is not None and store < MIN_OBJECT_STORE:
         raise ConfigError("--object-store-memory",
                           f"{store} bytes is below Ray's minimum of 75MiB")
     if prometheus_port is not None and not metrics:
         raise ConfigError("--prometheus-port", "goes with --metrics")
-    if prometheus_port is not None and not 1 <= prometheus_port <= 65535:
-        raise ConfigError("--prometheus-port",
-                          f"must be a TCP port between 1 and 65535, got {prometheus_port}")
 
     existing = load_state()
     if existing and alive(existing.pid):

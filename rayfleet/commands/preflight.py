@@ -51,8 +51,6 @@ def _code(e: Exception) -> str:
 
 def gpus_fit(cfg: dict, num_gpus: int) -> str:
     """The node type that offers ``num_gpus``; raises ClusterError (one line) if none does."""
-    if num_gpus < 0:
-        raise ConfigError("--num-gpus", f"must be 0 or more, got {num_gpus}")
     best = 0
     for name, nt in (cfg.get("available_node_types") or {}).items():
         gpus = int(((nt or {}).get("resources") or {}).get("GPU", 0) or 0)

@@ -542,12 +542,6 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
            create_token: bool = True, stdin=None,
            autostop_minutes: int | None = None, metrics: bool = False,
            vllm: str = "cuda", ingress: str = DEFAULT_INGRESS) -> Path:
-    if idle_timeout_minutes < 1:
-        raise ConfigError("--idle-timeout", f"must be at least 1 minute, got "
-                                            f"{idle_timeout_minutes}")
-    if autostop_minutes is not None and autostop_minutes < 0:
-        raise ConfigError("--autostop-minutes", f"must be 0 (never) or more minutes, got "
-                                                f"{autostop_minutes}")
     o = load_outputs(source, stdin)
     if autostop_minutes is None:   # the stack's rayfleet:autostopMinutes
         autostop_minutes = o.autostop_minutes

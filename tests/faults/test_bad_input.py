@@ -212,7 +212,7 @@ CASES = [
     Case("cli-unknown-command", "rayfleet", ["frobnicate"], "invalid choice: 'frobnicate'"),
     Case("cli-missing-argument", "rayfleet", ["cost"], "required: config"),
     Case("cli-gpus-not-a-number", "rayfleet", ["preflight", "{yaml}", "--num-gpus", "two"],
-         "argument --num-gpus: invalid int value: 'two'"),
+         "argument --num-gpus: expected a number, got 'two'"),
     Case("local-port-out-of-range", "rayfleet", ["local", "up", "--port", "99999"],
          "--port: must be a TCP port between 1 and 65535"),
     Case("local-object-store-size", "rayfleet",

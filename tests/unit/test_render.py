@@ -209,8 +209,9 @@ def test_negative_autostop_is_one_line_and_writes_nothing(tmp_path, capsys):
     rc = cli.main(["render", str(EXAMPLE_OUTPUTS), "-o", str(tmp_path / "x.yaml"),
                    "--token-file", str(tmp_path / "t"), "--autostop-minutes", "-5"])
     err = capsys.readouterr().err
-    assert rc == 2 and err.strip() == ("rayfleet: error: --autostop-minutes: must be 0 (never) "
-                                       "or more minutes, got -5"), err
+    assert rc == 2 and err.strip() == ("rayfleet: error: argument --autostop-minutes: must be 0 "
+                                       "(never) or more minutes, got -5 (see rayfleet render "
+                                       "--help)"), err
     assert list(tmp_path.iterdir()) == []
 
 
