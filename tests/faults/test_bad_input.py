@@ -1,4 +1,4 @@
-"""The bad-input suite (docs/faults.md), issue 6: wrong inputs across the kit,
+"""The bad-input suite (docs/faults.md, "Bad input"): wrong inputs across the kit,
 each refused the same way.
 
 Every case in CASES is a wrong input a user could plausibly type or hand over: a flag of the

@@ -1,4 +1,4 @@
-"""Spot interruption notice (issue 15) on a real two-node local Ray cluster: the spot agent
+"""Spot notice (docs/faults.md, fault 7) on a real two-node local Ray cluster: the spot agent
 (rayfleet/agents/spot.py) watching a stand-in IMDSv2 server on loopback, a real training run
 on the second node, the notice arriving mid-interval, the node lost as EC2 takes it back."""
 
