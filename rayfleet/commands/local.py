@@ -27,7 +27,9 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rayfleet import raystart
+from rayfleet import nodeenv, raystart
+# `prometheus`: up() has a `metrics` flag of its own.
+from rayfleet.commands import metrics as prometheus
 from rayfleet.commands.host import alive, free_port, free_ports, last_line, port_in_use, state_dir
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError
 from rayfleet.facts import LOCAL_METRICS_EXPORT_PORT, port
@@ -189,9 +191,7 @@ def _print_info(cluster: LocalCluster, headline: str, out=sys.stdout, prom=None)
     print(f"  dashboard:  {cluster.dashboard_url}  (loopback only; token required)", file=out)
     print(f"  token:      {env['RAY_AUTH_TOKEN_PATH']}  (mode 0600)", file=out)
     if prom is not None:
-        from rayfleet.commands import metrics
-
-        print("\n".join(metrics.info_lines(prom, ray_temp_dir())), file=out)
+        print("\n".join(prometheus.info_lines(prom, ray_temp_dir())), file=out)
     print("  submit a job:", file=out)
     print('    eval "$(rayfleet local env)"', file=out)
     print("    ray job submit --working-dir . -- python -m workloads.train --smoke-test",
@@ -365,29 +365,25 @@ def _same_settings(existing: LocalCluster, asked: dict, store: int | None) -> No
 
 def _prepare_metrics(prometheus_port: int | None, taken: tuple[int, ...] = ()):
     """(port, binary) for a Prometheus still to start; (None, None) when one already runs."""
-    from rayfleet.commands import metrics
-
-    running = metrics.load_local()
+    running = prometheus.load_local()
     if running is not None:
         if prometheus_port not in (None, running.port):
             raise ClusterError(f"Prometheus is already up on port {running.port} (asked "
                                f"--prometheus-port {prometheus_port}); `rayfleet local down` "
                                "first, or leave the flag out")
         return None, None
-    prometheus_port = metrics.PROMETHEUS_PORT if prometheus_port is None else prometheus_port
-    metrics.check_port(prometheus_port)
+    prometheus_port = prometheus.PROMETHEUS_PORT if prometheus_port is None else prometheus_port
+    prometheus.check_port(prometheus_port)
     if prometheus_port in taken:
         raise ConfigError("--prometheus-port", f"{prometheus_port} is the cluster's own port")
-    return prometheus_port, metrics.ensure_binary()
+    return prometheus_port, prometheus.ensure_binary()
 
 
 def _start_metrics(prometheus_port: int | None, binary: str | None,
                    haproxy_port: int | None = None):
-    from rayfleet.commands import metrics
-
     if binary is None:
-        return metrics.load_local()
-    return metrics.start_local(ray_temp_dir(), prometheus_port, binary, haproxy_port)
+        return prometheus.load_local()
+    return prometheus.start_local(ray_temp_dir(), prometheus_port, binary, haproxy_port)
 
 
 def _listening(port: int) -> bool:
@@ -407,8 +403,6 @@ def _ray_bin(python: str | None = None) -> str:
 def _check_node_env(python: str | None) -> str:
     """The interpreter to start from, once it is known to hold the node environment (the
     same check a job would otherwise fail on later, on a worker, or after training)."""
-    from rayfleet import nodeenv
-
     env = nodeenv.load()
     if python is None:
         python, lacking = sys.executable, nodeenv.missing(env.all)
@@ -499,9 +493,7 @@ def _group_alive(pgid: int) -> bool:
 
 def down(quiet: bool = False) -> bool:
     """Stop the head `up` started, and only it. Returns False when there was nothing to stop."""
-    from rayfleet.commands import metrics
-
-    prom = metrics.stop_local()
+    prom = prometheus.stop_local()
     if prom is not None and not quiet:
         print(f"prometheus stopped (pid {prom.pid}).")
     cluster = load_state()
@@ -554,11 +546,9 @@ def status(out=sys.stdout) -> int:
         ray.shutdown()
     print(f"rayfleet local cluster at {cluster.address}  dashboard {cluster.dashboard_url}",
           file=out)
-    from rayfleet.commands import metrics
-
-    prom = metrics.load_local()
+    prom = prometheus.load_local()
     if prom is not None:
-        print("\n".join(metrics.info_lines(prom, ray_temp_dir())), file=out)
+        print("\n".join(prometheus.info_lines(prom, ray_temp_dir())), file=out)
     print(f"{'NODE':<18} {'STATE':<6} {'ADDRESS':<16} {'CPU':>5} {'GPU':>5} {'MEMORY':>10}",
           file=out)
     for n in nodes:

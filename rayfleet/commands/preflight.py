@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rayfleet import catalog
-from rayfleet.errors import ClusterError, ConfigError, RayfleetError
+from rayfleet.config import AWS_REGIONS
+from rayfleet.errors import ClusterError, ConfigError, RayfleetError, did_you_mean
 from rayfleet.facts import S3_BUCKET_NAME
 from rayfleet.commands.lint import load_yaml
 
@@ -286,9 +287,6 @@ def main(path: str, num_gpus: int | None = None, bucket: str | None = None, out=
     cfg, text = load_yaml(path)
     if (cfg.get("provider") or {}).get("type") != "aws":
         raise RayfleetError(f"{path}: preflight checks AWS clusters (provider.type: aws)")
-    from rayfleet.config import AWS_REGIONS
-    from rayfleet.errors import did_you_mean
-
     region = cfg["provider"].get("region")
     if region not in AWS_REGIONS:
         raise ConfigError("provider.region", f"{region!r} is not an AWS region"

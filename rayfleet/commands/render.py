@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from rayfleet.commands import metrics as prometheus
+from rayfleet.commands.local import ensure_token
 from rayfleet import nodeenv, raystart
 from rayfleet.errors import ConfigError, RayfleetError
 from rayfleet.facts import RAY_CLUSTER_TAG, loopback_port, port
@@ -215,13 +216,6 @@ def default_token_file(cluster_name: str) -> str:
     home = os.environ.get("RAYFLEET_HOME")
     base = Path(home).expanduser() if home else Path("~/.rayfleet")
     return str(base / "clusters" / cluster_name / "auth_token")
-
-
-def ensure_token(path: str) -> Path:
-    """Create the cluster's token (0600) if it does not exist yet; never print it."""
-    from rayfleet.commands.local import ensure_token as _ensure
-
-    return _ensure(path)
 
 
 def agents_folder(token_file: str) -> str:
@@ -560,7 +554,7 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
         raise RayfleetError(f"--out {path}: cannot create its folder ({e.strerror})") from None
     if create_token:
         try:
-            ensure_token(token_file)
+            ensure_token(token_file)  # 0600, created once; never printed
         except OSError as e:
             raise RayfleetError(f"--token-file {token_file}: cannot create it ({e.strerror}); "
                                 "pick a path in a folder you own") from None
