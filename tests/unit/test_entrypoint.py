@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rayfleet.entrypoint import ArgumentParser, UsageError, run_main
+from rayfleet.entrypoint import ArgumentParser, UsageError, at_least, bounded, run_main, tcp_port
 from rayfleet.errors import ConfigError
 
 
@@ -35,3 +35,24 @@ def test_run_main_lets_unexpected_errors_through():
 
     with pytest.raises(KeyError):
         run_main(crash, [], "job")
+
+
+@pytest.mark.parametrize("kind, text, says", [
+    (at_least(1, unit="minute"), "0", "argument --n: must be at least 1 minute, got 0"),
+    (at_least(0.5, float), "nan", "argument --n: must be at least 0.5, got nan"),
+    (at_least(1), "two", "argument --n: expected a number, got 'two'"),
+    (tcp_port, "65536", "argument --n: must be a TCP port between 1 and 65535, got 65536"),
+    (bounded(float, lambda v: 0 < v <= 744, "between 0 and 744"), "0",
+     "argument --n: must be between 0 and 744, got 0"),
+])
+def test_numeric_bounds_are_argparse_types_with_one_line(kind, text, says):
+    parser = ArgumentParser(prog="tool")
+    parser.add_argument("--n", type=kind)
+    with pytest.raises(UsageError) as refused:
+        parser.parse_args(["--n", text])
+    assert str(refused.value) == says
+
+
+def test_numbers_within_their_bounds_pass():
+    assert at_least(1)("3") == 3 and at_least(0, float)("0") == 0.0
+    assert tcp_port("1") == 1 and tcp_port("65535") == 65535

@@ -78,3 +78,35 @@ def test_cli_errors_are_one_line_exit_2(home, args, needle):
 def test_down_without_cluster_is_harmless(home, capsys):
     assert local.down() is False
     assert "nothing to stop" in capsys.readouterr().out
+
+
+def test_up_starts_the_kits_ray_start(home, monkeypatch):
+    """`up` runs raystart's command line: the dashboard on loopback, usage stats off, the
+    node's metrics on facts' local port, the rest of Ray's ports left to Ray."""
+    from rayfleet import raystart
+    from rayfleet.facts import LOCAL_METRICS_EXPORT_PORT
+
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def popen(cmd, **kwargs):
+        started.append(cmd)
+        raise Started
+
+    monkeypatch.setattr(local, "_check_node_env", lambda python: sys.executable)
+    monkeypatch.setattr(local, "_pick", lambda default: default)
+    monkeypatch.setattr(local.subprocess, "Popen", popen)
+    gcs, dashboard = host.free_port(), host.free_port()
+    with pytest.raises(Started):
+        local.up(port=gcs, dashboard_port=dashboard, num_cpus=2, quiet=True, ingress="python")
+    (cmd,) = started
+    assert cmd == raystart.argv(
+        local._ray_bin(sys.executable), head=True, block=True, usage_stats=False,
+        ports={"gcs": gcs, "dashboard": dashboard, "client": local.DEFAULT_CLIENT_PORT,
+               "dashboard-agent-http": local.DEFAULT_AGENT_PORT,
+               "metrics-export": LOCAL_METRICS_EXPORT_PORT},
+        node_ip_address="127.0.0.1", temp_dir=str(local.ray_temp_dir()), num_cpus=2)
+    assert "--dashboard-host=127.0.0.1" in cmd and "--disable-usage-stats" in cmd
+    assert f"--metrics-export-port={LOCAL_METRICS_EXPORT_PORT}" in cmd
