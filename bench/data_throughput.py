@@ -150,7 +150,8 @@ def ray_side(corpus: Path, out: Path, extra: list[str]) -> None:
     import ray
     from ray.data import DataContext
 
-    from workloads.data.pipeline import Inputs, build_pipeline
+    from workloads.common.shards import Inputs
+    from workloads.data.pipeline import build_pipeline
 
     args = pipeline_args(extra)
     tokenizer = getattr(args, "tokenizer", "byte")
@@ -190,7 +191,7 @@ def data_wait(env: dict, corpus: Path, tmp: Path, steps: int, extra: list[str]) 
                     "--num-workers", "2", "--storage-path", str(tmp / "runs"),
                     "--name", "data-wait"], cwd=REPO, env=env, check=True,
                    capture_output=True, text=True)
-    from workloads.train.checkpoint import read_history
+    from workloads.common.runs import read_history
 
     history = read_history((tmp / "runs" / "data-wait" / "metrics.csv").read_text())
     return {"intervals": [h["data_wait_frac"] for h in history],

@@ -64,7 +64,7 @@ def prepare_hf(out: Path, shape: dict, vocab: int, seq_len: int, corpus_bytes: i
 
     from workloads.common.hf import tokenizer_identity
     from workloads.common.tiny_hf import make_tokenizer
-    from workloads.train.data import stdlib_corpus
+    from workloads.common.corpus import stdlib_corpus
 
     folder = out / "model"
     tok = make_tokenizer(folder, vocab_size=vocab, corpus_bytes=corpus_bytes)

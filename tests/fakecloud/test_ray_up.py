@@ -531,7 +531,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-4)
             # The nodes' actors, 32 documents a batch, agree with the packaged model run here
             # one document at a time.
-            from workloads.embed.pipeline import encode, load_encoder, model_path
+            from workloads.common.encoder import encode, load_encoder, model_path
 
             enc = load_encoder(model_path("all-MiniLM-L6-v2"))
             for i in (0, 17, docs - 1):

@@ -86,8 +86,8 @@ def _checkpoint(tmp: Path, name: str = "ckpt") -> Path:
     """A finished DDP checkpoint in the kit's layout (tiny model, the kit's own marker)."""
     import torch
 
-    from workloads.train import checkpoint as ckpt
-    from workloads.train.model import GPT, PRESETS
+    from workloads.common import runs as ckpt
+    from workloads.common.model import GPT, PRESETS
 
     d = tmp / name
     d.mkdir(parents=True)
@@ -108,8 +108,9 @@ def _truncate(path: Path, keep: int | None = None) -> None:
 def _previous_smoke_run(tmp: Path) -> None:
     """A finished `--smoke-test` run (default name smoke-ddp, built-in corpus, 10 steps) in
     {tmp}/runs, with the run file the driver records beside Ray's snapshot."""
-    from workloads.train.model import PRESETS
-    from workloads.train.runinfo import RUN_FILE, run_identity
+    from workloads.common.model import PRESETS
+    from workloads.common.runs import RUN_FILE
+    from workloads.train.runinfo import run_identity
 
     run_dir = tmp / "runs" / "smoke-ddp"
     run_dir.mkdir(parents=True)
@@ -178,14 +179,14 @@ class Case:
 
 def _validate(rel: str) -> Callable[[Path], object]:
     def call(tmp: Path):
-        from workloads.train.checkpoint import validate
+        from workloads.common.runs import validate
 
         return validate(tmp / rel)
     return call
 
 
 def _load_weights(tmp: Path):
-    from workloads.train.checkpoint import load_full_weights
+    from workloads.common.runs import load_full_weights
 
     return load_full_weights(tmp / "ckpt")
 

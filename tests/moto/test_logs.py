@@ -228,8 +228,8 @@ def test_files_beside_the_logs_are_listed_and_a_binary_one_needs_o(shipped, s3_c
     # submitted with --submission-id writes them there is checked where one runs on a cloud
     # node (tests/fakecloud/test_ray_up.py: the training job's keys, then `rayfleet logs
     # --list` after the cluster is gone).
-    from workloads.train import checkpoint as ckpt
-    from workloads.train.runinfo import loss_png
+    from workloads.common import runs as ckpt
+    from workloads.common.runs import loss_png
 
     history = [{"step": 1, "loss": 2.0, "lr": 0.001, "tokens_per_s": 10.0},
                {"step": 2, "loss": 1.5, "lr": 0.001, "tokens_per_s": 10.0}]

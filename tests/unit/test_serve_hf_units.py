@@ -22,8 +22,8 @@ MULTIBYTE = "naïve café → 日本語 🚀 ok"
 def _checkpoint_with_export(root: Path, hf_model_dir: Path, name: str = "run") -> Path:
     """A final workloads.train checkpoint holding an hf/ export, its marker written by the
     trainer's own writer (every file listed), and the bookkeeping `latest` reads."""
-    from workloads.train.checkpoint import write_marker
-    from workloads.train.runinfo import SNAPSHOT
+    from workloads.common.runs import write_marker
+    from workloads.common.runs import SNAPSHOT
 
     ckpt = root / name / "checkpoint_000003"
     shutil.copytree(hf_model_dir, ckpt / "hf")
@@ -248,7 +248,7 @@ def test_llm_config_from_a_local_export(tmp_path, hf_model_dir):
 def test_an_intermediate_checkpoint_of_a_hf_run_is_refused(tmp_path):
     """Before the final step a Hugging Face run's DDP checkpoint holds model.pt (the wrapper's
     weights) but no hf/ export: not something the byte GPT can load."""
-    from workloads.train.checkpoint import write_marker
+    from workloads.common.runs import write_marker
 
     ckpt = tmp_path / "run" / "checkpoint_000001"
     ckpt.mkdir(parents=True)
@@ -301,7 +301,7 @@ def test_llm_config_refusals_are_one_line(tmp_path, hf_model_dir, capsys, case, 
     import json
     import shutil
 
-    from workloads.train.checkpoint import write_marker
+    from workloads.common.runs import write_marker
 
     folder = tmp_path / case
     device = []

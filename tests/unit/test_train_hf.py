@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import BIN, REPO, SFT_MAX_LENGTH, run, summary_of
-from workloads.train import checkpoint as ckpt
+from workloads.common import runs as ckpt
 from workloads.train import driver, hf_model
 from workloads.train.context import TorchrunContext
 from workloads.train.loop import LoopConfig, train_loop
@@ -209,7 +209,7 @@ def test_relative_model_paths_are_made_absolute_for_the_workers(tmp_path, monkey
 def test_a_model_folder_named_without_a_slash_is_a_folder_a_preset_name_a_preset(
         tmp_path, monkeypatch):
     from workloads.common.hf import is_hf_spec
-    from workloads.train.model import PRESETS
+    from workloads.common.model import PRESETS
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my-llama").mkdir()

@@ -10,7 +10,7 @@ import torch
 
 from tests.conftest import REPO
 from rayfleet.errors import CheckpointError, ClusterError, ConfigError, RayfleetError
-from workloads.train import checkpoint as ckpt
+from workloads.common import runs as ckpt
 from workloads.train.context import TorchrunContext
 from workloads.train.driver import (
     TrainOptions,
@@ -20,7 +20,7 @@ from workloads.train.driver import (
     memory_estimate_bytes,
 )
 from workloads.train.loop import LoopConfig, lr_at, train_loop
-from workloads.train.model import GPT, PRESETS
+from workloads.common.model import GPT, PRESETS
 
 
 def args_of(*argv):
@@ -204,7 +204,7 @@ def test_fsdp_checkpoint_missing_a_rank_shard_is_incomplete():
 def test_full_weights_load_into_a_fresh_model(tmp_path):
     _run_loop(tmp_path, 5)
     cfg, state = ckpt.load_full_weights(sorted(tmp_path.glob("checkpoint_*"))[-1])
-    from workloads.train.model import GPTConfig
+    from workloads.common.model import GPTConfig
 
     model = GPT(GPTConfig.from_dict(cfg))
     model.load_state_dict(state)
@@ -242,7 +242,7 @@ def test_the_training_corpus_is_the_sorted_standard_library_without_tests():
     resumed one, trains on the same data."""
     import sysconfig
 
-    from workloads.train.data import stdlib_corpus, stdlib_files
+    from workloads.common.corpus import stdlib_corpus, stdlib_files
 
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from rayfleet.errors import ConfigError, StorageError
+from workloads.common.storage import resolve
 
 BYTE_TOKENIZER = {"name": "byte", "vocab_size": 256, "sha256": "byte"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -45,8 +46,6 @@ def fetch(spec: str, flag: str, endpoint: str | None = None) -> Path:
     if spec in _fetched and _fetched[spec].is_dir():
         return _fetched[spec]
     import pyarrow.fs as pafs
-
-    from workloads.common.storage import resolve
 
     storage = resolve(spec, endpoint=endpoint, check_writable=False)
     info = storage.fs.get_file_info(storage.path)
@@ -131,8 +130,6 @@ def _meta_files(spec: str, flag: str, endpoint: str | None, dest: Path) -> tuple
         folder = fetch(spec, flag, endpoint)
         return folder, {p.name for p in folder.iterdir() if p.is_file()}
     import pyarrow.fs as pafs
-
-    from workloads.common.storage import resolve
 
     storage = resolve(spec, endpoint=endpoint, check_writable=False)
     try:

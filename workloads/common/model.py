@@ -1,8 +1,8 @@
 """A GPT-style decoder-only LM: byte-level vocab, pre-norm blocks, PyTorch SDPA attention.
 
 Sizes run from `tiny` (CPU smoke tests, ~0.1M parameters) to `1b` (A100/H100). The model is
-plain PyTorch so the same module trains under Ray Train, under `torchrun` and is served by
-workloads.serve.
+plain PyTorch so the same module trains under Ray Train and under `torchrun`
+(workloads.train) and is served by workloads.serve.
 """
 
 from __future__ import annotations

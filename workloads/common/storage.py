@@ -15,7 +15,6 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from rayfleet.errors import ConfigError, StorageError
-from rayfleet.facts import S3_BUCKET_NAME as BUCKET_NAME  # noqa: F401 (workloads.train's)
 from rayfleet.facts import is_bucket_name
 
 

@@ -8,12 +8,14 @@ paths a real model takes.
     python -m workloads.common.tiny_hf --output runs/tiny-llama --sft runs/sft.jsonl
 """
 
-
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
+
+from rayfleet.entrypoint import ArgumentParser, run_main
+from workloads.common.corpus import stdlib_corpus
 
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
 # A chat template in the usual role-header style (the tokenizer carries it; `lm` and
@@ -27,8 +29,6 @@ def make_tokenizer(folder: Path, vocab_size: int = 512, corpus_bytes: int = 400_
     """Train a byte-level BPE tokenizer and save it as a Hugging Face fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-
-    from workloads.train.data import stdlib_corpus
 
     text = stdlib_corpus(corpus_bytes).decode("utf-8", errors="ignore")
     tok = Tokenizer(models.BPE(unk_token=SPECIAL["unk_token"]))
@@ -95,8 +95,6 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rayfleet.entrypoint import ArgumentParser, run_main
-
     def _run(argv):
         p = ArgumentParser(prog="workloads.common.tiny_hf",
                            description="A tiny Llama + BPE tokenizer folder, made offline.")

@@ -34,25 +34,32 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from rayfleet.errors import ConfigError, RayfleetError
-from rayfleet.entrypoint import ArgumentParser, run_main
+from rayfleet.entrypoint import ArgumentParser, at_least, run_main
 from workloads.common.deps import require
-from workloads.common.storage import default_root, user_path
+from workloads.common.hf import BYTE_TOKENIZER, fetch, load_tokenizer, tokenizer_identity
+from workloads.common.shards import (
+    STDLIB,
+    Inputs,
+    clear_partial,
+    drop_marker,
+    drop_partial,
+    list_inputs,
+    read_marker,
+    shards_of,
+    write_manifest,
+    write_shard,
+)
+from workloads.common.storage import default_root, resolve, user_path
 from workloads.data.tokenize import (  # noqa: F401  (ByteTokenizer: bench imports it here)
     BYTE, IGNORE, SHAPES, ByteTokenizer, HFTokenizer, SFTBuilder, Tally, ship, tokenizer_files)
 
 PROG = "workloads.data"
-TEXT_EXT = (".txt", ".md", ".py", ".rst")
-JSON_EXT = (".jsonl", ".json")
-PARQUET_EXT = (".parquet",)
-FORMATS = {"text": TEXT_EXT, "jsonl": JSON_EXT, "parquet": PARQUET_EXT}
-DONE_DIR = "_done"
 
 COUNTS = ("records", "truncated", "dropped", "invalid")   # SFT shapes, per shard and in all
 DEFAULTS = {"seq_len": 128, "max_bytes": 0, "shard_bytes": 8 << 20}
@@ -63,13 +70,13 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description="Ray Data: raw text -> packed token sequences.")
     p.add_argument("--smoke-test", action="store_true",
                    help="768 KiB of the stdlib corpus, seq_len 64 (the train smoke model)")
-    p.add_argument("--input", default="stdlib",
+    p.add_argument("--input", default=STDLIB,
                    help="'stdlib' (this Python's standard library source, offline) or a "
                         "folder / file / s3:// prefix of .txt/.py/.md, .jsonl or .parquet")
     p.add_argument("--format", default="auto", help="auto (by extension), text, jsonl, parquet")
     p.add_argument("--column", default="text", help="text column of JSONL / Parquet input")
     p.add_argument("--tokenizer", default=BYTE,
-                   help="'byte' (256 ids, workloads.train's GPT) or a Hugging Face tokenizer "
+                   help="'byte' (256 ids, the kit's byte GPT) or a Hugging Face tokenizer "
                         "folder / s3:// prefix (as save_pretrained writes it)")
     p.add_argument("--shape", default="text",
                    help="text: documents packed into seq_len + 1 windows (EOS between them); "
@@ -88,13 +95,16 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--seq-len", "--max-length", dest="seq_len", type=int, default=None,
                    help="model context (--max-length is the same setting); each row holds "
                         "seq_len + 1 tokens (match the model); longer SFT records are cut")
-    p.add_argument("--max-bytes", type=int, default=None, help="stop listing input after this")
-    p.add_argument("--shard-bytes", type=int, default=None, help="input bytes per output shard")
-    p.add_argument("--min-chars", type=int, default=32, help="drop documents shorter than this")
-    p.add_argument("--batch-size", type=int, default=64, help="rows per tokenizer batch")
-    p.add_argument("--concurrency", type=int, default=2, help="tokenizer actors (max)")
+    p.add_argument("--max-bytes", type=at_least(0), default=None,
+                   help="stop listing input after this")
+    p.add_argument("--shard-bytes", type=at_least(1), default=None,
+                   help="input bytes per output shard")
+    p.add_argument("--min-chars", type=at_least(0), default=32,
+                   help="drop documents shorter than this")
+    p.add_argument("--batch-size", type=at_least(1), default=64, help="rows per tokenizer batch")
+    p.add_argument("--concurrency", type=at_least(1), default=2, help="tokenizer actors (max)")
     p.add_argument("--tokenizer-cpus", type=float, default=0.25, help="CPUs per tokenizer actor")
-    p.add_argument("--pack-rows", type=int, default=256,
+    p.add_argument("--pack-rows", type=at_least(1), default=256,
                    help="documents packed together (the tail of each group is dropped)")
     p.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL")
     return p
@@ -139,7 +149,7 @@ def make_packer(seq_len: int):
                 if len(batch["ids"]) else np.zeros(0, np.int32))
         n = (len(flat) - 1) // seq_len if len(flat) > seq_len else 0
         # Windows of seq_len + 1 starting every seq_len tokens: inputs [:-1], targets [1:],
-        # the same layout as workloads.train's ByteBlocks.
+        # the layout the training loop's byte blocks have too.
         tokens = np.stack([flat[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)]
                           ).astype(np.int32) if n else np.zeros((0, seq_len + 1), np.int32)
         return {"tokens": tokens}
@@ -147,85 +157,6 @@ def make_packer(seq_len: int):
 
 
 # --------------------------------------------------------------------------- inputs
-
-@dataclass(frozen=True)
-class Inputs:
-    fmt: str
-    files: list[tuple[str, int]]   # (path inside the filesystem, size)
-    filesystem: object | None      # pyarrow filesystem, None for local
-
-
-def list_inputs(args) -> Inputs:
-    import pyarrow.fs as pafs
-
-    if args.input == "stdlib":
-        from workloads.train.data import stdlib_files
-
-        files = [(str(p), p.stat().st_size) for p in stdlib_files()]
-        return Inputs("text", _cap(files, args.max_bytes), None)
-    if args.input.startswith("s3://"):
-        from workloads.common.storage import resolve
-
-        storage = resolve(args.input, endpoint=args.s3_endpoint, check_writable=False)
-        fs, root, fs_out = storage.fs, storage.path, storage.filesystem
-    else:
-        root = os.path.abspath(os.path.expanduser(args.input))
-        if not os.path.exists(root):
-            raise ConfigError("--input", f"{args.input} does not exist")
-        fs, fs_out = pafs.LocalFileSystem(), None
-    info = fs.get_file_info(root)
-    if info.type == pafs.FileType.File:
-        infos = [info]
-    elif info.type == pafs.FileType.Directory:
-        infos = [i for i in fs.get_file_info(pafs.FileSelector(root, recursive=True))
-                 if i.type == pafs.FileType.File]
-    else:
-        raise ConfigError("--input", f"{args.input} does not exist")
-    infos = [i for i in infos if not any(part.startswith((".", "_")) for part in
-                                         i.path[len(root):].split("/") if part)
-             or i.path == root]
-    fmt = args.format
-    if fmt == "auto":
-        kinds = {k for i in infos for k, exts in FORMATS.items() if i.path.endswith(exts)}
-        if len(kinds) > 1:
-            raise ConfigError("--format", f"{args.input} mixes {', '.join(sorted(kinds))} "
-                              "files; pick one", FORMATS)
-        fmt = kinds.pop() if kinds else "text"
-    elif fmt not in FORMATS:
-        raise ConfigError("--format", f"unknown format {fmt!r}", ["auto", *FORMATS], fmt)
-    files = sorted((i.path, i.size) for i in infos if i.path.endswith(FORMATS[fmt]))
-    if not files:
-        raise ConfigError("--input", f"{args.input} holds no {fmt} files "
-                          f"({', '.join(FORMATS[fmt])}); the corpus is empty")
-    if sum(s for _, s in files) == 0:
-        raise ConfigError("--input", f"{args.input}: every input file is empty")
-    return Inputs(fmt, _cap(files, args.max_bytes), fs_out)
-
-
-def _cap(files: list[tuple[str, int]], max_bytes: int) -> list[tuple[str, int]]:
-    if not max_bytes:
-        return files
-    out, total = [], 0
-    for path, size in files:
-        if total >= max_bytes:
-            break
-        out.append((path, size))
-        total += size
-    return out
-
-
-def shards_of(files: list[tuple[str, int]], shard_bytes: int) -> list[list[str]]:
-    shards, cur, size = [], [], 0
-    for path, s in files:
-        cur.append(path)
-        size += s
-        if size >= shard_bytes:
-            shards.append(cur)
-            cur, size = [], 0
-    if cur:
-        shards.append(cur)
-    return shards
-
 
 def read(inputs: Inputs, paths: list[str], column: str, columns: list[str] | None = None):
     """The input as a dataset of one `text` column, or of `columns` as they are (SFT)."""
@@ -358,16 +289,12 @@ def check_tokenizer(args) -> dict:
     """--tokenizer loaded on the driver (one line if it is not a tokenizer, or lacks what the
     shape needs), before Ray starts or anything is written. A local folder becomes absolute:
     the actors may not share the driver's working directory."""
-    from workloads.common.hf import BYTE_TOKENIZER
-
     if args.tokenizer == BYTE:
         if args.shape == "chat":
             raise ConfigError("--shape", "chat needs a Hugging Face tokenizer with a chat "
                                          "template (--tokenizer FOLDER or s3://...), not byte")
         return {"identity": dict(BYTE_TOKENIZER), "eos_id": None, "shipped": None,
                 "pad_id": 0 if args.shape != "text" else None}
-    from workloads.common.hf import fetch, load_tokenizer, tokenizer_identity
-
     spec = args.tokenizer
     tok = load_tokenizer(spec, "--tokenizer", args.s3_endpoint)
     folder = fetch(spec, "--tokenizer", args.s3_endpoint)   # where it was loaded from
@@ -391,73 +318,22 @@ def check_tokenizer(args) -> dict:
 
 # --------------------------------------------------------------------------- output
 
-def write_shard(ds, storage, index: int, n: int, extra: dict | None = None,
-                after=None) -> dict:
-    """Write one shard atomically enough: temp folder, then move, then the done marker
-    (`extra` goes into the marker: what a re-run must match to skip the shard; so does what
-    `after()` returns once the data is written, e.g. counts gathered while writing)."""
-    import pyarrow.fs as pafs
-    import pyarrow.parquet as pq
-
-    fs, name = storage.fs, f"shard-{index:05d}"
-    tmp = storage.join(f"_tmp-{name}")
-    fs.delete_dir_contents(tmp, missing_dir_ok=True)
-    # Ray writes no file (and no folder) for a shard that cleaning emptied; the listing
-    # below must still find the folder.
-    fs.create_dir(tmp)
-    ds.write_parquet(tmp if storage.filesystem is None else tmp, filesystem=storage.filesystem)
-    parts = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(tmp, recursive=True))
-                   if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
-    rows, files = 0, []
-    for k, part in enumerate(parts):
-        n_rows = pq.ParquetFile(fs.open_input_file(part)).metadata.num_rows
-        if not n_rows:
-            continue
-        final = f"{name}-{k:03d}.parquet"
-        fs.move(part, storage.join(final))
-        rows += n_rows
-        files.append(final)
-    fs.delete_dir(tmp)
-    marker = {"shard": index, "of": n, "rows": rows, "files": files, **(extra or {}),
-              **(after() if after else {})}
-    storage.write_bytes(f"{DONE_DIR}/{name}.json", json.dumps(marker).encode())
-    return marker
-
-
-def clear_partial(storage, index: int) -> None:
-    import pyarrow.fs as pafs
-
-    prefix = f"shard-{index:05d}-"
-    for i in storage.fs.get_file_info(pafs.FileSelector(storage.path, allow_not_found=True)):
-        if i.base_name.startswith(prefix):
-            storage.fs.delete_file(i.path)
-
-
-def read_marker(storage, index: int) -> dict | None:
-    try:
-        return json.loads(storage.read_bytes(storage.join(f"{DONE_DIR}/shard-{index:05d}.json")))
-    except (FileNotFoundError, OSError, ValueError):
-        return None
-
-
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     defaults = SMOKE if args.smoke_test else DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for flag in ("seq_len", "batch_size", "concurrency", "pack_rows", "shard_bytes"):
-        if getattr(args, flag) < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')}", "must be at least 1")
-    for flag in ("max_bytes", "min_chars"):
-        if getattr(args, flag) < 0:
-            raise ConfigError(f"--{flag.replace('_', '-')}", "must be 0 or more")
+    # Not an argparse type (at_least) like the other counts: argparse would name the flag
+    # "--seq-len/--max-length", and the error names --seq-len (tests/faults/test_bad_input.py).
+    if args.seq_len < 1:
+        raise ConfigError("--seq-len", "must be at least 1")
     if not 0 < args.tokenizer_cpus < float("inf"):  # NaN fails every comparison
         raise ConfigError("--tokenizer-cpus", "must be more than 0")
     if args.shape not in SHAPES:
         raise ConfigError("--shape", f"unknown shape {args.shape!r}", SHAPES, args.shape)
     sft = args.shape != "text"
-    if args.input != "stdlib":
+    if args.input != STDLIB:
         args.input = user_path(args.input, "--input", output=False)
     args.output = user_path(args.output, "--output", output=True)
 
@@ -472,8 +348,6 @@ def run(argv: list[str] | None) -> int:
     if inputs.fmt != "text":  # encoding and schema errors before Ray or any write
         check_first_file(inputs, needed_columns(args))
     tok_info = check_tokenizer(args)             # one line and exit 2 if not a tokenizer
-
-    from workloads.common.storage import resolve
 
     created = args.output if not args.output.startswith("s3://") and \
         not os.path.exists(os.path.expanduser(args.output)) else None
@@ -525,7 +399,7 @@ def run(argv: list[str] | None) -> int:
                                  after=None if tally is None else partial(_tally_counts, tally))
         except BaseException as e:
             # No half-written shard stays behind, whatever stopped the write.
-            _drop_partial(storage, i)
+            drop_partial(storage, i)
             # Ray re-raises a worker's error as RayTaskError(UnicodeDecodeError), an instance
             # of both (JSON Lines past the first MiB that check_first_file read).
             if isinstance(e, UnicodeDecodeError):
@@ -546,11 +420,8 @@ def run(argv: list[str] | None) -> int:
         # Nothing usable: leave the output as it was, so no empty "done" shard is skipped by
         # the next run once the input is fixed.
         for i in range(len(shards)):
-            _drop_partial(storage, i)
-            try:
-                storage.fs.delete_file(storage.join(f"{DONE_DIR}/shard-{i:05d}.json"))
-            except (FileNotFoundError, OSError):
-                pass
+            drop_partial(storage, i)
+            drop_marker(storage, i)
         if created:
             _remove_empty_dirs(storage.path)
         if sft:
@@ -574,7 +445,7 @@ def run(argv: list[str] | None) -> int:
     if sft:
         manifest.update({"max_length": args.seq_len, "pad_id": tok_info["pad_id"],
                          "ignore_index": IGNORE, **counts})
-    storage.write_bytes("_manifest.json", json.dumps(manifest, indent=1).encode())
+    write_manifest(storage, manifest)
     print(f"[rayfleet] {rows} {unit} of seq_len {args.seq_len} + 1 in {storage.uri} "
           f"({written} shards written, {skipped} skipped); train with: python -m "
           f"workloads.train --dataset {storage.uri}", flush=True)
@@ -587,15 +458,6 @@ def _tally_counts(tally) -> dict:
 
     counts = ray.get(tally.take.remote())
     return {k: counts.get(k, 0) for k in COUNTS}   # "rows" is what the files hold
-
-
-def _drop_partial(storage, index: int) -> None:
-    """Remove shard `index`'s temporary folder and any of its files already moved in."""
-    try:
-        storage.fs.delete_dir(storage.join(f"_tmp-shard-{index:05d}"))
-    except (FileNotFoundError, OSError):
-        pass  # never created
-    clear_partial(storage, index)
 
 
 def _remove_empty_dirs(root: str) -> None:

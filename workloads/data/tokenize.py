@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from workloads.common.hf import load_tokenizer
+
 IGNORE = -100
 SHAPES = ("text", "instruction", "chat")
 BYTE = "byte"
@@ -31,8 +33,9 @@ Render = Callable[[list[dict], bool], str]   # (messages, add_generation_prompt)
 
 
 class ByteTokenizer:
-    """Stateful tokenizer for the actor pool: bytes are the vocabulary (256 ids, what
-    workloads.train's GPT uses). Built once per actor; counts what it has seen."""
+    """Stateful tokenizer for the actor pool: bytes are the vocabulary (256 ids, what the
+    kit's byte GPT, workloads.common.model, reads). Built once per actor; counts what it has
+    seen."""
 
     def __init__(self, separator: bytes = b"\n"):
         self.separator = separator
@@ -69,8 +72,6 @@ def load_in_actor(spec: str, endpoint: str | None = None,
     import os
     import shutil
     import tempfile
-
-    from workloads.common.hf import load_tokenizer
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not files:

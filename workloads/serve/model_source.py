@@ -12,14 +12,14 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from rayfleet.errors import CheckpointError, ConfigError
+from workloads.common import hf, runs
+from workloads.common.storage import resolve
 from workloads.serve.engines import Engine, HFEngine
 
 
 def _location(path: str) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path on it) of a local folder or an s3:// prefix."""
     if path.startswith("s3://"):
-        from workloads.common.storage import resolve
-
         storage = resolve(path, check_writable=False)
         return storage.fs, storage.path
     return pafs.LocalFileSystem(), str(Path(path).expanduser().resolve())
@@ -35,27 +35,25 @@ def check_checkpoint(path: str) -> dict:
       writes it).
     Returns the marker (if any) plus `engine` ("byte" or "hf") and `source`, the folder the
     replica loads."""
-    from workloads.common import hf
-    from workloads.train import checkpoint as ckpt
-
     if not path:
         raise ConfigError("checkpoint", "no checkpoint given; pass args.checkpoint "
                           "(a folder or s3:// path written by workloads.train, or a Hugging "
                           "Face model folder)")
     fs, inner = _location(path)
-    listing = ckpt.list_files(fs, inner)
+    listing = runs.list_files(fs, inner)
     if not listing:
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if ckpt.MARKER in listing:
-        marker = ckpt.validate_on(fs, inner, path, listing=listing)
-        if any(k.startswith("hf/") for k in listing):
-            source = path.rstrip("/") + "/hf"
+    if runs.MARKER in listing:
+        marker = runs.validate_on(fs, inner, path, listing=listing)
+        if any(k.startswith(f"{runs.HF_DIR}/") for k in listing):
+            source = f"{path.rstrip('/')}/{runs.HF_DIR}"
             return {**marker, "engine": "hf", "source": source,
                     **hf.check_model_folder(source, "args.checkpoint")}
-        if "model.pt" not in listing or "model_config.json" not in listing:
-            raise CheckpointError(f"checkpoint {path} holds no full weights (model.pt) and no "
-                                  "hf/ export; serve the run's final checkpoint")
-        if "hf" in json.loads(ckpt.read_file(fs, f"{inner}/model_config.json") or b"{}"):
+        if runs.FULL_WEIGHTS not in listing or runs.MODEL_CONFIG not in listing:
+            raise CheckpointError(f"checkpoint {path} holds no full weights "
+                                  f"({runs.FULL_WEIGHTS}) and no {runs.HF_DIR}/ export; serve "
+                                  "the run's final checkpoint")
+        if "hf" in json.loads(runs.read_file(fs, f"{inner}/{runs.MODEL_CONFIG}") or b"{}"):
             # A Hugging Face run's intermediate checkpoint: its export is written at the end.
             raise CheckpointError(f"checkpoint {path} is an intermediate checkpoint of a "
                                   "Hugging Face run (no hf/ export); serve the run's final "
@@ -65,10 +63,10 @@ def check_checkpoint(path: str) -> dict:
                                        for k in listing):
         return {"engine": "hf", "source": path,
                 **hf.check_model_folder(path, "args.checkpoint")}
-    if "model.pt" in listing or any(k.startswith("dcp/") for k in listing):
-        ckpt.parse_marker(path, None)   # a workloads.train checkpoint never finished
+    if runs.FULL_WEIGHTS in listing or any(k.startswith(f"{runs.DCP_DIR}/") for k in listing):
+        runs.parse_marker(path, None)   # a workloads.train checkpoint never finished
     raise CheckpointError(f"checkpoint {path} holds no model: neither a workloads.train "
-                          f"checkpoint ({ckpt.MARKER}) nor a Hugging Face model folder "
+                          f"checkpoint ({runs.MARKER}) nor a Hugging Face model folder "
                           "(config.json + *.safetensors + tokenizer)")
 
 
@@ -76,7 +74,8 @@ def hf_source(path: str) -> str | None:
     """The Hugging Face folder a replica loads for `path` (itself, or a run checkpoint's
     `hf/` export), or None for a byte GPT checkpoint. Cheap: no validation."""
     fs, inner = _location(path)
-    for folder, at in ((path, inner), (path.rstrip("/") + "/hf", f"{inner}/hf")):
+    for folder, at in ((path, inner), (f"{path.rstrip('/')}/{runs.HF_DIR}",
+                                       f"{inner}/{runs.HF_DIR}")):
         if fs.get_file_info(f"{at}/config.json").type == pafs.FileType.File:
             return folder
     return None
@@ -84,16 +83,14 @@ def hf_source(path: str) -> str | None:
 
 def load_checkpoint(path: str) -> tuple[dict, dict]:
     """(model_config, state_dict); an s3:// checkpoint is copied to a temp folder first."""
-    from workloads.train.checkpoint import load_full_weights
-
     if not path.startswith("s3://"):
-        return load_full_weights(Path(path).expanduser())
+        return runs.load_full_weights(Path(path).expanduser())
     fs, inner = _location(path)
     local = Path(tempfile.mkdtemp(prefix="rayfleet-serve-"))
     try:
         pafs.copy_files(inner, str(local), source_filesystem=fs,
                         destination_filesystem=pafs.LocalFileSystem())
-        return load_full_weights(local)
+        return runs.load_full_weights(local)
     finally:
         shutil.rmtree(local, ignore_errors=True)   # the weights are in memory now
 

@@ -28,6 +28,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from rayfleet.errors import CheckpointError
+from workloads.common.encoder import encode, load_encoder, model_path
+from workloads.common.shards import MANIFEST
+from workloads.common.storage import default_root, resolve
 from workloads.serve.app_args import LATEST, AppArgs, app_path, builder_errors, resolve_checkpoint
 from workloads.serve.lm import DEFAULT_MODEL_NAME as GENERATOR_MODEL_NAME
 from workloads.serve.lm import LMGenerator
@@ -54,19 +57,17 @@ def check_index(uri: str):
 
     import pyarrow.fs as pafs
 
-    from workloads.common.storage import resolve
-
     storage = resolve(uri, check_writable=False, create=False)
     try:
-        manifest = json.loads(storage.read_bytes(storage.join("_manifest.json")))
+        manifest = json.loads(storage.read_bytes(storage.join(MANIFEST)))
     except (FileNotFoundError, OSError, ValueError) as e:
-        raise CheckpointError(f"embeddings {uri}: no readable _manifest.json (run "
+        raise CheckpointError(f"embeddings {uri}: no readable {MANIFEST} (run "
                               "`python -m workloads.embed --output ...` to the end first)") from e
     files = sorted(i.path for i in storage.fs.get_file_info(
         pafs.FileSelector(storage.path, allow_not_found=True))
         if i.type == pafs.FileType.File and i.base_name.endswith(".parquet"))
     if not files:
-        raise CheckpointError(f"embeddings {uri}: no Parquet files next to _manifest.json")
+        raise CheckpointError(f"embeddings {uri}: no Parquet files next to {MANIFEST}")
     return storage, manifest, files
 
 
@@ -101,8 +102,6 @@ class Retriever:
     def __init__(self, embeddings: str):
         import torch
 
-        from workloads.embed.pipeline import load_encoder, model_path
-
         torch.set_num_threads(1)
         self.ids, self.texts, self.matrix, manifest = load_index(embeddings)
         self.encoder = load_encoder(model_path(manifest["model"]))
@@ -116,8 +115,6 @@ class Retriever:
 
     def _search(self, query: str, k: int) -> list[dict]:
         import numpy as np
-
-        from workloads.embed.pipeline import encode
 
         q = encode(self.encoder, [query], 1)[0]
         scores = self.matrix @ q
@@ -223,8 +220,6 @@ class RAGArgs(AppArgs):
 
 def check_args(args: "dict | RAGArgs | None") -> dict:
     """The app's arguments checked, paths resolved; or one line (RayfleetError)."""
-    from workloads.common.storage import default_root
-
     a = RAGArgs.parse(args)
     # Defaults: where workloads.embed and workloads.train write when given no path.
     embeddings = app_path(a.embeddings or os.path.join(default_root(), "embeddings"),

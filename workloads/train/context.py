@@ -14,7 +14,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from rayfleet.errors import StorageError
+from workloads.common import runs
 from workloads.train import preempt
+from workloads.train.telemetry import Telemetry
 
 # RAYFLEET_TIMING=1: the driver and rank 0 each print one `RAYFLEET_TIMING {json}` line with
 # the wall-clock time (time.time(), so processes on one machine compare) of each start-up
@@ -170,8 +172,6 @@ class RayContext:
         if self.rank != 0:
             return
         if self._telemetry is None:
-            from workloads.train.telemetry import Telemetry
-
             self._telemetry = Telemetry(self._train.get_context().get_experiment_name())
         self._telemetry.export(metrics)
 
@@ -225,9 +225,7 @@ class TorchrunContext:
         return preempt.NONE  # outside Ray: no spot agent publishes to this run
 
     def _checkpoints(self) -> list[Path]:
-        if not self.root.exists():
-            return []
-        return sorted(p for p in self.root.glob("checkpoint_*") if p.is_dir())
+        return runs.local_checkpoints(self.root)
 
     @contextlib.contextmanager
     def latest_checkpoint(self):
@@ -244,7 +242,7 @@ class TorchrunContext:
         # Every rank copies its part into the shared folder, like Ray's merge.
         import shutil
 
-        dest = self.root / f"checkpoint_{metrics['step']:09d}"
+        dest = self.root / f"{runs.CHECKPOINT_PREFIX}{metrics['step']:09d}"
         shutil.copytree(checkpoint_dir, dest, dirs_exist_ok=True)
         if self.world_size > 1:
             dist.barrier()

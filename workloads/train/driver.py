@@ -29,14 +29,20 @@ from rayfleet.errors import (
     RayfleetError,
     StorageError,
 )
-from rayfleet.entrypoint import ArgumentParser, run_main
+from rayfleet.entrypoint import ArgumentParser, at_least, run_main
+from rayfleet.facts import is_bucket_name
+from workloads.common import hf, runs
 from workloads.common.cli import parse_env_pairs
 from workloads.common.deps import require
 from workloads.common.hf import is_hf_spec
-from workloads.common.storage import BUCKET_NAME, default_root, user_path
-from workloads.train.context import TIMING_ENV, ray_train_marks, startup
-from workloads.train.loop import STRATEGIES, LoopConfig
-from workloads.train.model import PRESETS, GPTConfig
+from workloads.common.model import PRESETS, GPTConfig
+from workloads.common.shards import MANIFEST
+from workloads.common.storage import default_root, resolve, s3_endpoint, user_path
+from workloads.train import ds_config, failures, runinfo
+from workloads.train.context import TIMING_ENV, RayContext, ray_train_marks, startup
+from workloads.train.datasets import load_dataset
+from workloads.train.hf_model import HFSpec, count_params
+from workloads.train.loop import STRATEGIES, LoopConfig, train_loop
 
 PROG = "workloads.train"
 
@@ -71,7 +77,8 @@ def build_parser() -> ArgumentParser:
                    help="DeepSpeed config (file or inline JSON) merged over the kit's defaults")
     p.add_argument("--offload-params", action="store_true",
                    help="DeepSpeed ZeRO-3: parameters on the host too (with --offload)")
-    p.add_argument("--seq-len", type=int, default=None, help="override the preset's context")
+    p.add_argument("--seq-len", type=at_least(1), default=None,
+                   help="override the preset's context")
     p.add_argument("--strategy", default="ddp", help="ddp (default), fsdp or deepspeed")
     p.add_argument("--zero-stage", type=int, default=2, help="DeepSpeed ZeRO stage: 2 or 3")
     p.add_argument("--offload", action="store_true", help="DeepSpeed: optimizer state on CPU")
@@ -80,17 +87,20 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--resources-per-worker", default=None, metavar="JSON",
                    help='extra Ray resources per worker, e.g. {"accelerator_type:A100": 0.01}')
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per worker per step")
-    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--batch-size", type=at_least(1), default=None,
+                   help="sequences per worker per step")
+    p.add_argument("--grad-accum", type=at_least(1), default=1)
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate for ONE worker; scaled linearly by world size")
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--warmup-steps", type=int, default=None)
-    p.add_argument("--checkpoint-every", type=int, default=None)
-    p.add_argument("--log-every", type=int, default=None)
-    p.add_argument("--num-to-keep", type=int, default=2, help="checkpoints kept in storage")
-    p.add_argument("--max-failures", type=int, default=3,
-                   help="worker-group restarts before the run fails (FailureConfig)")
+    p.add_argument("--max-steps", type=at_least(1), default=None)
+    p.add_argument("--warmup-steps", type=at_least(0), default=None)
+    p.add_argument("--checkpoint-every", type=at_least(1), default=None)
+    p.add_argument("--log-every", type=at_least(1), default=None)
+    p.add_argument("--num-to-keep", type=at_least(1), default=2,
+                   help="checkpoints kept in storage")
+    p.add_argument("--max-failures", type=at_least(-1), default=3,
+                   help="worker-group restarts before the run fails (FailureConfig; -1: "
+                        "retry forever)")
     p.add_argument("--corpus-bytes", type=int, default=None)
     p.add_argument("--dataset", default=None,
                    help="stream a Ray Data dataset: 'stdlib' or a folder/s3:// of Parquet "
@@ -106,7 +116,8 @@ def build_parser() -> ArgumentParser:
                    help="resume an existing --name although its dataset or strategy differs")
     p.add_argument("--env", action="append", metavar="KEY=VALUE",
                    help="environment variable for every worker (repeatable)")
-    p.add_argument("--seed", type=int, default=0)
+    # numpy's seed() refuses negatives, on every worker, after the cluster is booked.
+    p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model in place (ddp, fsdp); the first step compiles")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
@@ -189,6 +200,8 @@ def check_options(opts: TrainOptions) -> GPTConfig | None:
                           opts.strategy)
     if not hf and opts.model not in PRESETS:
         raise ConfigError("--model", f"unknown model size {opts.model!r}", PRESETS, opts.model)
+    # Checked here, not by an argparse type as the other counts: under torchrun the world size
+    # (WORLD_SIZE) is the worker count, not the flag.
     if opts.num_workers < 1:
         raise ConfigError("--num-workers", f"must be at least 1, got {opts.num_workers}")
     if opts.compile and opts.strategy == "deepspeed":
@@ -205,12 +218,6 @@ def check_options(opts: TrainOptions) -> GPTConfig | None:
             if getattr(opts, flag):
                 raise ConfigError(f"--{flag.replace('_', '-')}", "is for Hugging Face models "
                                                                  "(--model <folder>)")
-    for flag in ("batch_size", "grad_accum", "max_steps", "checkpoint_every", "log_every",
-                 "num_to_keep"):
-        if getattr(opts, flag) < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')}", "must be at least 1")
-    if opts.max_failures < -1:
-        raise ConfigError("--max-failures", "must be -1 (retry forever) or more")
     # `not x > 0` rather than `x <= 0`: argparse's float() accepts "nan", which fails every
     # comparison and would otherwise reach the workers as a NaN learning rate.
     if not 0 < opts.cpus_per_worker < math.inf:
@@ -220,13 +227,6 @@ def check_options(opts: TrainOptions) -> GPTConfig | None:
                                   f"default is {defaults['lr']:g}")
     if opts.gpu_memory_gib is not None and not 0 < opts.gpu_memory_gib < math.inf:
         raise ConfigError("--gpu-memory-gib", f"must be more than 0, got {opts.gpu_memory_gib}")
-    if opts.warmup_steps is not None and opts.warmup_steps < 0:
-        raise ConfigError("--warmup-steps", f"must be 0 or more, got {opts.warmup_steps}")
-    if opts.seed < 0:
-        # numpy's seed() refuses negatives, on every worker, after the cluster is booked.
-        raise ConfigError("--seed", f"must be 0 or more, got {opts.seed}")
-    if opts.seq_len is not None and opts.seq_len < 1:
-        raise ConfigError("--seq-len", f"must be at least 1, got {opts.seq_len}")
     if opts.name is not None and not RUN_NAME.fullmatch(opts.name):
         # The name is a folder under --storage-path; "../x" or "a/b" would write outside it.
         raise ConfigError("--name", f"{opts.name!r} must be letters, digits, - _ . (no "
@@ -276,7 +276,7 @@ def check_dataset(spec: str | None) -> None:
         return
     if spec.startswith("s3://"):
         bucket = spec[len("s3://"):].split("/", 1)[0]
-        if not BUCKET_NAME.fullmatch(bucket) or ".." in bucket:
+        if not is_bucket_name(bucket):
             raise StorageError(f"--dataset {spec}: {bucket!r} is not a valid S3 bucket name "
                                "(3-63 lowercase letters, digits, dots, hyphens)")
         return
@@ -305,9 +305,6 @@ def check_dataset(spec: str | None) -> None:
                                        f"{', '.join(names)}); produce it with workloads.data")
 
 
-MANIFEST = "_manifest.json"
-
-
 def dataset_manifest(spec: str | None, endpoint: str | None = None) -> dict | None:
     """The `_manifest.json` workloads.data writes beside its shards (what made the dataset:
     the tokenizer, the sequence length), or None for the built-in corpus or a dataset made
@@ -315,8 +312,6 @@ def dataset_manifest(spec: str | None, endpoint: str | None = None) -> dict | No
     if spec in (None, "stdlib"):
         return None
     if spec.startswith("s3://"):
-        from workloads.common.storage import resolve
-
         storage = resolve(spec, endpoint=endpoint, check_writable=False)
         try:
             raw = storage.read_bytes(storage.join(MANIFEST))
@@ -353,9 +348,6 @@ def resolve_hf(opts: TrainOptions, manifest: dict | None):
     """A Hugging Face run checked before Ray starts: the model folder (or config) loads, the
     dataset was made with this model's tokenizer, fits its vocabulary and its context.
     Returns (HFSpec, source or None, tokenizer spec)."""
-    from workloads.common import hf
-    from workloads.train.hf_model import HFSpec, count_params
-
     endpoint = opts.s3_endpoint
     if opts.model_config is not None:
         flag, source = "--model-config", None
@@ -447,8 +439,6 @@ def run_name(opts: TrainOptions, hf_source: str | None) -> str:
         return opts.name
     # A job submitted with --submission-id ID is run ID: its checkpoints, metrics.csv and
     # loss.png land beside the job's logs (the head's log shipper writes <storage>/runs/ID/).
-    from workloads.train import runinfo
-
     submitted = runinfo.chosen_submission_id()
     if submitted and RUN_NAME.fullmatch(submitted):
         return submitted
@@ -464,9 +454,6 @@ def run_name(opts: TrainOptions, hf_source: str | None) -> str:
 def loop_config(opts: TrainOptions, model, hf_source: str | None, tokenizer: str | None, world: int,
                 data_workers: int, ray_dataset: bool) -> LoopConfig:
     """The per-worker options of a run (the Ray driver's and torchrun's alike)."""
-    from workloads.common.storage import s3_endpoint
-    from workloads.train import ds_config
-
     return LoopConfig(
         model=model.to_dict(), strategy=opts.strategy, zero_stage=opts.zero_stage,
         offload=opts.offload, batch_size=opts.batch_size, grad_accum=opts.grad_accum,
@@ -485,8 +472,6 @@ def loop_config(opts: TrainOptions, model, hf_source: str | None, tokenizer: str
 
 def check_deepspeed(opts: TrainOptions) -> None:
     if opts.strategy == "deepspeed" and opts.deepspeed_config:
-        from workloads.train import ds_config
-
         ds_config.check(ds_config.load(opts.deepspeed_config),
                         {"batch_size": opts.batch_size, "grad_accum": opts.grad_accum,
                          "grad_clip": LoopConfig.grad_clip})
@@ -615,8 +600,6 @@ def check_memory(model: GPTConfig, opts: TrainOptions, nodes: list[dict]) -> str
 
 def _root_cause(err: BaseException) -> BaseException | None:
     """The first RayfleetError in a Ray exception chain (worker errors are wrapped)."""
-    from workloads.train import failures
-
     found = next((e for e in failures.causes(err) if isinstance(e, RayfleetError)), None)
     if found is not None:
         return found
@@ -629,9 +612,6 @@ def _root_cause(err: BaseException) -> BaseException | None:
 
 def _train_func(config: dict) -> dict:
     # Runs on every Ray Train worker; rank 0's return value is Result.return_value.
-    from workloads.train.context import RayContext
-    from workloads.train.loop import train_loop
-
     return train_loop(LoopConfig(**config), RayContext())
 
 
@@ -655,10 +635,7 @@ def _main(argv: list[str] | None) -> int:
         model, hf_source, tokenizer = resolve_hf(opts, manifest)
     else:
         check_byte_dataset(opts.dataset, manifest)
-    from workloads.common import storage as st
-    from workloads.train import runinfo
-
-    storage = st.resolve(opts.storage_path, endpoint=opts.s3_endpoint)
+    storage = resolve(opts.storage_path, endpoint=opts.s3_endpoint)
     name = run_name(opts, hf_source)
     # A corrupt latest checkpoint, or one of another run under the same name, stops the run
     # here, before Ray is started, before any worker starts and before anything in storage is
@@ -686,8 +663,6 @@ def _main(argv: list[str] | None) -> int:
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
-
-    from workloads.train import failures
 
     startup.mark("imports_done")
     if os.environ.get(TIMING_ENV) == "1":
@@ -732,8 +707,6 @@ def _main(argv: list[str] | None) -> int:
 
     datasets = None
     if opts.dataset:
-        from workloads.train.datasets import load_dataset
-
         datasets = {"train": load_dataset(opts.dataset, model.seq_len, opts.corpus_bytes,
                                           opts.s3_endpoint)}
     trainer = TorchTrainer(
@@ -752,7 +725,7 @@ def _main(argv: list[str] | None) -> int:
             logging_config=LoggingConfig(log_level="WARNING")),
         datasets=datasets,
     )
-    runinfo.record_run(storage, name, identity)
+    runs.record_run(storage, name, identity)
     started = time.time()
     startup.mark("fit_called")
     try:

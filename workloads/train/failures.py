@@ -18,6 +18,7 @@ import os
 from collections.abc import Iterator
 
 from rayfleet.errors import ClusterError, RayfleetError, StorageError
+from workloads.common import runs
 
 # Worker-group starts that may time out (or fail) in a row before the run fails. Each waits
 # RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default 60 s) for the placement group: long
@@ -75,13 +76,11 @@ def explain(err: BaseException, *, storage, name: str, workers: int,
 
 
 def _resume_hint(storage, name: str) -> str:
-    from workloads.train import runinfo
-
     try:
-        path = runinfo.latest_checkpoint_path(storage, name)
+        path = runs.latest_checkpoint_path(storage, name)
     except OSError:  # storage still down: say what to do without naming the step
         path = None
-    where = (f"the latest complete checkpoint is {runinfo.uri(storage, path)}"
+    where = (f"the latest complete checkpoint is {runs.uri(storage, path)}"
              if path else "no complete checkpoint could be read")
     return (f"{where}; nothing newer is resumed from. Re-run the same command once storage "
             "answers to resume from it")

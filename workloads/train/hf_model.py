@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workloads.common.hf import fetch, load_tokenizer
+
 IGNORE_INDEX = -100
-HF_DIR = "hf"
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,6 @@ def build(source: str | None, config: dict, activation_checkpointing: bool = Fal
 
     hf_logging.disable_progress_bar()
     if source:
-        from workloads.common.hf import fetch
-
         lm = AutoModelForCausalLM.from_pretrained(str(fetch(source, "--model", endpoint)),
                                                   dtype=torch.float32)
     else:
@@ -163,6 +162,4 @@ def export(state_dict: dict, config: dict, tokenizer: str | None, out: Path,
     out.mkdir(parents=True, exist_ok=True)
     lm.save_pretrained(str(out), safe_serialization=True)
     if tokenizer:
-        from workloads.common.hf import load_tokenizer
-
         load_tokenizer(tokenizer, "--tokenizer", endpoint).save_pretrained(str(out))

@@ -28,11 +28,14 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from rayfleet import catalog
-from workloads.train import checkpoint as ckpt
+from rayfleet.errors import CheckpointError
+from workloads.common import runs
+from workloads.common.corpus import stdlib_corpus
+from workloads.common.model import GPT, GPTConfig
 from workloads.train import ds_config, hf_model, preempt
 from workloads.train.context import startup
-from workloads.train.data import ByteBlocks, ParquetRows, split_batch, stdlib_corpus
-from workloads.train.model import GPT, GPTConfig
+from workloads.train.data import ByteBlocks, ParquetRows, split_batch
+from workloads.train.rng import load_rng, save_rng
 
 startup.mark("kit_imported")  # in a worker: torch and the kit's modules are loaded
 
@@ -217,8 +220,8 @@ class _Engine:
         if self.strategy == "ddp":
             if rank == 0:
                 full = self.raw.state_dict()
-                torch.save(full, d / "model.pt")
-                torch.save(self.optimizer.state_dict(), d / "optim.pt")
+                torch.save(full, d / runs.FULL_WEIGHTS)
+                torch.save(self.optimizer.state_dict(), d / runs.OPTIMIZER)
         elif self.strategy == "fsdp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -226,18 +229,18 @@ class _Engine:
             msd, osd = get_state_dict(self.model, self.optimizer)
             # Each rank writes only its own shard (rank 0 adds .metadata); Ray merges the
             # per-rank folders into one checkpoint in storage.
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(d / "dcp"))
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(d / runs.DCP_DIR))
             if final:
                 full = self._save_full(d)
         else:
             client = {"rayfleet": True}
-            self.model.save_checkpoint(str(d / "ds"), tag="ckpt", client_state=client)
+            self.model.save_checkpoint(str(d / runs.DS_DIR), tag="ckpt", client_state=client)
             if final:
                 full = self._save_full(d)
         if final and rank == 0 and hf_model.is_hf(self.cfg.model):
             # The run's result in Hugging Face format, gathered from the shards: what `lm`,
             # vLLM and from_pretrained load.
-            hf_model.export(full, self.cfg.model["hf"], self.cfg.tokenizer, d / hf_model.HF_DIR,
+            hf_model.export(full, self.cfg.model["hf"], self.cfg.tokenizer, d / runs.HF_DIR,
                             self.cfg.s3_endpoint)
 
     def _save_full(self, d: Path) -> dict | None:
@@ -258,14 +261,14 @@ class _Engine:
         if self.ctx.rank != 0:
             return None
         full = {k: v.detach().float().cpu() for k, v in sd.items()}
-        torch.save(full, d / "model.pt")
+        torch.save(full, d / runs.FULL_WEIGHTS)
         return full
 
     def load(self, d: Path) -> None:
         if self.strategy == "ddp":
-            self.raw.load_state_dict(torch.load(d / "model.pt", map_location=self.ctx.device,
-                                                weights_only=True))
-            self.optimizer.load_state_dict(torch.load(d / "optim.pt",
+            self.raw.load_state_dict(torch.load(d / runs.FULL_WEIGHTS,
+                                                map_location=self.ctx.device, weights_only=True))
+            self.optimizer.load_state_dict(torch.load(d / runs.OPTIMIZER,
                                                       map_location=self.ctx.device,
                                                       weights_only=False))
         elif self.strategy == "fsdp":
@@ -274,13 +277,14 @@ class _Engine:
 
             msd, osd = get_state_dict(self.model, self.optimizer)
             state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=str(d / "dcp"))
+            dcp.load(state, checkpoint_id=str(d / runs.DCP_DIR))
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
         else:
-            path, _ = self.model.load_checkpoint(str(d / "ds"), tag="ckpt")
+            path, _ = self.model.load_checkpoint(str(d / runs.DS_DIR), tag="ckpt")
             if path is None:
-                raise ckpt.CheckpointError(f"checkpoint {d} has no DeepSpeed state under ds/")
+                raise CheckpointError(f"checkpoint {d} has no DeepSpeed state under "
+                                      f"{runs.DS_DIR}/")
 
 
 def _batches(loader, epoch: int, skip: int, seed: int = 0) -> Iterator:
@@ -336,13 +340,13 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
     step, epoch, batch_in_epoch, history = 0, 0, 0, []
     with ctx.latest_checkpoint() as d:
         if d is not None:
-            marker = ckpt.validate(d, expect_strategy=cfg.strategy)
-            state = json.loads((d / "trainer_state.json").read_text())
+            marker = runs.validate(d, expect_strategy=cfg.strategy)
+            state = json.loads((d / runs.TRAINER_STATE).read_text())
             engine.load(d)
-            ckpt.load_rng(d, ctx.rank)
+            load_rng(d, ctx.rank)
             step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
-            history = ckpt.read_history((d / "metrics.csv").read_text()) \
-                if (d / "metrics.csv").exists() else []
+            history = runs.read_history((d / runs.METRICS).read_text()) \
+                if (d / runs.METRICS).exists() else []
             for h in history:
                 # Checkpoints from before the data-wait metric: unknown, not zero (and the
                 # CSV writer needs every row to carry the same columns).
@@ -433,17 +437,17 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
                 with tempfile.TemporaryDirectory(prefix="rayfleet-ckpt-") as tmp:
                     d = Path(tmp)
                     engine.save(d, final=is_final)
-                    ckpt.save_rng(d, ctx.rank)
+                    save_rng(d, ctx.rank)
                     if ctx.rank == 0:
-                        (d / "model_config.json").write_text(json.dumps(model_cfg.to_dict()))
-                        (d / "trainer_state.json").write_text(json.dumps({
+                        (d / runs.MODEL_CONFIG).write_text(json.dumps(model_cfg.to_dict()))
+                        (d / runs.TRAINER_STATE).write_text(json.dumps({
                             "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
                             "schedule": {"name": "warmup_cosine", "lr": cfg.lr,
                                          "warmup_steps": cfg.warmup_steps,
                                          "max_steps": cfg.max_steps},
                             "loop_config": cfg.to_dict()}))
-                        (d / "metrics.csv").write_text(ckpt.history_csv(history))
-                        ckpt.write_marker(d, step=step, strategy=cfg.strategy,
+                        (d / runs.METRICS).write_text(runs.history_csv(history))
+                        runs.write_marker(d, step=step, strategy=cfg.strategy,
                                           world_size=ctx.world_size, final=is_final)
                     ctx.report(metrics, d)
             if step % cfg.log_every == 0 or save:

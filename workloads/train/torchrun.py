@@ -12,6 +12,8 @@ import sys
 
 from rayfleet.entrypoint import run_main
 from rayfleet.errors import ConfigError
+from workloads.common.runs import METRICS, read_history
+from workloads.train.context import TorchrunContext
 from workloads.train.driver import (
     TrainOptions,
     absolute_hf_paths,
@@ -24,7 +26,6 @@ from workloads.train.driver import (
     check_options,
     resolve_hf,
 )
-from workloads.train.checkpoint import read_history
 from workloads.train.loop import train_loop
 
 PROG = "workloads.train.torchrun"
@@ -50,8 +51,6 @@ def _main(argv: list[str] | None) -> int:
         model, hf_source, tokenizer = resolve_hf(opts, manifest)
     else:
         check_byte_dataset(opts.dataset, manifest)
-    from workloads.train.context import TorchrunContext
-
     ctx = TorchrunContext(args.output, keep=opts.num_to_keep)
     # As the Ray driver: a DataLoader process only beside a GPU.
     cfg = loop_config(opts, model, hf_source, tokenizer, world,
@@ -60,7 +59,7 @@ def _main(argv: list[str] | None) -> int:
     if ctx.rank == 0:
         # Every logged step, from the metrics history the final checkpoint carries.
         with ctx.latest_checkpoint() as d:
-            history = read_history((d / "metrics.csv").read_text()) if d else ctx.reports
+            history = read_history((d / METRICS).read_text()) if d else ctx.reports
         print("RAYFLEET_SUMMARY " + json.dumps({"world_size": world, "device": str(ctx.device),
                                                 "history": history, **final}), flush=True)
     return 0
