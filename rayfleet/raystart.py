@@ -23,6 +23,13 @@ from rayfleet.facts import HEAD_ONLY_PORTS, RAY_PORTS
 # only, reached through a tunnel (rule 22).
 DASHBOARD_HOST = "127.0.0.1"
 
+# Ray opens a socket per worker and object: the default soft limit on open files (1024) runs
+# out on big nodes, so every cluster node's start raises it to this (`ulimit -n`, and the role's
+# systemd unit's LimitNOFILE).
+NOFILE = 65536
+# Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES): 75 MiB.
+MIN_OBJECT_STORE_BYTES = 75 * 1024 * 1024
+
 # A port's number, or (from, to) for a range (worker-ports: --min-worker-port/--max-worker-port).
 Port = int | tuple[int, int]
 

@@ -51,8 +51,6 @@ DEFAULT_CLIENT_PORT = port("client")
 DEFAULT_AGENT_PORT = port("dashboard-agent-http")
 # The node's Prometheus endpoint (facts.LOCAL_METRICS_EXPORT_PORT).
 DEFAULT_METRICS_PORT = LOCAL_METRICS_EXPORT_PORT
-# Ray refuses an object store below 75 MiB (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
-MIN_OBJECT_STORE = 75 * 1024 * 1024
 START_TIMEOUT_S = 120
 
 
@@ -219,9 +217,10 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     port = DEFAULT_GCS_PORT if port is None else port
     dashboard_port = DEFAULT_DASHBOARD_PORT if dashboard_port is None else dashboard_port
     store = parse_size(object_store_memory)
-    if store is not None and store < MIN_OBJECT_STORE:
+    if store is not None and store < raystart.MIN_OBJECT_STORE_BYTES:
         raise ConfigError("--object-store-memory",
-                          f"{store} bytes is below Ray's minimum of 75MiB")
+                          f"{store} bytes is below Ray's minimum of "
+                          f"{raystart.MIN_OBJECT_STORE_BYTES // 2**20}MiB")
     if prometheus_port is not None and not metrics:
         raise ConfigError("--prometheus-port", "goes with --metrics")
 

@@ -410,7 +410,7 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
         if llm_commands and vllm == "cpu" else [],
         "head_start_ray_commands": Why([
             f"{RAY_BIN} stop; {STOP_AGENTS}",
-            f"ulimit -n 65536; {auth_env}{serve_env}; "
+            f"ulimit -n {raystart.NOFILE}; {auth_env}{serve_env}; "
             + ray_start(head=True, autoscaling_config="~/ray_bootstrap_config.yaml"),
             *head_agents(o, auth_env, autostop_minutes),
             *(prometheus.head_commands(haproxy=ingress == "haproxy") if metrics else []),
@@ -429,7 +429,7 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
            + "."),
         "worker_start_ray_commands": Why([
             f"{RAY_BIN} stop; {STOP_AGENTS}",
-            f"ulimit -n 65536; {auth_env}{serve_env}; "
+            f"ulimit -n {raystart.NOFILE}; {auth_env}{serve_env}; "
             + ray_start(head=False, address=f"$RAY_HEAD_IP:{port('gcs')}"),
             agent_command("spot", f"--address=$RAY_HEAD_IP:{port('gcs')}", auth_env),
         ], "Same token, pinned ports and Serve ingress on every worker; the spot agent watches "

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rayfleet import raystart
 from rayfleet.commands.local import port_in_use
 from tests.conftest import BIN, REPO, free_port, run
 
@@ -153,7 +154,7 @@ def test_argument_spec_documents_every_default():
             assert option["default"] == defaults[name], f"{name}: spec and defaults differ"
     assert spec["ray_node_role"]["choices"] == ["head", "worker"]
     assert spec["ray_node_auth_token"]["no_log"] is True
-    assert defaults["ray_node_dashboard_host"] == "127.0.0.1"  # rule 22
+    assert defaults["ray_node_dashboard_host"] == raystart.DASHBOARD_HOST  # rule 22
 
 
 def test_playbook_syntax_and_example_inventory(ansible_env):
@@ -179,6 +180,10 @@ def test_playbook_syntax_and_example_inventory(ansible_env):
     ({"ray_node_install_llm": "maybe"}, "ray_node_install_llm"),
     ({"ray_node_drain_timeout": 30}, "ray_node_drain_timeout (30) must be 0 or more and below "
                                      "ray_node_stop_timeout (30)"),
+    # The example address names the GCS port the role is given.
+    ({"ray_node_role": "worker", "ray_node_head_address": "", "ray_node_gcs_port": 16379},
+     "ray_node_head_address is required for a worker (host:port of the head's GCS, e.g. "
+     "10.0.0.10:16379)"),
 ])
 def test_bad_value_fails_before_anything_is_done(ansible_env, tmp_path, bad, message):
     # Extra vars, as a user would type them: they override the play's own role vars.

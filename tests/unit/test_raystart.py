@@ -134,3 +134,11 @@ def test_only_the_ports_named_are_pinned():
 def test_impossible_nodes_are_refused(kwargs):
     with pytest.raises(ValueError):
         raystart.argv("ray", **kwargs)
+
+
+def test_the_role_raises_the_open_files_limit_and_refuses_a_tiny_store_as_the_kit_does():
+    templates = ROLE / "templates"
+    assert f"\nulimit -n {raystart.NOFILE} " in (templates / "ray-node-run.sh.j2").read_text()
+    assert f"\nLimitNOFILE={raystart.NOFILE}\n" in (templates / "ray-node.service.j2").read_text()
+    validate = (ROLE / "tasks" / "validate.yml").read_text()
+    assert f"ray_node_object_store_memory | int >= {raystart.MIN_OBJECT_STORE_BYTES} " in validate
