@@ -28,6 +28,7 @@ from rayfleet import catalog
 from rayfleet.catalog import InstanceSpec
 from rayfleet.errors import ConfigError, did_you_mean
 from rayfleet.facts import (
+    BUCKET_PREFIX_MAX,
     CLUSTER_NAME,
     IMDS_HOP_LIMIT,
     IMDS_HOP_LIMIT_CONTAINERS,
@@ -129,7 +130,7 @@ SCHEMA: tuple[ConfigKey, ...] = (
               "limit becomes 2 so containers can reach the instance role."),
     ConfigKey("bucketPrefix", "string", "rayfleet-data-",
               "Prefix of the checkpoint/data bucket name (AWS appends a unique suffix); "
-              "lowercase letters, digits, hyphens, at most 37 characters."),
+              f"lowercase letters, digits, hyphens, at most {BUCKET_PREFIX_MAX} characters."),
     ConfigKey("bucketKeyPrefix", "string", "rayfleet/",
               "Key prefix inside the bucket that the node roles may read and write; ends "
               "with /."),
@@ -604,14 +605,14 @@ def _nodes(v: Mapping[str, Any], worker_type: str) -> NodesConfig:
 
 def _bucket_prefix(value: str) -> str:
     # S3 bucket naming rules
-    # (https://docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html); AWS
-    # appends a 26-character unique suffix to the prefix, so the prefix may be at most 37.
+    # (https://docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html), for a
+    # prefix: at most BUCKET_PREFIX_MAX, as a unique suffix is appended to it.
     # Dots are refused too: they break TLS for virtual-hosted-style requests.
     name = _q("bucketPrefix")
-    fixed = re.sub(r"[^a-z0-9-]", "-", value.lower())[:37]
+    fixed = re.sub(r"[^a-z0-9-]", "-", value.lower())[:BUCKET_PREFIX_MAX]
     hint = _suggest(fixed) if fixed != value and len(fixed) >= 3 else ""
-    if not 3 <= len(value) <= 37:
-        raise ConfigError(name, f"{value!r} must be 3-37 characters{hint}")
+    if not 3 <= len(value) <= BUCKET_PREFIX_MAX:
+        raise ConfigError(name, f"{value!r} must be 3-{BUCKET_PREFIX_MAX} characters{hint}")
     if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", value):
         raise ConfigError(name, f"{value!r} may hold only lowercase letters, digits and "
                                 f"hyphens, starting with a letter or digit{hint}")

@@ -176,6 +176,11 @@ def is_bucket_name(name: str) -> bool:
     return S3_BUCKET_NAME.fullmatch(name) is not None
 
 
+# A bucket created from a prefix (the stack's buckets: Pulumi's bucket_prefix) gets a
+# 26-character unique suffix, so that its name stays within 63 the prefix is at most this.
+BUCKET_PREFIX_MAX = 63 - 26
+
+
 # ----------------------------------------------------------------------------- secrets
 
 # What a credential or secret looks like in text a node or the launcher reads: user data

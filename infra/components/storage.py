@@ -9,8 +9,12 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
+from rayfleet.facts import BUCKET_PREFIX_MAX
+
 # Where S3 server access logs of the data bucket land in the log bucket.
 ACCESS_LOG_PREFIX = "s3-access/"
+# The log bucket's name: the data bucket's prefix, cut to leave room for this.
+LOG_SUFFIX = "log-"
 # KMS permissions that administer a key without using it (encrypt/decrypt are left out).
 KEY_ADMIN_ACTIONS = ["kms:Create*", "kms:Describe*", "kms:Enable*", "kms:List*", "kms:Put*",
                      "kms:Update*", "kms:Revoke*", "kms:Disable*", "kms:Get*", "kms:Delete*",
@@ -113,7 +117,7 @@ class Storage(pulumi.ComponentResource):
         # and, ACLs being disabled, the logging service is granted by the bucket policy.
         self.log_bucket = aws.s3.Bucket(
             f"{name}-logs-bucket",
-            bucket_prefix=f"{args.bucket_prefix[:33]}log-",
+            bucket_prefix=args.bucket_prefix[:BUCKET_PREFIX_MAX - len(LOG_SUFFIX)] + LOG_SUFFIX,
             force_destroy=False,
             tags={"Name": f"{args.cluster_name}-access-logs"},
             opts=child,
