@@ -44,7 +44,7 @@ GENERATED = Path("cluster-configs") / "generated"
 
 # Where the token lands on every node, and the venv the setup commands build there.
 REMOTE_TOKEN = "~/.rayfleet/auth_token"
-REMOTE_TOKEN_ENV = "$HOME/.rayfleet/auth_token"
+REMOTE_TOKEN_ENV = REMOTE_TOKEN.replace("~", "$HOME", 1)   # for a variable: no ~ there
 VENV = nodeenv.VENV
 RAY_BIN = f"{VENV}/bin/ray"
 # The node agents (rayfleet/agents/: standalone scripts, the node environment is all they
