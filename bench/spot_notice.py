@@ -8,7 +8,7 @@ loopback. With the notice, the server starts answering the interruption notice a
 --notice-at (mid-interval); without, it never does. The node is SIGKILLed, as EC2 reclaims
 it, once step --kill-at is logged (with the notice: and its checkpoint is registered); the run
 resumes on the head. Work redone = the last step the lost worker logged - the step resumed
-from, in steps and in seconds (x the median step time).
+from, in steps and in seconds (x the median step time of the run's metrics.csv).
 
     python -m bench.spot_notice [--notice-at 25] [--kill-at 32] [--write]  # --write: its section
 """
@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 from bench import ArgumentParser, at_least, command
+from workloads.common import runs
+from workloads.common.storage import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -38,7 +40,7 @@ BENCH_MD = REPO / "BENCHMARKS.md"
 BEGIN, END = "<!-- spot-section -->", "<!-- /spot-section -->"
 AGENT = REPO / "rayfleet" / "agents" / "spot.py"
 CHECKPOINT_EVERY = 20
-STEP = re.compile(r"\[rayfleet\] step (\d+)/\d+ .* (\d+) ms/step")
+STEP = re.compile(r"\[rayfleet\] step (\d+)/\d+ ")
 NOTICE = re.compile(r"\[rayfleet\] spot notice on .*: checkpoint at step (\d+)")
 RESUMED = re.compile(r"\[rayfleet\] resumed from step (\d+)")
 
@@ -186,14 +188,6 @@ def draining_nodes(env: dict) -> dict[str, int]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def latest_registered(snapshot: Path) -> dict | None:
-    """Ray Train's latest registered checkpoint result (what a restart resumes from)."""
-    try:
-        return json.loads(snapshot.read_bytes()).get("latest_checkpoint_result")
-    except (OSError, ValueError):  # not there yet, or caught while Ray rewrites it
-        return None
-
-
 class Lines:
     """A process's stdout+stderr lines, read as they come."""
 
@@ -243,7 +237,9 @@ def run_scenario(cluster: dict, root: Path, notice_at: int | None, kill_at: int,
     node_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
     node_env.update(AWS_EC2_METADATA_SERVICE_ENDPOINT=imds.url, PYTHONUNBUFFERED="1")
     name = "spot" if notice_at else "no-notice"
-    snapshot = root / "runs" / name / "checkpoint_manager_snapshot.json"
+    # The run as it is in storage, read through the run store: the checkpoint Ray Train has
+    # registered (what a restart resumes from) and, at the end, the run's metrics.csv.
+    storage = resolve(str(root / "runs"), check_writable=False)
     procs = []
     try:
         hold = subprocess.Popen([str(BIN / "python"), "-c", HOLD_HEAD], env=env, text=True,
@@ -281,7 +277,7 @@ def run_scenario(cluster: dict, root: Path, notice_at: int | None, kill_at: int,
                 NOTICE), [out]).group(1))
             rec["notice_to_checkpoint_s"] = round(time.time() - flipped, 2)
             rec["registered_step"] = wait("the notice's checkpoint registered", lambda: (
-                (latest_registered(snapshot) or {}).get("metrics", {}).get("step")
+                (runs.latest_registered(storage, name) or {}).get("metrics", {}).get("step")
                 == rec["checkpoint_step"] and rec["checkpoint_step"]), [out])
             rec["agent_drained"] = wait("the agent's drain", lambda: agent_log.find(
                 re.compile(r"node ([0-9a-f]{56}) drained")), [agent_log]).group(1)
@@ -297,9 +293,12 @@ def run_scenario(cluster: dict, root: Path, notice_at: int | None, kill_at: int,
         rec["resumed_from"] = int(resumed.group(1))
         rec["lost_at"] = max_step(before)   # the last step the lost worker logged
         rec["redone_steps"] = rec["lost_at"] - rec["resumed_from"]
-        ms = [int(m.group(2)) for ln in out.lines if (m := STEP.search(ln))]
-        rec["step_ms"] = statistics.median(ms[2:] or ms)
-        rec["redone_s"] = round(rec["redone_steps"] * rec["step_ms"] / 1000, 2)
+        # Every step is logged (--log-every 1): the run's metrics.csv has each one's time.
+        step_s = [h["step_time_s"] for h in runs.read_metrics(storage, name)]
+        rec["step_ms"] = round(statistics.median(step_s[2:] or step_s) * 1000, 1) \
+            if step_s else None
+        rec["redone_s"] = round(rec["redone_steps"] * rec["step_ms"] / 1000, 2) \
+            if step_s else None
         rec["imds_unauthorized"] = imds.unauthorized
         rec["train_log"], rec["agent_log"] = out.text(), agent_log.text()
         return rec

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from workloads.common.shards import MANIFEST, shard_name
 from workloads.common.tiny_hf import (  # noqa: F401  (re-exported for the tests)
     CHAT_TEMPLATE,
     SPECIAL,
@@ -36,8 +37,8 @@ def write_sft_dataset(records_path: Path, out: Path, tokenizer_dir: str, max_len
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"tokens": pa.array(tokens.tolist(), pa.list_(pa.int32())),
                              "labels": pa.array(labels.tolist(), pa.list_(pa.int32()))}),
-                   out / "shard-00000-000.parquet")
-    (out / "_manifest.json").write_text(json.dumps({
+                   out / f"{shard_name(0)}-000.parquet")
+    (out / MANIFEST).write_text(json.dumps({
         "seq_len": max_length, "shape": "instruction",
         "tokenizer": tokenizer_identity(tok, tokenizer_dir)}))
     return out

@@ -28,6 +28,8 @@ import pytest
 
 from tests.conftest import BIN, REPO, run, summary_of
 from tests.faults.conftest import wait_for as _wait_for
+from workloads.common import runs
+from workloads.common.storage import resolve
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray, pytest.mark.slow]
 
@@ -52,7 +54,8 @@ def test_killed_worker_then_killed_driver_resume_to_the_uninterrupted_loss(ray_c
     first_id = f"rf-fault12-{uuid.uuid4().hex[:8]}"
     run([*submit, "--no-wait", "--submission-id", first_id, "--", *entry],
         env=ray_cluster["env"], timeout=180, check=True)
-    snapshot = _file_reader(tmp_path / name / "checkpoint_manager_snapshot.json")
+    storage = resolve(str(tmp_path), check_writable=False)
+    snapshot = _file_reader(storage, name)
     # The job's log (the driver's output with the workers' lines), read through the Jobs REST
     # API as it grows (`ray job submit`'s own log stream can close while the job runs on).
     # Fault 1: kill a worker only once Ray Train has registered a checkpoint: one reported but
@@ -95,7 +98,7 @@ def test_killed_worker_then_killed_driver_resume_to_the_uninterrupted_loss(ray_c
     # Fault 2: the driver was killed mid-run, after the restarted group's own checkpoint.
     assert driver is not None and len(driver["pids"]) == 1, (driver, text[-3000:])
     driver_ckpt = driver["registered"]
-    assert (tmp_path / name / driver_ckpt / "rayfleet_checkpoint.json").exists()
+    assert runs.read_marker(storage.fs, storage.join(name, driver_ckpt)) is not None
     status = _wait_for("the first job to end", lambda: (
         s := _job_status(ray_cluster, first_id)) not in ("PENDING", "RUNNING") and s,
         timeout=120)
@@ -110,8 +113,13 @@ def test_killed_worker_then_killed_driver_resume_to_the_uninterrupted_loss(ray_c
     assert again and driver["step"] <= int(again.group(1)) < 60, out2[-3000:]
     assert Path(again.group(2)).name >= driver_ckpt  # that checkpoint or a later one
     assert f"[rayfleet] resumed from step {again.group(1)}" in out2  # the workers did too
+    # What the run left in storage: its final checkpoint is step 60, and its metrics.csv ends
+    # at the loss the job's summary printed.
+    final = runs.check_latest_checkpoint(storage, name)
+    assert final["final"] and final["step"] == 60, final
+    final_loss = runs.read_metrics(storage, name)[-1]["loss"]
     s = summary_of(second.stdout)
-    assert s["steps"] == 60
+    assert s["steps"] == 60 and s["final_loss"] == final_loss, (s, final_loss)
     # No second start: the resubmitted job trained only the steps after its checkpoint (a
     # restart from 0 would log step 5 again).
     logged = [int(n) for n in re.findall(r"\[rayfleet\] step (\d+)/60", second.stdout)]
@@ -126,29 +134,27 @@ def test_killed_worker_then_killed_driver_resume_to_the_uninterrupted_loss(ray_c
                            env=ray_cluster["env"], cwd=REPO, capture_output=True, text=True,
                            timeout=300)
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
-    reference = summary_of(clean.stdout)
-    assert reference["step"] == 60 and reference["world_size"] == 2
-    assert s["final_loss"] == pytest.approx(reference["loss"], abs=2e-3), (s, reference)
+    # The reference's result is its final checkpoint (torchrun writes the same layout).
+    last = runs.local_checkpoints(tmp_path / "clean")[-1]
+    reference = runs.validate(last)
+    assert reference["step"] == 60 and reference["world_size"] == 2, reference
+    reference_loss = runs.read_history((last / runs.METRICS).read_text())[-1]["loss"]
+    assert summary_of(clean.stdout)["loss"] == reference_loss
+    assert final_loss == pytest.approx(reference_loss, abs=2e-3), (final_loss, reference_loss)
 
 
 # -- helpers -------------------------------------------------------------------------------
 
 def _latest_registered(read, field: str = "checkpoint_dir_name"):
-    """The checkpoint Ray Train resumes from: `latest_checkpoint_result` in its snapshot,
-    written only after every rank's upload succeeded; `field` of it (its folder name, or the
-    "metrics" it was reported with). `read()` returns the snapshot's bytes or None."""
-    raw = read()
-    if not raw:
-        return None
-    try:
-        latest = json.loads(raw).get("latest_checkpoint_result") or {}
-    except ValueError:  # caught while Ray rewrites it
-        return None
-    return latest.get(field)
+    """The checkpoint Ray Train resumes from (the run store's latest_result: registered only
+    after every rank's upload succeeded); `field` of it (its folder name, or the "metrics" it
+    was reported with). `read()` returns the run's snapshot bytes or None."""
+    return (runs.latest_result(read()) or {}).get(field)
 
 
-def _file_reader(path: Path):
-    return lambda: path.read_bytes() if path.exists() else None
+def _file_reader(storage, name: str):
+    """The snapshot of run `name` under `storage`, as it is now (None before there is one)."""
+    return lambda: runs.read_file(storage.fs, storage.join(name, runs.SNAPSHOT))
 
 
 def _job_status(ray_cluster, submission_id: str) -> str:
@@ -333,7 +339,7 @@ def test_storage_cut_mid_checkpoint_is_one_line_and_never_resumed_from(
     def snapshot() -> bytes | None:
         try:
             return s3_client.get_object(Bucket=checkpoint_bucket, Key=run_prefix
-                                        + "checkpoint_manager_snapshot.json")["Body"].read()
+                                        + runs.SNAPSHOT)["Body"].read()
         except s3_client.exceptions.NoSuchKey:
             return None
 
@@ -362,15 +368,15 @@ def test_storage_cut_mid_checkpoint_is_one_line_and_never_resumed_from(
 
     keys = _listing(s3_client, checkpoint_bucket, run_prefix)
     others = {k.split("/")[2] for k in keys if k.count("/") > 2} - {registered}
-    model_key = f"{run_prefix}{registered}/model.pt"
+    model_key = f"{run_prefix}{registered}/{runs.FULL_WEIGHTS}"
     whole = s3_client.get_object(Bucket=checkpoint_bucket, Key=model_key)["Body"].read()
     s3_client.put_object(Bucket=checkpoint_bucket, Key=model_key, Body=whole[:1000])
     before = _listing(s3_client, checkpoint_bucket, run_prefix)
     refused = run(cmd, env=env, timeout=180)
     assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
     line = _one_line_error(refused.stderr)
-    assert f"s3://{checkpoint_bucket}/{model_key.rsplit('/', 1)[0]} is corrupt: model.pt is " \
-           f"1000 bytes, expected {len(whole)}" in line
+    assert f"s3://{checkpoint_bucket}/{model_key.rsplit('/', 1)[0]} is corrupt: " \
+           f"{runs.FULL_WEIGHTS} is 1000 bytes, expected {len(whole)}" in line
     assert _listing(s3_client, checkpoint_bucket, run_prefix) == before  # nothing touched
 
     s3_client.put_object(Bucket=checkpoint_bucket, Key=model_key, Body=whole)
@@ -380,6 +386,11 @@ def test_storage_cut_mid_checkpoint_is_one_line_and_never_resumed_from(
     assert m and m.group(2).endswith(f"/{registered}"), resumed.stdout[-3000:]
     assert not any(o in m.group(2) for o in others)  # never the partial upload
     assert summary_of(resumed.stdout)["steps"] == 40
+    # The run in storage ends there too: the final checkpoint Ray registered is step 40.
+    done = _latest_registered(snapshot)
+    marker = runs.parse_marker(done, s3_client.get_object(
+        Bucket=checkpoint_bucket, Key=f"{run_prefix}{done}/{runs.MARKER}")["Body"].read())
+    assert marker["final"] and marker["step"] == 40, marker
 
 
 # -- fault 5: a worker node of a two-node cluster lost -----------------------------------------
@@ -397,7 +408,8 @@ def test_lost_worker_node_fails_naming_the_lost_capacity(two_node_cluster, tmp_p
     env = {**two_node_cluster["env"], "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "8"}
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    snapshot = _file_reader(tmp_path / "runs" / name / "checkpoint_manager_snapshot.json")
+    storage = resolve(str(tmp_path / "runs"), check_writable=False)
+    snapshot = _file_reader(storage, name)
     try:
         registered = _wait_for("the first registered checkpoint",
                                lambda: _latest_registered(snapshot), proc)
@@ -415,5 +427,5 @@ def test_lost_worker_node_fails_naming_the_lost_capacity(two_node_cluster, tmp_p
     # is whole in storage. Resuming from it by resubmission is fault 2's test.
     latest = _latest_registered(snapshot)
     assert latest is not None and latest >= registered, (latest, registered)
-    marker = tmp_path / "runs" / name / latest / "rayfleet_checkpoint.json"
-    assert json.loads(marker.read_text())["step"] >= 10
+    marker = runs.read_marker(storage.fs, storage.join(name, latest))
+    assert marker is not None and marker["step"] >= 10, marker

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import BIN, run, summary_of
+from workloads.common.shards import MANIFEST
 
 DATA = [str(BIN / "python"), "-m", "workloads.data"]
 # One tokenizer actor: each one loads transformers and the tokenizer (~3 s of a 2-core box).
@@ -122,7 +123,7 @@ def check_instruction_output(out: Path, records: list[dict], tok, tokenizer_dir:
     tokens, labels = rows["tokens"], rows["labels"]
     assert tokens.shape == labels.shape == (len(records), max_length + 1)
     assert pq.read_schema(next(out.glob("shard-*.parquet"))).names == ["tokens", "labels"]
-    manifest = json.loads((out / "_manifest.json").read_text())
+    manifest = json.loads((out / MANIFEST).read_text())
     from workloads.common.hf import tokenizer_identity
 
     assert manifest["tokenizer"] == tokenizer_identity(tok, tokenizer_dir)
@@ -252,7 +253,7 @@ def test_chat_shape_from_an_s3_tokenizer_learns_only_assistant_turns(
                        "--max-length", "128", "--output", str(out), *ONE_ACTOR],
                env={**ray_cluster["env"], **aws_env}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    manifest = json.loads((out / "_manifest.json").read_text())
+    manifest = json.loads((out / MANIFEST).read_text())
     from workloads.common.hf import tokenizer_identity
 
     assert manifest["tokenizer"] == tokenizer_identity(tok, spec)
