@@ -60,6 +60,8 @@ CHECKPOINT_PREFIX = "checkpoint_"
 MARKER = "rayfleet_checkpoint.json"
 FORMAT_VERSION = 1
 MODEL_CONFIG = "model_config.json"
+# The key of a Hugging Face run's model_config.json (and of its model in rayfleet_run.json).
+HF_MODEL_KEY = "hf"
 TRAINER_STATE = "trainer_state.json"
 FULL_WEIGHTS = "model.pt"
 OPTIMIZER = "optim.pt"

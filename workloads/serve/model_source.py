@@ -53,7 +53,8 @@ def check_checkpoint(path: str) -> dict:
             raise CheckpointError(f"checkpoint {path} holds no full weights "
                                   f"({runs.FULL_WEIGHTS}) and no {runs.HF_DIR}/ export; serve "
                                   "the run's final checkpoint")
-        if "hf" in json.loads(runs.read_file(fs, f"{inner}/{runs.MODEL_CONFIG}") or b"{}"):
+        model_config = json.loads(runs.read_file(fs, f"{inner}/{runs.MODEL_CONFIG}") or b"{}")
+        if runs.HF_MODEL_KEY in model_config:
             # A Hugging Face run's intermediate checkpoint: its export is written at the end.
             raise CheckpointError(f"checkpoint {path} is an intermediate checkpoint of a "
                                   "Hugging Face run (no hf/ export); serve the run's final "

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workloads.common.hf import fetch, load_tokenizer
+from workloads.common.runs import HF_MODEL_KEY
 
 IGNORE_INDEX = -100
 
@@ -59,15 +60,16 @@ class HFSpec:
         return 6 * (self.n_params - lookup) + 12 * self.n_layer * self.d_model * self.seq_len
 
     def to_dict(self) -> dict:
-        return {"hf": self.config, "seq_len": self.seq_len, "n_params": self.n_params}
+        return {HF_MODEL_KEY: self.config, "seq_len": self.seq_len, "n_params": self.n_params}
 
     @classmethod
     def from_dict(cls, d: dict) -> HFSpec:
-        return cls(config=d["hf"], seq_len=int(d["seq_len"]), n_params=int(d["n_params"]))
+        return cls(config=d[HF_MODEL_KEY], seq_len=int(d["seq_len"]),
+                   n_params=int(d["n_params"]))
 
 
 def is_hf(model: dict) -> bool:
-    return "hf" in model
+    return HF_MODEL_KEY in model
 
 
 def make_config(config: dict):

@@ -240,8 +240,8 @@ class _Engine:
         if final and rank == 0 and hf_model.is_hf(self.cfg.model):
             # The run's result in Hugging Face format, gathered from the shards: what `lm`,
             # vLLM and from_pretrained load.
-            hf_model.export(full, self.cfg.model["hf"], self.cfg.tokenizer, d / runs.HF_DIR,
-                            self.cfg.s3_endpoint)
+            hf_model.export(full, self.cfg.model[runs.HF_MODEL_KEY], self.cfg.tokenizer,
+                            d / runs.HF_DIR, self.cfg.s3_endpoint)
 
     def _save_full(self, d: Path) -> dict | None:
         """Gather full fp32 weights onto rank 0 (a collective: every rank calls it); rank 0
