@@ -69,9 +69,10 @@ class ByteDecoder:
 
 
 class Engine(_Sampling):
-    """A GPT from workloads.train decoding several requests at once. Sequences of the same
-    length share one forward pass (the model has no padding mask, and learned positions make
-    left padding change the answer); the common case, equal prompts, is one matmul."""
+    """The kit's byte GPT (workloads.common.model) decoding several requests at once.
+    Sequences of the same length share one forward pass (the model has no padding mask, and
+    learned positions make left padding change the answer); the common case, equal prompts,
+    is one matmul."""
 
     kind = "byte"
     unit = "tokens (bytes)"
