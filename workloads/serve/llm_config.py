@@ -49,10 +49,13 @@ CPU_KV_CACHE_GIB = 0.5
 # Ray 2.60's default (MODEL_RESPONSE_BATCH_TIMEOUT_MS) is 50 ms: a streamed first token waits
 # up to that long to be batched with the next (ray issue 59681). Chosen in BENCHMARKS.md.
 STREAM_BATCHING_MS = 0
-# The GPUs of the kit's catalog, by Ray accelerator type (the `accelerator_type:X` resource).
-ACCELERATORS = tuple(catalog.data()["gpus"])
 EXAMPLE = ["--model-id", "qwen2.5-72b-instruct", "--model-source", "Qwen/Qwen2.5-72B-Instruct",
            "--tensor-parallel-size", "8", "--max-model-len", "8192"]
+
+
+def accelerators() -> tuple[str, ...]:
+    """The GPUs of the kit's catalog, by Ray accelerator type (`accelerator_type:X`)."""
+    return tuple(catalog.data()["gpus"])
 
 
 def build_parser() -> ArgumentParser:
@@ -84,7 +87,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--stream-batching-ms", type=at_least(0, float), default=STREAM_BATCHING_MS,
                    help="how long Serve LLM gathers streamed tokens before sending them "
                         "(Ray's default 50 ms adds to time to first token; BENCHMARKS.md)")
-    p.add_argument("--accelerator-type", default="A100", help=", ".join(ACCELERATORS))
+    p.add_argument("--accelerator-type", default="A100", help=", ".join(accelerators()))
     p.add_argument("--gpus-per-node", type=at_least(1), default=8,
                    help="GPUs of one worker node (p4d/p4de: 8), when no --cluster-config")
     p.add_argument("--cluster-config", default=None,
@@ -211,8 +214,8 @@ def build(args) -> dict:
         raise ConfigError("--min-replicas", f"{args.min_replicas} is more than --max-replicas "
                           f"{args.max_replicas}")
     cpu = args.device == "cpu"
-    if not cpu and args.accelerator_type not in ACCELERATORS:
-        raise ConfigError("--accelerator-type", "not a GPU type of this kit", ACCELERATORS,
+    if not cpu and args.accelerator_type not in accelerators():
+        raise ConfigError("--accelerator-type", "not a GPU type of this kit", accelerators(),
                           args.accelerator_type)
     if not cpu:
         _check_gpus(args, tp, pp)
