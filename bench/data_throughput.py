@@ -191,9 +191,9 @@ def data_wait(env: dict, corpus: Path, tmp: Path, steps: int, extra: list[str]) 
                     "--num-workers", "2", "--storage-path", str(tmp / "runs"),
                     "--name", "data-wait"], cwd=REPO, env=env, check=True,
                    capture_output=True, text=True)
-    from workloads.common.runs import read_history
+    from workloads.common.runs import METRICS, read_history
 
-    history = read_history((tmp / "runs" / "data-wait" / "metrics.csv").read_text())
+    history = read_history((tmp / "runs" / "data-wait" / METRICS).read_text())
     return {"intervals": [h["data_wait_frac"] for h in history],
             "step_ms": [h["step_time_s"] * 1000 for h in history]}
 

@@ -65,6 +65,7 @@ def prepare_hf(out: Path, shape: dict, vocab: int, seq_len: int, corpus_bytes: i
     from workloads.common.hf import tokenizer_identity
     from workloads.common.tiny_hf import make_tokenizer
     from workloads.common.corpus import stdlib_corpus
+    from workloads.common.shards import MANIFEST, shard_name
 
     folder = out / "model"
     tok = make_tokenizer(folder, vocab_size=vocab, corpus_bytes=corpus_bytes)
@@ -78,8 +79,8 @@ def prepare_hf(out: Path, shape: dict, vocab: int, seq_len: int, corpus_bytes: i
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"tokens": pa.array(rows.tolist(), pa.list_(pa.int32()))}),
-                   data / "shard-00000-000.parquet")
-    (data / "_manifest.json").write_text(json.dumps({
+                   data / f"{shard_name(0)}-000.parquet")
+    (data / MANIFEST).write_text(json.dumps({
         "seq_len": seq_len, "shape": "text", "rows": n,
         "tokenizer": tokenizer_identity(tok, str(folder))}))
     return ["--model-config", str(folder), "--dataset", str(data)]

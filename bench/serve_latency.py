@@ -176,7 +176,9 @@ def make_checkpoint(folder: Path) -> str:
                     "--corpus-bytes", str(1 << 16), "--output", str(folder)], cwd=REPO,
                    check=True, capture_output=True, text=True, env={**os.environ,
                                                                     "OMP_NUM_THREADS": "1"})
-    return str(sorted(folder.glob("checkpoint_*"))[-1])
+    from workloads.common.runs import local_checkpoints
+
+    return str(local_checkpoints(folder)[-1])
 
 
 def bare_app(checkpoint: str, name: str):

@@ -125,9 +125,9 @@ def run_ray(steps: int, storage: Path, env: dict, name: str
     _, wall, first, stages = _timed_run(
         [str(BIN / "python"), "-m", "workloads.train", *loop_args(steps), "--num-workers", "2",
          "--storage-path", str(storage), "--name", name], env)
-    from workloads.common.runs import read_history
+    from workloads.common.runs import METRICS, read_history
 
-    history = read_history((storage / name / "metrics.csv").read_text())
+    history = read_history((storage / name / METRICS).read_text())
     return [h["step_time_s"] for h in history], wall, first, stages
 
 

@@ -109,13 +109,13 @@ def _previous_smoke_run(tmp: Path) -> None:
     """A finished `--smoke-test` run (default name smoke-ddp, built-in corpus, 10 steps) in
     {tmp}/runs, with the run file the driver records beside Ray's snapshot."""
     from workloads.common.model import PRESETS
-    from workloads.common.runs import RUN_FILE
+    from workloads.common.runs import RUN_FILE, SNAPSHOT
     from workloads.train.runinfo import run_identity
 
     run_dir = tmp / "runs" / "smoke-ddp"
     run_dir.mkdir(parents=True)
     d = _checkpoint(run_dir, "checkpoint_2025-01-01_00-00-00.000000")
-    (run_dir / "checkpoint_manager_snapshot.json").write_text(json.dumps(
+    (run_dir / SNAPSHOT).write_text(json.dumps(
         {"latest_checkpoint_result": {"checkpoint_dir_name": d.name}}))
     (run_dir / RUN_FILE).write_text(json.dumps(run_identity(PRESETS["tiny"].to_dict(), "ddp",
                                                             2, None)))
@@ -123,13 +123,15 @@ def _previous_smoke_run(tmp: Path) -> None:
 
 def _damaged_checkpoint(how: str) -> Callable[[Path], None]:
     def setup(tmp: Path) -> None:
+        from workloads.common.runs import MARKER
+
         d = _checkpoint(tmp)
         if how == "truncated":
             _truncate(d / "model.pt")
         elif how == "no-marker":
-            (d / "rayfleet_checkpoint.json").unlink()
+            (d / MARKER).unlink()
         elif how == "marker-not-json":
-            (d / "rayfleet_checkpoint.json").write_text('{"step": 10, "files": {')
+            (d / MARKER).write_text('{"step": 10, "files": {')
         elif how == "garbage-same-size":
             size = (d / "model.pt").stat().st_size
             (d / "model.pt").write_bytes(b"\0" * size)
@@ -139,10 +141,12 @@ def _damaged_checkpoint(how: str) -> Callable[[Path], None]:
 def _previous_run_with_truncated_checkpoint(tmp: Path) -> None:
     # What Ray Train V2 leaves in storage: the run folder, its checkpoint, and the snapshot
     # that names the latest checkpoint a re-run resumes from.
+    from workloads.common.runs import SNAPSHOT
+
     run_dir = tmp / "runs" / "gpt"
     run_dir.mkdir(parents=True)
     d = _checkpoint(run_dir, "checkpoint_2025-01-01_00-00-00.000000")
-    (run_dir / "checkpoint_manager_snapshot.json").write_text(json.dumps(
+    (run_dir / SNAPSHOT).write_text(json.dumps(
         {"latest_checkpoint_result": {"checkpoint_dir_name": d.name}}))
     _truncate(d / "model.pt")
 
