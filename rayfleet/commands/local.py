@@ -332,7 +332,13 @@ def _ingress_env(ingress: str) -> tuple[dict[str, str], int | None]:
         return {}, None
     folder = _haproxy_folder()
     shutil.rmtree(folder, ignore_errors=True)  # a previous run's sockets and state
-    folder.mkdir(mode=0o700)
+    try:
+        # In a shared /tmp: what this user cannot remove (another user's folder, a link
+        # planted there) is refused, never used.
+        folder.mkdir(mode=0o700)
+    except OSError as e:
+        raise ClusterError(f"cannot make HAProxy's folder {folder} ({e.strerror}): remove it, "
+                           f"or use --ingress python") from None
     folder.chmod(0o700)
     # Free ports of their own, never the usual ones: HAProxy and the fallback proxy bind them
     # only when Serve starts, so two clusters that both found the usual port free at `up`

@@ -75,6 +75,29 @@ def test_cli_errors_are_one_line_exit_2(home, args, needle):
     assert "Traceback" not in proc.stderr
 
 
+def test_up_refuses_a_planted_haproxy_folder_in_one_line(home, tmp_path):
+    """HAProxy's sockets go to a folder in the shared /tmp: one this user cannot make afresh
+    (here a link another user could have planted) stops `up` before Ray starts, in one line,
+    and what the link points at is left as it was."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    folder = local._haproxy_folder()
+    folder.symlink_to(target)
+    try:
+        proc = subprocess.run(RAYFLEET + ["local", "up", "--port", str(host.free_port()),
+                                          "--dashboard-port", str(host.free_port())],
+                              capture_output=True, text=True,
+                              env={**os.environ, "RAYFLEET_HOME": str(home)}, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert f"cannot make HAProxy's folder {folder}" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+        assert local.load_state() is None and (target / "keep").read_text() == "x"
+        assert folder.is_symlink()
+    finally:
+        folder.unlink()
+
+
 def test_down_without_cluster_is_harmless(home, capsys):
     assert local.down() is False
     assert "nothing to stop" in capsys.readouterr().out
