@@ -17,7 +17,22 @@ import sys
 import time
 from pathlib import Path
 
-from bench import ArgumentParser, command, goal, machine
+from bench import (
+    ArgumentParser,
+    command,
+    data_throughput,
+    data_tokenize,
+    goal,
+    gpu,
+    ingress,
+    llm_serve,
+    machine,
+    serve_latency,
+    spot_notice,
+    train_overhead,
+)
+from bench.cluster import local_cluster
+from bench.train_overhead import STAGES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,8 +83,6 @@ Goal: >= 1.6x on 2 cores — {goal(b['speedup'] >= 1.6, b['load_avg'])}.
 def startup_table(t: dict) -> str:
     """Seconds from launch to each start-up stage, both launchers (rank 0's stages are the
     same loop's), and the time each stage took since the one before it on that side."""
-    from bench.train_overhead import STAGES
-
     sides = t.get("startup") or {}
     prev: dict[str, float] = {}
     rows = ["| stage | Ray Train: s from launch (+ since previous) | `torchrun` |",
@@ -241,17 +254,6 @@ def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="bench")
     ap.add_argument("--quick", action="store_true", help="fewer steps/requests (smoke run)")
     args = ap.parse_args(argv)
-    from bench import (
-        data_throughput,
-        data_tokenize,
-        gpu,
-        ingress,
-        llm_serve,
-        serve_latency,
-        spot_notice,
-        train_overhead,
-    )
-    from bench.cluster import local_cluster
 
     t0 = time.perf_counter()
     with local_cluster() as env:

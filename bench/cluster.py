@@ -10,6 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rayfleet.commands.host import free_port
+
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,8 +20,6 @@ REPO = Path(__file__).resolve().parents[1]
 def local_cluster(num_cpus: int = 4, extra_env: dict | None = None, ingress: str | None = None):
     """extra_env reaches `ray start` and so every Ray process (e.g. RAY_SERVE_* settings);
     ingress is Serve's (`rayfleet local up --ingress`; default the kit's)."""
-    from rayfleet.commands.host import free_port
-
     with tempfile.TemporaryDirectory(prefix="rayfleet-bench-") as home:
         env = {**os.environ, **(extra_env or {}), "RAYFLEET_HOME": home}
         # The bench package on every Ray process's path (Serve's floor app is bench code).

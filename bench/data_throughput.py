@@ -27,6 +27,20 @@ from pathlib import Path
 import numpy as np
 
 from bench import ArgumentParser, at_least, command
+from bench.cluster import cluster_env
+from workloads.common.hf import load_tokenizer
+from workloads.common.runs import METRICS, read_history
+from workloads.common.shards import Inputs
+from workloads.data.pipeline import (
+    DEFAULTS,
+    ByteTokenizer,
+    build_parser,
+    build_pipeline,
+    clean,
+    keep,
+    make_packer,
+)
+from workloads.data.tokenize import ship
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -77,8 +91,6 @@ def make_corpus(folder: Path, megabytes: float, files: int = 8, seed: int = 0) -
 
 def pipeline_args(extra: list[str] | None = None):
     """The workload's own flag defaults (seq_len 128, batch 64, pack 256, 2 actors)."""
-    from workloads.data.pipeline import DEFAULTS, build_parser
-
     args = build_parser().parse_args(["--format", "jsonl", *(extra or [])])
     for key, value in DEFAULTS.items():
         if getattr(args, key) is None:
@@ -91,8 +103,6 @@ def one_process(paths: list[Path], args, tokenizer=None
     """The pipeline's stage functions in one process, in order, with `tokenizer` (the byte
     tokenizer stage by default). Returns (packed rows, the document start offsets in the token
     stream, the token stream)."""
-    from workloads.data.pipeline import ByteTokenizer, clean, keep, make_packer
-
     tokenizer, pack = tokenizer or ByteTokenizer(), make_packer(args.seq_len)
     texts: list[str] = []
     for path in paths:
@@ -137,9 +147,6 @@ def check_same_stream(rows: np.ndarray, stream: np.ndarray, doc_starts: list[int
 def shipped_tokenizer(folder: str) -> dict:
     """What `workloads.data` does on its driver before Ray starts: load the tokenizer once and
     hand its backend to the tokenizer stage (workloads.data.tokenize.ship)."""
-    from workloads.common.hf import load_tokenizer
-    from workloads.data.tokenize import ship
-
     return ship(load_tokenizer(folder))
 
 
@@ -149,9 +156,6 @@ def ray_side(corpus: Path, out: Path, extra: list[str]) -> None:
     pool, which loads the tokenizer)."""
     import ray
     from ray.data import DataContext
-
-    from workloads.common.shards import Inputs
-    from workloads.data.pipeline import build_pipeline
 
     args = pipeline_args(extra)
     tokenizer = getattr(args, "tokenizer", "byte")
@@ -191,8 +195,6 @@ def data_wait(env: dict, corpus: Path, tmp: Path, steps: int, extra: list[str]) 
                     "--num-workers", "2", "--storage-path", str(tmp / "runs"),
                     "--name", "data-wait"], cwd=REPO, env=env, check=True,
                    capture_output=True, text=True)
-    from workloads.common.runs import METRICS, read_history
-
     history = read_history((tmp / "runs" / "data-wait" / METRICS).read_text())
     return {"intervals": [h["data_wait_frac"] for h in history],
             "step_ms": [h["step_time_s"] * 1000 for h in history]}
@@ -242,7 +244,6 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
     if args.ray_side:
         ray_side(Path(args.ray_side[0]), Path(args.ray_side[1]), extra)
         return {}
-    from bench.cluster import cluster_env
 
     with tempfile.TemporaryDirectory(prefix="rayfleet-bench-data-") as tmp_s:
         tmp = Path(tmp_s)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from bench import ArgumentParser, at_least, command
+from bench.cluster import cluster_env
 from bench.data_throughput import (
     add_pipeline_flags,
     check_same_stream,
@@ -34,7 +35,8 @@ from bench.data_throughput import (
     run_ray_side,
     shipped_tokenizer,
 )
-
+from workloads.common.tiny_hf import make_tokenizer
+from workloads.data.tokenize import HFTokenizer
 
 
 def summarize(one_s: float, ray_s: float, corpus_bytes: int, threads_s: float | None = None
@@ -53,8 +55,6 @@ def summarize(one_s: float, ray_s: float, corpus_bytes: int, threads_s: float | 
 def timed_one_process(paths: list[Path], cfg, shipped: dict, parallel: bool, runs: int = 2):
     """Best of `runs` runs of `one_process`, with the tokenizers library's threads on or off
     (it reads TOKENIZERS_PARALLELISM at every batched call)."""
-    from workloads.data.tokenize import HFTokenizer
-
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel else "false"
     best, result = float("inf"), None
     for _ in range(runs):
@@ -73,13 +73,9 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
     add_pipeline_flags(ap)
     args = ap.parse_args(argv)
     extra = args.pipeline_args.split()
-    from bench.cluster import cluster_env
-
     with tempfile.TemporaryDirectory(prefix="rayfleet-bench-bpe-") as tmp_s:
         tmp = Path(tmp_s)
         folder = tmp / "bpe"
-        from workloads.common.tiny_hf import make_tokenizer
-
         make_tokenizer(folder, vocab_size=args.vocab, corpus_bytes=1_000_000)
         extra = ["--tokenizer", str(folder), *extra]
         paths = make_corpus(tmp / "corpus", args.mb)

@@ -62,10 +62,12 @@ def prepare_hf(out: Path, shape: dict, vocab: int, seq_len: int, corpus_bytes: i
     import pyarrow.parquet as pq
     from transformers import LlamaConfig
 
-    from workloads.common.hf import tokenizer_identity
-    from workloads.common.tiny_hf import make_tokenizer
+    # Lazy, as the imports above: this runs on a lent GPU machine's own Python (torch, no Ray,
+    # maybe not the kit's other dependencies), and only the llama-1b rows need these.
     from workloads.common.corpus import stdlib_corpus
+    from workloads.common.hf import tokenizer_identity
     from workloads.common.shards import MANIFEST, shard_name
+    from workloads.common.tiny_hf import make_tokenizer
 
     folder = out / "model"
     tok = make_tokenizer(folder, vocab_size=vocab, corpus_bytes=corpus_bytes)

@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from bench import ArgumentParser, at_least, command, goal, machine
+from bench.cluster import local_cluster
 from bench.serve_latency import (
     APPS,
     BIN,
@@ -38,6 +39,7 @@ from bench.serve_latency import (
     start_bare,
     wait_healthy,
 )
+from rayfleet.commands.host import free_port
 
 INGRESSES = ("python", "haproxy")
 CONCURRENCY = (1, 16)
@@ -45,9 +47,6 @@ SECTION = "## 7. Serve's ingress: Python proxy vs HAProxy vs bare"
 
 
 def measure(args, tmp: Path, checkpoint: str, bare_urls: dict[str, str]) -> dict:
-    from bench.cluster import local_cluster
-    from rayfleet.commands.host import free_port
-
     raw = {side: {b: {c: ([], []) for c in CONCURRENCY} for b in APPS}
            for side in (*INGRESSES, "bare")}
     ttft = {side: {} for side in (*INGRESSES, "bare")}
@@ -155,7 +154,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ttft-requests", type=at_least(1), default=10)
     ap.add_argument("--write", action="store_true", help="replace BENCHMARKS.md's section")
     args = ap.parse_args(argv)
-    from rayfleet.commands.host import free_port
 
     with tempfile.TemporaryDirectory(prefix="rayfleet-bench-ingress-") as tmp_s:
         tmp = Path(tmp_s)

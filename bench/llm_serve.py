@@ -38,8 +38,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench import ArgumentParser, at_least, command
+from bench import ArgumentParser, at_least, command, goal, machine
+from bench.cluster import cluster_env
 from bench.serve_latency import percentile
+from rayfleet.commands.host import free_port
+from workloads.common.tiny_hf import make_hf_model_dir
+from workloads.serve.llm_config import STREAM_BATCHING_MS
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -308,8 +312,6 @@ def deploy(env: dict, config: dict, folder: Path, name: str) -> None:
 def measure_startup(env: dict, model: Path, tmp: Path, rounds: int) -> dict:
     """Seconds from `serve deploy` to the first answer of a fresh llm app (Serve shut down
     before each deploy, so each starts its proxy too), per variant; medians over rounds."""
-    from rayfleet.commands.host import free_port
-
     times: dict[str, list[float]] = {v: [] for v, _ in STARTUP}
     for r in range(rounds):
         cache = tmp / f"startup-cache-{r}"
@@ -428,8 +430,6 @@ def cluster(env: dict | None, num_cpus: int, ingress: str | None = None):
     """bench.cluster's cluster_env, with `rayfleet local up` tried up to 3 times (a free port
     it picked can be taken by the time Ray binds it, on a machine where tests start clusters
     too), and its own message when it still fails."""
-    from bench.cluster import cluster_env
-
     for attempt in range(3):
         stack = contextlib.ExitStack()
         try:
@@ -491,10 +491,6 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
         else:
             print(section(out, time.strftime("%Y-%m-%d"), "this machine"))
         return out
-
-    from rayfleet.commands.host import free_port
-    from workloads.common.tiny_hf import make_hf_model_dir
-    from workloads.serve.llm_config import STREAM_BATCHING_MS
 
     sides = sides_of(args.stream_ms)
     kit_side = llm_side(STREAM_BATCHING_MS)
@@ -656,8 +652,6 @@ def startup_table(startup: dict) -> str:
 
 
 def section(out: dict, when: str, machine: str) -> str:
-    from bench import goal
-
     over, p99, vs = out["ttft_p50_over_bare_ms"], out["ttft_p99_over_bare_ms"], out["rps_vs_bare"]
     kit_ms = out["kit_stream_batching_ms"]
     kit = llm_side(kit_ms)
@@ -734,8 +728,6 @@ def section_of(text: str) -> str:
 
 
 def write_section(out: dict) -> None:
-    from bench import machine
-
     text = section(out, out.get("date") or time.strftime("%Y-%m-%d"), machine())
     old = BENCH_MD.read_text() if BENCH_MD.exists() else ""
     new = old.replace(section_of(old), text) if section_of(old) else \

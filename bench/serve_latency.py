@@ -36,6 +36,9 @@ import urllib.request
 from pathlib import Path
 
 from bench import ArgumentParser, at_least, command
+from bench.cluster import cluster_env
+from rayfleet.commands.host import free_port
+from workloads.common.runs import local_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -176,8 +179,6 @@ def make_checkpoint(folder: Path) -> str:
                     "--corpus-bytes", str(1 << 16), "--output", str(folder)], cwd=REPO,
                    check=True, capture_output=True, text=True, env={**os.environ,
                                                                     "OMP_NUM_THREADS": "1"})
-    from workloads.common.runs import local_checkpoints
-
     return str(local_checkpoints(folder)[-1])
 
 
@@ -188,6 +189,9 @@ def bare_app(checkpoint: str, name: str):
     from fastapi import FastAPI
     from ray.serve import batching
 
+    # Lazy, for the bare server's process only: lm pulls torch and Ray Serve (3.6 s),
+    # openai_api FastAPI and pydantic (0.35 s), which --help, ingress and llm_serve (they
+    # import this module) would otherwise pay for.
     from workloads.serve import lm
     from workloads.serve.openai_api import CompletionRequest, add_error_handlers
 
@@ -217,7 +221,7 @@ def bare_app(checkpoint: str, name: str):
 def serve_bare(port: int, checkpoint: str, name: str) -> None:
     import uvicorn
 
-    from bench import serve_noop
+    from bench import serve_noop  # lazy: pulls Ray Serve (1.4 s), bare server only
 
     app = serve_noop.bare_app(f"/{name}") if name == "noop" else bare_app(checkpoint, name)
     # Serve's proxy logs requests to files, not the console; no access log here either.
@@ -284,9 +288,6 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
         serve_bare(int(args.bare_server[0]), args.bare_server[1], args.bare_server[2])
         return {}
     import yaml
-
-    from bench.cluster import cluster_env
-    from rayfleet.commands.host import free_port
 
     if args.cluster_env and env is not None:
         ap.error("--cluster-env needs a throwaway cluster: run it alone, not under make bench")

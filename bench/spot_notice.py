@@ -30,7 +30,9 @@ import threading
 import time
 from pathlib import Path
 
-from bench import ArgumentParser, at_least, command
+from bench import ArgumentParser, at_least, command, machine
+from rayfleet.commands.host import free_port
+from rayfleet.commands.local import ray_temp_dir
 from workloads.common import runs
 from workloads.common.storage import resolve
 
@@ -101,9 +103,6 @@ def two_node_cluster(root: Path):
     that node. Token auth on both, as on a real multi-node cluster. The GCS health check is
     tightened (1 s x 3) so a dead node is noticed in seconds, not 15 s. Yields {"env",
     "worker" (its Popen), "worker_temp_dir", "home"}."""
-    from rayfleet.commands.host import free_port
-    from rayfleet.commands.local import ray_temp_dir
-
     home = root / "home"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAYFLEET_HOME=str(home), RAY_health_check_period_ms="1000",
@@ -387,8 +386,6 @@ def main(argv: list[str] | None = None) -> dict:
     s["load_avg"] = round(os.getloadavg()[0], 1)
     print(json.dumps(s, indent=1))
     if args.write:
-        from bench import machine
-
         text = section(s, args.notice_at, args.kill_at, time.strftime("%Y-%m-%d"), machine())
         old = BENCH_MD.read_text() if BENCH_MD.exists() else ""
         new = old.replace(section_of(old), text) if section_of(old) else \

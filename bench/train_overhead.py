@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 from bench import ArgumentParser, at_least, command
+from bench.cluster import cluster_env
+from workloads.common.runs import METRICS, read_history
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -125,8 +127,6 @@ def run_ray(steps: int, storage: Path, env: dict, name: str
     _, wall, first, stages = _timed_run(
         [str(BIN / "python"), "-m", "workloads.train", *loop_args(steps), "--num-workers", "2",
          "--storage-path", str(storage), "--name", name], env)
-    from workloads.common.runs import METRICS, read_history
-
     history = read_history((storage / name / METRICS).read_text())
     return [h["step_time_s"] for h in history], wall, first, stages
 
@@ -143,7 +143,6 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
                     help="steps per run (the first logged interval is warm-up)")
     ap.add_argument("--rounds", type=at_least(1), default=2)
     args = ap.parse_args(argv)
-    from bench.cluster import cluster_env
 
     results = {side: {"step": [], "wall": [], "first": [], "stages": []}
                for side in ("ray", "torchrun")}
