@@ -210,7 +210,7 @@ RENDER = ["render", "{tmp}/outputs.json", "-o", "{tmp}/generated.yaml",
 COST_STACK = ["cost", "{yaml}", "--stack-file", "{tmp}/Pulumi.bad.yaml"]
 TRAIN = ["--storage-path", "{tmp}/runs"]
 DATA = ["--output", "{tmp}/data-out"]
-SPOT = "ray.worker.a100.spot"
+SPOT = "ray.worker.p4d.24xlarge.spot"
 
 CASES = [
     # -- the rayfleet CLI itself

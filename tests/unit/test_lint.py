@@ -87,7 +87,7 @@ def _head(c):
 
 
 def _spot(c):
-    return c["available_node_types"]["ray.worker.a100.spot"]
+    return c["available_node_types"]["ray.worker.p4d.24xlarge.spot"]
 
 
 MUTATIONS = {
@@ -153,7 +153,7 @@ def test_a_gpu_type_or_head_without_vllm_is_a_warning(tmp_path):
     # A GPU type whose own setup list was edited down to the node environment...
     spot = copy.deepcopy(cfg)
     _spot(spot)["worker_setup_commands"] = cfg["setup_commands"]
-    where = "available_node_types.ray.worker.a100.spot.worker_setup_commands"
+    where = "available_node_types.ray.worker.p4d.24xlarge.spot.worker_setup_commands"
     assert _vllm_warnings(spot) == {where}
     # ...or dropped, so it runs the global lists, which have no vLLM.
     del _spot(spot)["worker_setup_commands"]
