@@ -131,3 +131,24 @@ def prices() -> dict[str, Any]:
             "gpu": {n: dict(t["price_per_hour"]) for n, t in d["worker_types"].items()},
             "cpu_per_vcpu_hour": {n: dict(f["price_per_vcpu_hour"])
                                   for n, f in d["head_families"].items()}}
+
+
+def worker_table() -> str:
+    """The GPU worker types as the Markdown table of docs/node-types.md (a test regenerates it
+    and fails when the page drifts from the catalog)."""
+    p = data()["prices"]
+    rows = ["| type | GPUs | GPU memory | vCPUs | memory | EFA (network cards) | regions "
+            "| on-demand $/h | spot $/h | price date |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def price(value: float | None) -> str:
+        return "not confirmed" if value is None else f"{value:.2f}"
+
+    for name, t in data()["worker_types"].items():
+        spec = worker_types()[name]
+        cost = t["price_per_hour"]
+        rows.append(f"| `{name}` | {spec.gpus}x {spec.accelerator_type} | "
+                    f"{spec.gpu_memory_gib} GB each | {spec.vcpus} | {spec.memory_gib} GiB | "
+                    f"{spec.efa_interfaces} | {', '.join(t['regions'])} | "
+                    f"{price(cost['on_demand'])} | {price(cost['spot'])} | {p['as_of']} |")
+    return "\n".join(rows) + "\n"
