@@ -135,6 +135,17 @@ def test_gpu_type_without_gpu_resources_is_a_warning(tmp_path):
     assert cli.main(["lint", str(path)]) == 0  # a warning alone does not fail
 
 
+def test_an_accelerator_type_the_instance_lacks_is_a_warning():
+    """A p5 node type declaring accelerator_type:A100 would take jobs meant for A100s."""
+    cfg = _example()
+    assert not [x for x in lint.lint_config(cfg) if "accelerator_type" in x.problem]
+    _spot(cfg)["node_config"]["InstanceType"] = "p5.48xlarge"
+    (w,) = [x for x in lint.lint_config(cfg) if "accelerator_type" in x.problem]
+    assert w.severity == lint.WARNING and w.where.endswith("ray.worker.p4d.24xlarge.spot.resources")
+    assert "declares accelerator_type:A100 but a p5.48xlarge has 8x H100" in w.problem
+    assert "accelerator_type:H100" in w.fix
+
+
 def _vllm_warnings(cfg) -> set[str]:
     return {x.where for x in lint.lint_config(cfg)
             if x.severity == lint.WARNING and x.rule == 25 and "vLLM" in x.problem}
