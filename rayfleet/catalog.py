@@ -13,12 +13,17 @@ all ask here. The file holds:
 - ``gpus``: by Ray accelerator type (the ``accelerator_type:X`` resource): memory per GPU and
   dense bf16 peak FLOP/s for MFU (A100 312 TFLOP/s, H100/H200 SXM 989 TFLOP/s; null where the
   kit has no figure).
-- ``worker_types``: the A100 workers (https://aws.amazon.com/ec2/instance-types/p4/): vCPUs,
-  memory, GPUs, Elastic Fabric Adapters (one per network card: p4d has 4 x 100 Gbps), the
-  regions that offer them and their $/hour. The regions are the AWS P4 pages and
-  ``aws ec2 describe-instance-type-offerings`` as published in mid-2025, not re-checked live:
-  they only decide which regions the config accepts, `rayfleet preflight` confirms with AWS.
-  p4de (A100 80 GB) was launched in two regions and has stayed there.
+- ``worker_types``: the GPU workers a stack may choose (``rayfleet:workerInstanceTypes``):
+  p4d and p4de (8x A100 40/80 GB, https://aws.amazon.com/ec2/instance-types/p4/), p5 (8x H100),
+  p5e and p5en (8x H200) (https://aws.amazon.com/ec2/instance-types/p5/): vCPUs, memory, GPUs
+  and their model (a key of ``gpus``), Elastic Fabric Adapters (one per network card: p4d and
+  p4de 4, p5 and p5e 32, p5en 16, as AWS's EFA page lists them,
+  https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html), the regions
+  that offer them and their $/hour (null where no price could be confirmed: see ``prices``).
+  The regions are the AWS instance-type pages and ``aws ec2 describe-instance-type-offerings``
+  as remembered from mid-2025, not re-checked live (the p5 family's least surely): they only
+  decide which regions the config accepts, `rayfleet preflight` confirms each type in the
+  workers' AZ with AWS. p4de (A100 80 GB) was launched in two regions and has stayed there.
 - ``head_families`` x ``head_sizes``: the CPU head types. x86 families only: the head boots
   the same Deep Learning AMI as the workers so that Ray and Python are identical on every node
   (rule 25); a Graviton head would need an arm64 image. GiB per vCPU: c=2, m=4, r=8.
@@ -49,8 +54,17 @@ class InstanceSpec:
     memory_gib: int
     gpus: int = 0
     gpu_memory_gib: int = 0
-    # Elastic Fabric Adapters: one per network card (p4d: 4 cards x 100 Gbps).
+    # Elastic Fabric Adapters: one per network card (p4d: 4 cards x 100 Gbps; p5: 32).
     efa_interfaces: int = 0
+    # The GPU model, a key of the catalog's ``gpus`` (``A100-40G``, ``H100``); "" for none.
+    gpu: str = ""
+
+    @property
+    def accelerator_type(self) -> str:
+        """The Ray resource ``accelerator_type:<this>`` render declares: the GPU model without
+        its memory size (``A100`` for p4d and p4de alike, ``H100``, ``H200``), as the kit has
+        always named A100 workers; the memory is in ``gpu_memory_gib``."""
+        return self.gpu.partition("-")[0]
 
 
 @functools.cache
@@ -65,7 +79,7 @@ def worker_types() -> Mapping[str, InstanceSpec]:
     gpus = data()["gpus"]
     return {name: InstanceSpec(name, t["vcpus"], t["memory_gib"], gpus=t["gpus"],
                                gpu_memory_gib=gpus[t["gpu"]]["memory_gib"],
-                               efa_interfaces=t["efa_interfaces"])
+                               efa_interfaces=t["efa_interfaces"], gpu=t["gpu"])
             for name, t in data()["worker_types"].items()}
 
 
@@ -110,9 +124,31 @@ def peak_bf16_flops(device_name: str) -> float | None:
 def prices() -> dict[str, Any]:
     """The dated price table: ``gpu`` ($/hour per worker type), ``cpu_per_vcpu_hour`` (per
     head family), ``as_of``, ``source``, ``regions``, ``currency``; each price by market
-    (``on_demand``, ``spot``)."""
+    (``on_demand``, ``spot``). A worker price is None where none could be confirmed for the
+    date (``source`` says which)."""
     d = data()
     return {**d["prices"],
             "gpu": {n: dict(t["price_per_hour"]) for n, t in d["worker_types"].items()},
             "cpu_per_vcpu_hour": {n: dict(f["price_per_vcpu_hour"])
                                   for n, f in d["head_families"].items()}}
+
+
+def worker_table() -> str:
+    """The GPU worker types as the Markdown table of docs/node-types.md (a test regenerates it
+    and fails when the page drifts from the catalog)."""
+    p = data()["prices"]
+    rows = ["| type | GPUs | GPU memory | vCPUs | memory | EFA (network cards) | regions "
+            "| on-demand $/h | spot $/h | price date |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def price(value: float | None) -> str:
+        return "not confirmed" if value is None else f"{value:.2f}"
+
+    for name, t in data()["worker_types"].items():
+        spec = worker_types()[name]
+        cost = t["price_per_hour"]
+        rows.append(f"| `{name}` | {spec.gpus}x {spec.accelerator_type} | "
+                    f"{spec.gpu_memory_gib} GB each | {spec.vcpus} | {spec.memory_gib} GiB | "
+                    f"{spec.efa_interfaces} | {', '.join(t['regions'])} | "
+                    f"{price(cost['on_demand'])} | {price(cost['spot'])} | {p['as_of']} |")
+    return "\n".join(rows) + "\n"

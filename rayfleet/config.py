@@ -32,6 +32,7 @@ from rayfleet.facts import (
     CLUSTER_NAME,
     IMDS_HOP_LIMIT,
     IMDS_HOP_LIMIT_CONTAINERS,
+    MARKETS,
     RAY_CLUSTER_TAG,
     RAY_PORTS,
     RayPort,
@@ -55,8 +56,8 @@ AWS_REGIONS = (
     "ap-southeast-5", "ap-southeast-7",
 )
 
-# Regions that offer each A100 worker type, and what each node type offers: the catalog's.
-A100_REGIONS: Mapping[str, tuple[str, ...]] = catalog.worker_regions()
+# Regions that offer each GPU worker type, and what each node type offers: the catalog's.
+WORKER_REGIONS: Mapping[str, tuple[str, ...]] = catalog.worker_regions()
 WORKER_INSTANCE_TYPES: Mapping[str, InstanceSpec] = catalog.worker_types()
 HEAD_INSTANCE_TYPES: Mapping[str, InstanceSpec] = catalog.head_types()
 
@@ -88,12 +89,12 @@ SCHEMA: tuple[ConfigKey, ...] = (
               "resource names; 3-32 lowercase letters, digits, hyphens."),
     ConfigKey("region", "string", "us-east-1",
               "AWS region for every resource (the stack uses an explicit provider; aws:region "
-              "is not read). Must offer the A100 worker type."),
+              "is not read). Must offer every type of workerInstanceTypes."),
     ConfigKey("azCount", "integer", 3,
               "Availability zones to spread public and private subnets over (3-6)."),
     ConfigKey("workerAz", "string", "",
-              "AZ for the A100 workers and their cluster placement group (e.g. us-east-1b); "
-              "empty means the first available AZ."),
+              "AZ for the GPU workers (every type) and their cluster placement group (e.g. "
+              "us-east-1b); empty means the first available AZ."),
     ConfigKey("vpcCidr", "string", "10.42.0.0/16",
               "Private IPv4 CIDR of the VPC, /16 to /22."),
     ConfigKey("natGateways", "string", "single",
@@ -107,21 +108,24 @@ SCHEMA: tuple[ConfigKey, ...] = (
               "Empty (default) means SSM Session Manager only. 0.0.0.0/0 and ::/0 are refused."),
     ConfigKey("headInstanceType", "string", "m6i.2xlarge",
               "Instance type of the CPU head node."),
-    ConfigKey("workerInstanceType", "string", "p4d.24xlarge",
-              "A100 worker instance type: " + " or ".join(
-                  f"{name} ({t.gpus}x A100 {t.gpu_memory_gib} GB)"
-                  for name, t in WORKER_INSTANCE_TYPES.items()) + "."),
+    ConfigKey("workerInstanceTypes", "array", ["p4d.24xlarge"],
+              "GPU worker instance types the cluster may launch, most preferred first, each "
+              "once: " + ", ".join(
+                  f"{name} ({t.gpus}x {t.accelerator_type} {t.gpu_memory_gib} GB)"
+                  for name, t in WORKER_INSTANCE_TYPES.items()) + ". Each gets a launch "
+              "template per market (on-demand, spot) and a Ray node type per market, in this "
+              "order."),
     ConfigKey("minWorkers", "integer", 0,
-              "A100 workers the autoscaler keeps running."),
+              "GPU workers the autoscaler keeps running, all of the first worker type."),
     ConfigKey("maxWorkers", "integer", 2,
-              "Most A100 workers the autoscaler may launch (1-64)."),
+              "Most GPU workers the autoscaler may launch, all types together (1-64)."),
     ConfigKey("onDemandWorkers", "integer", 0,
-              "How many of maxWorkers run on-demand; the rest are spot. 0 means all spot, "
-              "maxWorkers means no spot."),
+              "How many of maxWorkers may run on-demand, per worker type; the rest are spot. "
+              "0 means all spot, maxWorkers means no spot."),
     ConfigKey("headRootVolumeGb", "integer", 200,
               "Encrypted gp3 root volume of the head, GiB."),
     ConfigKey("workerRootVolumeGb", "integer", 500,
-              "Encrypted gp3 root volume of each A100 worker, GiB (models, images, wheels)."),
+              "Encrypted gp3 root volume of each GPU worker, GiB (models, images, wheels)."),
     ConfigKey("amiId", "string", "",
               "Pin the node image (ami-...); empty means the newest AWS Deep Learning AMI "
               "(OSS Nvidia driver, PyTorch, Ubuntu 22.04)."),
@@ -191,9 +195,19 @@ class AccessConfig:
 
 
 @dataclass(frozen=True)
+class WorkerSplit:
+    """One (worker type, market) of the cluster: a launch template and a Ray node type."""
+
+    spec: InstanceSpec
+    market: str          # "spot" | "ondemand"
+    min_workers: int
+    max_workers: int
+
+
+@dataclass(frozen=True)
 class NodesConfig:
     head_instance_type: str
-    worker_instance_type: str
+    worker_instance_types: tuple[str, ...]   # most preferred first
     min_workers: int
     max_workers: int
     on_demand_workers: int
@@ -207,15 +221,17 @@ class NodesConfig:
         return HEAD_INSTANCE_TYPES[self.head_instance_type]
 
     @property
-    def worker(self) -> InstanceSpec:
-        return WORKER_INSTANCE_TYPES[self.worker_instance_type]
+    def workers(self) -> tuple[InstanceSpec, ...]:
+        """The allowed worker types, most preferred first."""
+        return tuple(WORKER_INSTANCE_TYPES[t] for t in self.worker_instance_types)
 
     @property
     def imds_hop_limit(self) -> int:
         return IMDS_HOP_LIMIT_CONTAINERS if self.ray_in_docker else IMDS_HOP_LIMIT
 
-    # The Ray autoscaler gets two worker node types from these: on-demand first (it fills
-    # min_workers with them), spot for the rest.
+    # Each worker type gets two Ray node types from these: on-demand (min_workers fill it
+    # first), spot for the rest. Only the preferred (first) type keeps a minimum; every type
+    # may grow to these maxima, and the cluster-wide max_workers bounds them all together.
     @property
     def on_demand_min(self) -> int:
         return min(self.min_workers, self.on_demand_workers)
@@ -231,6 +247,14 @@ class NodesConfig:
     @property
     def spot_max(self) -> int:
         return self.max_workers - self.on_demand_workers
+
+    def worker_splits(self) -> tuple[WorkerSplit, ...]:
+        """Every (type, market) in the stack's order: each type's spot, then its on-demand."""
+        bounds = {"spot": (self.spot_min, self.spot_max),
+                  "ondemand": (self.on_demand_min, self.on_demand_max)}
+        return tuple(WorkerSplit(spec, market, bounds[market][0] if i == 0 else 0,
+                                 bounds[market][1])
+                     for i, spec in enumerate(self.workers) for market in MARKETS)
 
 
 @dataclass(frozen=True)
@@ -273,10 +297,7 @@ class StackConfig:
         raw = _collect(mapping, namespace)
         v = {k.name: _coerce(k, raw[k.name]) if k.name in raw else k.default for k in SCHEMA}
         region = _region(v["region"])
-        worker_type = _choice("workerInstanceType", v["workerInstanceType"],
-                              WORKER_INSTANCE_TYPES)
-        _worker_in_region(worker_type, region)
-        nodes = _nodes(v, worker_type)
+        nodes = _nodes(v, _worker_types(v["workerInstanceTypes"], region))
         budget = _budget(v)
         return cls(
             cluster_name=_cluster_name(v["clusterName"]),
@@ -386,6 +407,8 @@ def _collect(mapping: Mapping[str, Any], namespace: str) -> dict[str, Any]:
             continue
         if ns != namespace:
             continue  # another package's config; not ours to judge
+        if name in RETIRED:
+            raise ConfigError(_q(name), RETIRED[name](value))
         if name not in SCHEMA_BY_NAME:
             raise ConfigError(_q(name), f"is not a rayfleet setting{did_you_mean(_q(name), known)}"
                                         "; Pulumi.yaml lists them all")
@@ -490,11 +513,35 @@ def _region(value: str) -> str:
                                     f"{did_you_mean(value, AWS_REGIONS)}")
 
 
-def _worker_in_region(worker_type: str, region: str) -> None:
-    regions = A100_REGIONS[worker_type]
-    if region not in regions:
-        raise ConfigError(_q("region"), f"{worker_type} is not offered in {region}",
-                          allowed=regions, value=region)
+def _worker_types(values: list[str], region: str) -> tuple[str, ...]:
+    """rayfleet:workerInstanceTypes: known GPU types, each once, all offered in the region."""
+    name = _q("workerInstanceTypes")
+    known = list(WORKER_INSTANCE_TYPES)
+    if not values:
+        raise ConfigError(name, f"is empty; name at least one GPU worker type, most preferred "
+                                f"first (one of {', '.join(known)})")
+    seen: list[str] = []
+    for value in values:
+        if value in seen:
+            raise ConfigError(name, f"lists {value} twice; name each type once, most preferred "
+                                    "first")
+        if value not in WORKER_INSTANCE_TYPES:
+            raise ConfigError(name, f"{value!r} is not a GPU worker type of the catalog",
+                              allowed=known, value=value)
+        if region not in WORKER_REGIONS[value]:
+            raise ConfigError(name, f"{value} is not offered in rayfleet:region {region}; drop "
+                                    "it from the list, or pick a region that offers it",
+                              allowed=WORKER_REGIONS[value], value=region)
+        seen.append(value)
+    return tuple(seen)
+
+
+# Keys an older kit read, and the one line that says what replaced them.
+RETIRED = {
+    "workerInstanceType": lambda value: (
+        "was replaced by rayfleet:workerInstanceTypes, a list, most preferred first; set "
+        f"rayfleet:workerInstanceTypes: [{value}] instead"),
+}
 
 
 def _worker_az(value: str, region: str) -> str | None:
@@ -561,7 +608,7 @@ def _operator_cidrs(values: list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _nodes(v: Mapping[str, Any], worker_type: str) -> NodesConfig:
+def _nodes(v: Mapping[str, Any], worker_types: tuple[str, ...]) -> NodesConfig:
     head = v["headInstanceType"]
     # The catalog's head types, in a few words: its families and its smallest to largest size.
     families, sizes = catalog.data()["head_families"], list(catalog.data()["head_sizes"])
@@ -590,7 +637,7 @@ def _nodes(v: Mapping[str, Any], worker_type: str) -> NodesConfig:
                                        "AMI")
     return NodesConfig(
         head_instance_type=head,
-        worker_instance_type=worker_type,
+        worker_instance_types=worker_types,
         min_workers=min_w,
         max_workers=max_w,
         on_demand_workers=on_demand,
@@ -654,7 +701,6 @@ def _budget(v: Mapping[str, Any]) -> BudgetConfig:
 
 
 __all__ = [
-    "A100_REGIONS",
     "AWS_REGIONS",
     "DEFAULTS",
     "HEAD_INSTANCE_TYPES",
@@ -664,6 +710,7 @@ __all__ = [
     "RAY_PORTS",
     "SCHEMA",
     "WORKER_INSTANCE_TYPES",
+    "WORKER_REGIONS",
     "AccessConfig",
     "BudgetConfig",
     "ConfigKey",
@@ -673,6 +720,7 @@ __all__ = [
     "RayPort",
     "StackConfig",
     "StorageConfig",
+    "WorkerSplit",
     "load_stack_config",
     "load_stack_file",
 ]

@@ -25,7 +25,7 @@ TAG_STACK = "rayfleet:stack"
 TAG_MANAGED_BY = "rayfleet:managed-by"
 # The value of TAG_MANAGED_BY: `rayfleet sweep` never touches what carries it.
 MANAGED_BY_PULUMI = "pulumi"
-# Launch templates and what they launch: head, worker-ondemand, worker-spot.
+# Launch templates and what they launch: head or worker.
 TAG_NODE_KIND = "rayfleet:node-kind"
 # IAM roles nodes run as: head or worker (the policy pack finds node roles by it).
 TAG_NODE_ROLE = "rayfleet:node-role"
@@ -197,3 +197,8 @@ SECRET_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\bhf_[A-Za-z0-9]{30,}\b"), "a Hugging Face token"),
 )
 
+
+# The markets every GPU worker type is offered in, in the order its launch templates and Ray
+# node types are written: spot first (on-demand keeps rayfleet:onDemandWorkers launchable
+# when spot has no capacity). The catalog's prices spell them on_demand and spot.
+MARKETS = ("spot", "ondemand")

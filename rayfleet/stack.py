@@ -7,24 +7,27 @@ the ``rayfleet`` object alone) back into one, checked, so that a stale or hand-e
 is refused with one line before anything is written. Keys are the field names below, as
 JSON::
 
-    schema_version: 1
+    schema_version: 2                    # 2: several worker types (1: one A100 type, refused)
     stack, cluster_name, region: str
     availability_zones: [str]            # the workers' AZ first
     private_subnet_ids: [str]            # one per AZ, same order; nodes go only here
     worker_subnet_id: str                # private subnet of the workers' AZ (placement group)
     cluster_security_group_id: str       # every node; Ray ports from itself only
     instance_profiles: {head: {arn}, worker: {arn}}
-    launch_templates: {head: {id}, worker_ondemand: {id}, worker_spot: {id}}
+    launch_templates: {head: {id}}       # each worker's template is in its node type
     node_types:                          # from the catalog when the stack was deployed
-      head:            {instance_type, vcpus, gpus: 0}
-      worker_ondemand: {instance_type, vcpus, gpus, efa_interfaces, min_workers, max_workers}
-      worker_spot:     {... the same}
+      head:    {instance_type, vcpus, gpus: 0}
+      workers:                           # rayfleet:workerInstanceTypes' order; per type its
+        - {instance_type, market,        #   spot, then its on-demand ("spot" | "ondemand")
+           vcpus, gpus, accelerator_type, efa_interfaces, min_workers, max_workers,
+           launch_template: {id}}
+    max_workers: int                     # rayfleet:maxWorkers: every worker type together
     storage_uri: str                     # s3://<bucket>/<key prefix>: where jobs write
     autostop_minutes: int                # optional; 0 or absent: never (rayfleet:autostopMinutes)
     # Not read by render; what an operator (and the kit's tests) look up in the stack:
     worker_availability_zone: str
     vpc_id: str
-    efa_security_group_id: str           # A100 EFA interfaces (set by the worker templates)
+    efa_security_group_id: str           # GPU EFA interfaces (set by the worker templates)
     operator_access: "ssm" | "ssm+cidr"
     operator_cidrs: [str]
     roles: {head: {arn}, worker: {arn}}
@@ -50,9 +53,9 @@ from typing import Any, Generic, TypeVar
 
 from rayfleet import catalog
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
-from rayfleet.facts import CLUSTER_NAME
+from rayfleet.facts import CLUSTER_NAME, MARKETS
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # What `pulumi stack output --json` must be re-run for, named in every error.
 _RERUN = "re-run `pulumi up` and pass the fresh `pulumi stack output --json`"
@@ -66,26 +69,49 @@ class HeadNodeType:
 
 
 @dataclass(frozen=True)
-class WorkerNodeType:
-    instance_type: str
-    vcpus: int
-    gpus: int
-    efa_interfaces: int
-    min_workers: int
-    max_workers: int
-
-
-H = TypeVar("H")
-W = TypeVar("W")
+class TemplateId:
+    id: str
 
 
 @dataclass(frozen=True)
-class ByNodeType(Generic[H, W]):
-    """One value per node type of the cluster YAML: the head and the two worker markets."""
+class WorkerNodeType:
+    """One (GPU worker type, market) of the stack: a launch template and a Ray node type."""
 
-    head: H
-    worker_ondemand: W
-    worker_spot: W
+    instance_type: str
+    market: str               # "spot" | "ondemand"
+    vcpus: int
+    gpus: int
+    accelerator_type: str     # the Ray resource accelerator_type:<this> (A100, H100, H200)
+    efa_interfaces: int
+    min_workers: int
+    max_workers: int
+    launch_template: TemplateId
+
+    @property
+    def ray_name(self) -> str:
+        """The Ray node type's name in the cluster YAML, e.g. ``ray.worker.p5.48xlarge.spot``:
+        one per (type, market), so a later scorer or `ray status` line names both."""
+        return ray_worker_name(self.instance_type, self.market)
+
+
+def ray_worker_name(instance_type: str, market: str) -> str:
+    return f"ray.worker.{instance_type}.{market}"
+
+
+H = TypeVar("H")
+
+
+@dataclass(frozen=True)
+class NodeTypes:
+    """The head and the worker node types, in the stack's order."""
+
+    head: HeadNodeType
+    workers: list[WorkerNodeType]
+
+
+@dataclass(frozen=True)
+class LaunchTemplates:
+    head: TemplateId
 
 
 @dataclass(frozen=True)
@@ -102,11 +128,6 @@ class Arn:
 
 
 @dataclass(frozen=True)
-class TemplateId:
-    id: str
-
-
-@dataclass(frozen=True)
 class StackOutputs:
     # What render reads: each must be present and non-empty.
     stack: str
@@ -117,8 +138,9 @@ class StackOutputs:
     worker_subnet_id: str
     cluster_security_group_id: str
     instance_profiles: ByRole[Arn]
-    launch_templates: ByNodeType[TemplateId, TemplateId]
-    node_types: ByNodeType[HeadNodeType, WorkerNodeType]
+    launch_templates: LaunchTemplates
+    node_types: NodeTypes
+    max_workers: int
     storage_uri: str
     # For operators and the kit's tests; optional when parsed.
     worker_availability_zone: str | None = None
@@ -160,16 +182,12 @@ REQUIRED_KEYS = (
     "schema_version", "stack", "cluster_name", "region", "availability_zones",
     "private_subnet_ids", "worker_subnet_id", "cluster_security_group_id",
     "instance_profiles.head.arn", "instance_profiles.worker.arn",
-    "launch_templates.head.id", "launch_templates.worker_ondemand.id",
-    "launch_templates.worker_spot.id",
-    "node_types.head.instance_type", "node_types.head.vcpus",
-    "node_types.worker_ondemand.instance_type", "node_types.worker_ondemand.vcpus",
-    "node_types.worker_ondemand.gpus", "node_types.worker_ondemand.min_workers",
-    "node_types.worker_ondemand.max_workers", "node_types.worker_spot.instance_type",
-    "node_types.worker_spot.vcpus", "node_types.worker_spot.gpus",
-    "node_types.worker_spot.min_workers", "node_types.worker_spot.max_workers",
-    "storage_uri",
+    "launch_templates.head.id", "node_types.head.instance_type", "node_types.head.vcpus",
+    "node_types.workers", "max_workers", "storage_uri",
 )
+# Every key render reads of each worker node type.
+WORKER_KEYS = ("instance_type", "market", "vcpus", "gpus", "accelerator_type", "min_workers",
+               "max_workers", "launch_template.id")
 
 
 def _get(d: Any, dotted: str) -> Any:
@@ -193,8 +211,14 @@ def parse(text: str, source: str = "outputs") -> StackOutputs:
     if not isinstance(data, dict) or "schema_version" not in data:
         raise RayfleetError(f"{source}: no `rayfleet` stack output found; pass the output of "
                             "`pulumi stack output --json` for a rayfleet stack")
-    if data["schema_version"] != SCHEMA_VERSION:
-        raise RayfleetError(f"{source}: schema_version {data['schema_version']!r} is not "
+    version = data["schema_version"]
+    if _whole(version) and version < SCHEMA_VERSION:
+        raise RayfleetError(f"{source}: schema_version {version} is older than {SCHEMA_VERSION} "
+                            "(one worker type; now rayfleet:workerInstanceTypes, several); "
+                            "re-run `pulumi up` with this rayfleet and pass the fresh "
+                            "`pulumi stack output --json`")
+    if version != SCHEMA_VERSION:
+        raise RayfleetError(f"{source}: schema_version {version!r} is not "
                             f"{SCHEMA_VERSION}; upgrade rayfleet or re-run `pulumi up`")
     missing = []
     for key in REQUIRED_KEYS:
@@ -205,6 +229,20 @@ def parse(text: str, source: str = "outputs") -> StackOutputs:
             continue
         if value is None or value == "" or value == []:
             missing.append(key)
+    if not missing:
+        workers = data["node_types"]["workers"]
+        if not isinstance(workers, list):
+            raise ConfigError(f"{source}: node_types.workers", f"must be a list of worker node "
+                                                               f"types; {_RERUN}")
+        for i, w in enumerate(workers):
+            for key in WORKER_KEYS:
+                try:
+                    value = _get(w, key)
+                except KeyError:
+                    missing.append(f"node_types.workers[{i}].{key}")
+                    continue
+                if value is None or value == "":
+                    missing.append(f"node_types.workers[{i}].{key}")
     if missing:
         raise RayfleetError(f"{source}: stack output `rayfleet` lacks {', '.join(missing)}; "
                             f"{_RERUN}")
@@ -220,21 +258,33 @@ def _check(o: dict[str, Any], source: str) -> None:
         raise ConfigError(f"{source}: node_types.head.instance_type",
                           f"{head!r} is not a known head type{did_you_mean(head, heads)}")
     _count(source, "node_types.head.vcpus", nt["head"]["vcpus"], 1)
-    workers = catalog.worker_types()
-    for kind in ("worker_ondemand", "worker_spot"):
-        t = nt[kind]["instance_type"]
-        if t not in workers:
+    known = catalog.worker_types()
+    seen: set[tuple[str, str]] = set()
+    for i, w in enumerate(nt["workers"]):
+        kind = f"workers[{i}]"
+        t = w["instance_type"]
+        if t not in known:
             raise ConfigError(f"{source}: node_types.{kind}.instance_type",
-                              f"{t!r} is not a known A100 worker type"
-                              f"{did_you_mean(t, workers)}")
-        lo, hi = nt[kind]["min_workers"], nt[kind]["max_workers"]
+                              f"{t!r} is not a known GPU worker type{did_you_mean(t, known)}")
+        if w["market"] not in MARKETS:
+            raise ConfigError(f"{source}: node_types.{kind}.market",
+                              f"{w['market']!r} is not a market", MARKETS, w["market"])
+        if (t, w["market"]) in seen:
+            raise ConfigError(f"{source}: node_types.{kind}",
+                              f"{t} {w['market']} appears twice; {_RERUN}")
+        seen.add((t, w["market"]))
+        lo, hi = w["min_workers"], w["max_workers"]
         if not (_whole(lo) and _whole(hi) and 0 <= lo <= hi):
             raise ConfigError(f"{source}: node_types.{kind}",
                               f"min_workers {lo!r} must be an integer between 0 and max_workers "
                               f"{hi!r}")
-        _count(source, f"node_types.{kind}.vcpus", nt[kind]["vcpus"], 1)
-        _count(source, f"node_types.{kind}.gpus", nt[kind]["gpus"], 1)
-        _count(source, f"node_types.{kind}.efa_interfaces", nt[kind].get("efa_interfaces", 0), 0)
+        _count(source, f"node_types.{kind}.vcpus", w["vcpus"], 1)
+        _count(source, f"node_types.{kind}.gpus", w["gpus"], 1)
+        _count(source, f"node_types.{kind}.efa_interfaces", w.get("efa_interfaces", 0), 0)
+        if not isinstance(w["accelerator_type"], str):
+            raise ConfigError(f"{source}: node_types.{kind}.accelerator_type",
+                              f"must be a string, got {w['accelerator_type']!r}; {_RERUN}")
+    _count(source, "max_workers", o["max_workers"], 1)
     _count(source, "autostop_minutes", o.get("autostop_minutes", 0), 0)
     if not CLUSTER_NAME.fullmatch(str(o["cluster_name"])):
         raise ConfigError(f"{source}: cluster_name", f"{o['cluster_name']!r} is not a rayfleet "
@@ -254,10 +304,11 @@ def _count(source: str, key: str, value: Any, least: int) -> None:
 def _build(o: dict[str, Any]) -> StackOutputs:
     nt = o["node_types"]
 
-    def worker(kind: str) -> WorkerNodeType:
-        w = nt[kind]
-        return WorkerNodeType(w["instance_type"], w["vcpus"], w["gpus"],
-                              w.get("efa_interfaces", 0), w["min_workers"], w["max_workers"])
+    def worker(w: dict[str, Any]) -> WorkerNodeType:
+        return WorkerNodeType(w["instance_type"], w["market"], w["vcpus"], w["gpus"],
+                              w["accelerator_type"], w.get("efa_interfaces", 0),
+                              w["min_workers"], w["max_workers"],
+                              TemplateId(w["launch_template"]["id"]))
 
     def arns(d: dict[str, Any]) -> ByRole[Arn]:
         return ByRole(Arn(d["head"]["arn"]), Arn(d["worker"]["arn"]))
@@ -277,12 +328,11 @@ def _build(o: dict[str, Any]) -> StackOutputs:
         worker_subnet_id=o["worker_subnet_id"],
         cluster_security_group_id=o["cluster_security_group_id"],
         instance_profiles=arns(o["instance_profiles"]),
-        launch_templates=ByNodeType(TemplateId(lts["head"]["id"]),
-                                    TemplateId(lts["worker_ondemand"]["id"]),
-                                    TemplateId(lts["worker_spot"]["id"])),
-        node_types=ByNodeType(HeadNodeType(nt["head"]["instance_type"], nt["head"]["vcpus"],
-                                           nt["head"].get("gpus", 0)),
-                              worker("worker_ondemand"), worker("worker_spot")),
+        launch_templates=LaunchTemplates(TemplateId(lts["head"]["id"])),
+        node_types=NodeTypes(HeadNodeType(nt["head"]["instance_type"], nt["head"]["vcpus"],
+                                          nt["head"].get("gpus", 0)),
+                             [worker(w) for w in nt["workers"]]),
+        max_workers=o["max_workers"],
         storage_uri=o["storage_uri"],
         worker_availability_zone=o.get("worker_availability_zone"),
         vpc_id=o.get("vpc_id"),

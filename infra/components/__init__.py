@@ -88,7 +88,7 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         cluster_name=c,
         stack=stack,
         head_instance_type=cfg.nodes.head_instance_type,
-        worker=cfg.nodes.worker,
+        workers=cfg.nodes.workers,
         head_root_volume_gb=cfg.nodes.head_root_volume_gb,
         worker_root_volume_gb=cfg.nodes.worker_root_volume_gb,
         imds_hop_limit=cfg.nodes.imds_hop_limit,
@@ -105,13 +105,15 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
             cluster_name=c, monthly_usd=cfg.budget.monthly_usd, emails=cfg.budget.emails,
         ), opts)
 
-    head, worker = cfg.nodes.head, cfg.nodes.worker
-
-    def workers(min_workers: int, max_workers: int) -> contract.WorkerNodeType:
-        return contract.WorkerNodeType(
-            instance_type=worker.name, vcpus=worker.vcpus, gpus=worker.gpus,
-            efa_interfaces=worker.efa_interfaces, min_workers=min_workers,
-            max_workers=max_workers)
+    head = cfg.nodes.head
+    # One worker node type per (allowed type, market), in the stack's order, each with the
+    # template built for it.
+    workers = [contract.WorkerNodeType(
+        instance_type=w.spec.name, market=w.market, vcpus=w.spec.vcpus, gpus=w.spec.gpus,
+        accelerator_type=w.spec.accelerator_type, efa_interfaces=w.spec.efa_interfaces,
+        min_workers=w.min_workers, max_workers=w.max_workers,
+        launch_template=contract.TemplateId(nodes.workers[(w.spec.name, w.market)].id))
+        for w in cfg.nodes.worker_splits()]
 
     return {"rayfleet": contract.StackOutputs(
         stack=stack,
@@ -130,14 +132,11 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
                                           worker=contract.Arn(iam.worker_profile.arn)),
         roles=contract.ByRole(head=contract.Arn(iam.head_role.arn),
                               worker=contract.Arn(iam.worker_role.arn)),
-        launch_templates=contract.ByNodeType(
-            head=contract.TemplateId(nodes.head.id),
-            worker_ondemand=contract.TemplateId(nodes.worker_ondemand.id),
-            worker_spot=contract.TemplateId(nodes.worker_spot.id)),
-        node_types=contract.ByNodeType(
+        launch_templates=contract.LaunchTemplates(head=contract.TemplateId(nodes.head.id)),
+        node_types=contract.NodeTypes(
             head=contract.HeadNodeType(instance_type=head.name, vcpus=head.vcpus, gpus=0),
-            worker_ondemand=workers(cfg.nodes.on_demand_min, cfg.nodes.on_demand_max),
-            worker_spot=workers(cfg.nodes.spot_min, cfg.nodes.spot_max)),
+            workers=workers),
+        max_workers=cfg.nodes.max_workers,
         placement_group=nodes.placement_group.name,
         ami_id=nodes.ami_id,
         imds_hop_limit=cfg.nodes.imds_hop_limit,

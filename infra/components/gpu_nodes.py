@@ -1,10 +1,12 @@
-"""Launch templates the Ray autoscaler launches nodes from: the CPU head and the A100 workers.
+"""Launch templates the Ray autoscaler launches nodes from: the CPU head and the GPU workers,
+one template per allowed worker type and market (spot, on-demand).
 
 Ray's cluster launcher references these by id (``node_config: LaunchTemplate``) and adds the
 subnet, security groups and instance profile itself (rule 3), so what lives here is what must
 hold for every node however it is launched: the Deep Learning AMI, IMDSv2 (rule 9), encrypted
 gp3 roots (rule 10), no public address (rule 7), the cluster tags that the head role's
-permissions hinge on, and for the A100s their EFA interfaces and cluster placement group.
+permissions hinge on, and for the GPU workers their type's EFA interfaces (one per network
+card: p4d 4, p5 32) and the one cluster placement group every worker type shares.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pulumi
 import pulumi_aws as aws
 
 from rayfleet.catalog import InstanceSpec
-from rayfleet.facts import RAY_CLUSTER_TAG, TAG_CLUSTER, TAG_NODE_KIND, TAG_STACK
+from rayfleet.facts import MARKETS, RAY_CLUSTER_TAG, TAG_CLUSTER, TAG_NODE_KIND, TAG_STACK
 # Module-level, so a test can swap it and watch the policy pack notice.
 from rayfleet.facts import TAG_HOP_LIMIT_REASON as HOP_LIMIT_REASON_TAG
 
@@ -31,7 +33,7 @@ class GpuNodesArgs:
     cluster_name: str
     stack: str
     head_instance_type: str
-    worker: InstanceSpec
+    workers: tuple[InstanceSpec, ...]   # rayfleet:workerInstanceTypes, most preferred first
     head_root_volume_gb: int
     worker_root_volume_gb: int
     imds_hop_limit: int
@@ -64,8 +66,14 @@ echo 'set -a; . /etc/rayfleet/node.env; set +a' > /etc/profile.d/rayfleet.sh
     return base64.b64encode(script.encode()).decode()
 
 
+def template_suffix(instance_type: str, market: str) -> str:
+    """The worker template's name after the component's: ``worker-p5-48xlarge-spot``."""
+    return f"worker-{instance_type.replace('.', '-')}-{market}"
+
+
 class GpuNodes(pulumi.ComponentResource):
-    """Cluster placement group and launch templates: head, worker on-demand, worker spot."""
+    """Cluster placement group and launch templates: the head, and per allowed worker type one
+    spot and one on-demand template (``self.workers[(type, market)]``, in the stack's order)."""
 
     def __init__(self, name: str, args: GpuNodesArgs,
                  opts: pulumi.ResourceOptions | None = None):
@@ -76,8 +84,11 @@ class GpuNodes(pulumi.ComponentResource):
         self.ami_id = ami.id
         root_device = ami.root_device_name or "/dev/sda1"
 
-        # All A100 workers in one rack-level group: NCCL all-reduce over EFA needs the lowest
-        # latency between nodes. A cluster group lives in one AZ, hence one worker subnet.
+        # All GPU workers in one rack-level group: NCCL all-reduce over EFA needs the lowest
+        # latency between nodes. A cluster group lives in one AZ, hence one worker subnet. Every
+        # worker type shares it: AWS allows several types in a cluster group, though one type
+        # has the best odds of capacity
+        # (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/placement-strategies.html).
         self.placement_group = aws.ec2.PlacementGroup(
             f"{name}-workers",
             strategy="cluster",
@@ -97,44 +108,50 @@ class GpuNodes(pulumi.ComponentResource):
             opts=child,
         )
 
-        workers = {}
-        for market in ("ondemand", "spot"):
-            spot = market == "spot"
-            workers[market] = aws.ec2.LaunchTemplate(
-                f"{name}-worker-{market}",
-                description=(f"Ray A100 worker ({'spot' if spot else 'on-demand'}) of "
-                             f"{args.cluster_name}"),
-                instance_type=args.worker.name,
-                network_interfaces=_efa_interfaces(args),
-                placement=aws.ec2.LaunchTemplatePlacementArgs(
-                    group_name=self.placement_group.name),
-                instance_market_options=aws.ec2.LaunchTemplateInstanceMarketOptionsArgs(
-                    market_type="spot",
-                    spot_options=aws.ec2.LaunchTemplateInstanceMarketOptionsSpotOptionsArgs(
-                        # One-time and terminate: a reclaimed worker is gone, and the
-                        # autoscaler replaces it; nothing stopped lingers to bill EBS.
-                        spot_instance_type="one-time",
-                        instance_interruption_behavior="terminate",
-                    ),
-                ) if spot else None,
-                user_data=user_data(args.cluster_name, "worker"),
-                # Models, container images and wheels on a fast root; scratch data belongs on
-                # the p4d's 8 local NVMe drives, which the DLAMI mounts at /opt/dlami/nvme.
-                block_device_mappings=[_root(root_device, args.worker_root_volume_gb, 6000, 500)],
-                tag_specifications=_tag_specs(args, "worker", spot=spot, efa=True),
-                **self._common(args, "worker", args.worker_instance_profile_arn),
-                opts=child,
-            )
-        self.worker_ondemand = workers["ondemand"]
-        self.worker_spot = workers["spot"]
+        # One template per (type, market): a template names one instance type, and its network
+        # interfaces must match that type's network cards.
+        self.workers: dict[tuple[str, str], aws.ec2.LaunchTemplate] = {}
+        for worker in args.workers:
+            for market in MARKETS:
+                self.workers[(worker.name, market)] = self._worker(
+                    name, args, worker, market, root_device, child)
 
         self.register_outputs({
             "ami_id": self.ami_id,
             "placement_group": self.placement_group.name,
             "head_launch_template_id": self.head.id,
-            "worker_ondemand_launch_template_id": self.worker_ondemand.id,
-            "worker_spot_launch_template_id": self.worker_spot.id,
+            "worker_launch_template_ids": [lt.id for lt in self.workers.values()],
         })
+
+    def _worker(self, name: str, args: GpuNodesArgs, worker: InstanceSpec, market: str,
+                root_device: str, child: pulumi.ResourceOptions) -> aws.ec2.LaunchTemplate:
+        spot = market == "spot"
+        return aws.ec2.LaunchTemplate(
+            f"{name}-{template_suffix(worker.name, market)}",
+            description=(f"Ray {worker.name} worker ({'spot' if spot else 'on-demand'}) "
+                         f"of {args.cluster_name}"),
+            instance_type=worker.name,
+            network_interfaces=_efa_interfaces(args, worker),
+            placement=aws.ec2.LaunchTemplatePlacementArgs(
+                group_name=self.placement_group.name),
+            instance_market_options=aws.ec2.LaunchTemplateInstanceMarketOptionsArgs(
+                market_type="spot",
+                spot_options=aws.ec2.LaunchTemplateInstanceMarketOptionsSpotOptionsArgs(
+                    # One-time and terminate: a reclaimed worker is gone, and the
+                    # autoscaler replaces it; nothing stopped lingers to bill EBS.
+                    spot_instance_type="one-time",
+                    instance_interruption_behavior="terminate",
+                ),
+            ) if spot else None,
+            user_data=user_data(args.cluster_name, "worker"),
+            # Models, container images and wheels on a fast root; scratch data belongs on
+            # the workers' local NVMe drives (p4d 8 x 1 TB, p5 8 x 3.84 TB), which the
+            # DLAMI mounts at /opt/dlami/nvme.
+            block_device_mappings=[_root(root_device, args.worker_root_volume_gb, 6000, 500)],
+            tag_specifications=_tag_specs(args, "worker", spot=spot, efa=True),
+            **self._common(args, "worker", args.worker_instance_profile_arn),
+            opts=child,
+        )
 
     def _ami(self, args: GpuNodesArgs) -> aws.ec2.AwaitableGetAmiResult:
         invoke = pulumi.InvokeOptions(parent=self)
@@ -195,9 +212,9 @@ def _root(device: str, size_gb: int, iops: int, throughput: int):
     )
 
 
-def _efa_interfaces(args: GpuNodesArgs) -> list:
-    """One EFA per network card (p4d: 4). Card 0 carries the primary interface (device 0),
-    the others device index 1, as AWS documents for multi-card instances
+def _efa_interfaces(args: GpuNodesArgs, worker: InstanceSpec) -> list:
+    """One EFA per network card (p4d: 4, p5 and p5e: 32, p5en: 16). Card 0 carries the primary
+    interface (device 0), the others device index 1, as AWS documents for multi-card instances
     (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html)."""
     return [
         aws.ec2.LaunchTemplateNetworkInterfaceArgs(
@@ -210,9 +227,9 @@ def _efa_interfaces(args: GpuNodesArgs) -> list:
             # IPv4 to an instance launched with several interfaces, and refuses the parameter
             # altogether in that case (InvalidParameterCombination).
             delete_on_termination="true",
-            description=f"{args.cluster_name} worker EFA {card}",
+            description=f"{args.cluster_name} {worker.name} worker EFA {card}",
         )
-        for card in range(args.worker.efa_interfaces)
+        for card in range(worker.efa_interfaces)
     ]
 
 

@@ -2,10 +2,12 @@
 
 Prices come from the instance catalog (``rayfleet/catalog.py``), a dated table shipped with
 the kit: EC2 prices cannot be fetched offline (the Pricing API needs credentials and the
-network), so the table says when it was taken and every report repeats that date. Per node
+network), so the table says when it was taken and every report repeats that date; a type
+whose price could not be confirmed has none, and the report says so rather than guess. Per node
 type: on-demand, and spot where the node type is a spot one. Head + min workers is the floor
-(an idle cluster), head + max workers the ceiling; the monthly ceiling is compared with the
-stack's budget.
+(an idle cluster), head + max workers the ceiling. With several worker types the ceiling is
+given per type (every worker of that type, the cluster's max_workers bounding them all), the
+preferred (first) type's first; that one is compared with the stack's budget.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ def load_prices() -> dict[str, Any]:
     return catalog.prices()
 
 
-def hourly(instance_type: str, market: str, prices: dict[str, Any]) -> float:
-    """$/hour of one instance; ``market`` is ``on_demand`` or ``spot``."""
+def hourly(instance_type: str, market: str, prices: dict[str, Any]) -> float | None:
+    """$/hour of one instance; ``market`` is ``on_demand`` or ``spot``. None for a GPU type
+    the catalog knows but has no confirmed price for (its ``source`` says why)."""
     if instance_type in prices["gpu"]:
         return prices["gpu"][instance_type][market]
     family, _, size = instance_type.partition(".")
@@ -40,8 +43,20 @@ def hourly(instance_type: str, market: str, prices: dict[str, Any]) -> float:
     return round(per_vcpu[market] * heads[instance_type].vcpus, 4)
 
 
+def _sum(pairs: list[tuple[float | None, int]]) -> float | None:
+    """Sum of price x count; None if a counted price is unknown."""
+    if any(p is None and n for p, n in pairs):
+        return None
+    return round(sum((p or 0) * n for p, n in pairs), 2)
+
+
 def estimate(cfg: dict[str, Any], prices: dict[str, Any] | None = None,
              hours_per_month: float = HOURS_PER_MONTH) -> dict[str, Any]:
+    """Floor (head + min workers) and ceilings (head + max workers). With several worker
+    types, the ceiling is given per instance type, as if every worker were of that type (the
+    autoscaler's max_workers bounds all types together); ``hourly.max`` assumes the first
+    worker type of the YAML, the stack's preferred one (``assumes``). A price the catalog has
+    not confirmed makes the totals that need it None."""
     prices = prices or load_prices()
     provider = cfg.get("provider") or {}
     if provider.get("type") != "aws":
@@ -72,32 +87,55 @@ def estimate(cfg: dict[str, Any], prices: dict[str, Any] | None = None,
                                                               f"max_workers {hi}")
         od = hourly(itype, "on_demand", prices)
         price = hourly(itype, "spot", prices) if spot else od
-        rows.append({"node_type": name, "instance_type": itype,
+        rows.append({"node_type": name, "instance_type": itype, "head": head,
                      "market": "spot" if spot else "on-demand", "price": price,
                      "on_demand_price": od, "min": lo, "max": hi})
+    head_row = next(r for r in rows if r["head"])
+    workers = [r for r in rows if not r["head"]]
     # The autoscaler never runs more workers than the global max_workers.
     cap = cfg.get("max_workers")
-    total_max_workers = sum(r["max"] for r in rows if r["node_type"] != head_type)
-    if cap is not None and total_max_workers > cap:
-        total_max_workers = cap
+    cap = int(cap) if cap is not None else sum(r["max"] for r in workers)
 
-    def total(key: str, price_key: str) -> float:
-        return round(sum(r[price_key] * r[key] for r in rows), 2)
+    def ceiling(itype: str, all_on_demand: bool) -> float | None:
+        # On-demand rows first (always launchable), then spot, up to the global cap.
+        left, pairs = cap, [(head_row["price"], 1)]
+        for r in sorted((r for r in workers if r["instance_type"] == itype),
+                        key=lambda r: r["market"] == "spot"):
+            n = min(left, r["max"])
+            left -= n
+            pairs.append((r["on_demand_price"] if all_on_demand else r["price"], n))
+        return _sum(pairs)
 
+    order = list(dict.fromkeys(r["instance_type"] for r in workers))
+    by_type = {t: {"max": ceiling(t, False), "max_all_on_demand": ceiling(t, True)}
+               for t in order}
+    assumes = order[0] if order else None
     out = {
         "as_of": prices["as_of"],
         "region": region,
         "rows": rows,
+        "assumes": assumes,
+        "by_type": by_type,
         "hourly": {
-            "min": total("min", "price"),
-            "max": total("max", "price"),
-            "max_all_on_demand": total("max", "on_demand_price"),
+            "min": _sum([(r["price"], r["min"]) for r in rows]),
+            "max": by_type[assumes]["max"] if assumes else head_row["price"],
+            "max_all_on_demand": (by_type[assumes]["max_all_on_demand"] if assumes
+                                  else head_row["price"]),
         },
         "hours_per_month": hours_per_month,
-        "max_workers": total_max_workers,
+        "max_workers": min(cap, sum(r["max"] for r in workers)),
+        "unpriced": [t for t in order if prices["gpu"].get(t, {}).get("on_demand") is None
+                     or prices["gpu"].get(t, {}).get("spot") is None],
     }
-    out["monthly"] = {k: round(v * hours_per_month, 2) for k, v in out["hourly"].items()}
+    out["monthly"] = {k: None if v is None else round(v * hours_per_month, 2)
+                      for k, v in out["hourly"].items()}
     return out
+
+
+def _money(hourly_usd: float | None, monthly_usd: float | None, hrs: float) -> str:
+    if hourly_usd is None or monthly_usd is None:
+        return "no confirmed price"
+    return f"${hourly_usd:.2f}/h  ${monthly_usd:,.0f}/month ({hrs:g} h)"
 
 
 def main(path: str, stack_file: str | None = None, budget_usd: float | None = None,
@@ -110,30 +148,45 @@ def main(path: str, stack_file: str | None = None, budget_usd: float | None = No
     print(f"Prices: rayfleet's catalog as of {e['as_of']} ({e['region']}); they cannot be "
           "fetched offline - check https://aws.amazon.com/ec2/pricing/ before budgeting. "
           "EBS, NAT, transfer and S3 not included.", file=out)
-    print(f"{'node type':28} {'instance':16} {'market':10} {'$/h each':>9} {'min':>4} "
+    if e["unpriced"]:
+        print(f"No confirmed price in the catalog for {', '.join(e['unpriced'])}: their rows "
+              "and the totals that need them say so instead of guessing.", file=out)
+    print(f"{'node type':34} {'instance':16} {'market':10} {'$/h each':>9} {'min':>4} "
           f"{'max':>4}", file=out)
     for r in e["rows"]:
-        print(f"{r['node_type']:28} {r['instance_type']:16} {r['market']:10} "
-              f"{r['price']:9.2f} {r['min']:4d} {r['max']:4d}", file=out)
+        price = "n/a" if r["price"] is None else f"{r['price']:.2f}"
+        print(f"{r['node_type']:34} {r['instance_type']:16} {r['market']:10} "
+              f"{price:>9} {r['min']:4d} {r['max']:4d}", file=out)
     h, m = e["hourly"], e["monthly"]
     hrs = e["hours_per_month"]
-    print(f"head + min workers: ${h['min']:.2f}/h  ${m['min']:,.0f}/month ({hrs:g} h)", file=out)
-    print(f"head + max workers: ${h['max']:.2f}/h  ${m['max']:,.0f}/month (spot where the node "
-          f"type is spot)", file=out)
-    print(f"head + max workers, all on-demand (no spot capacity): "
-          f"${h['max_all_on_demand']:.2f}/h  ${m['max_all_on_demand']:,.0f}/month", file=out)
+    assumes = f", all {e['assumes']} (the preferred type)" if e["assumes"] else ""
+    print(f"head + min workers: {_money(h['min'], m['min'], hrs)}", file=out)
+    print(f"head + max workers{assumes}: {_money(h['max'], m['max'], hrs)} (spot where the "
+          f"node type is spot)", file=out)
+    print(f"head + max workers{assumes}, all on-demand (no spot capacity): "
+          f"{_money(h['max_all_on_demand'], m['max_all_on_demand'], hrs)}", file=out)
+    for itype, c in list(e["by_type"].items())[1:]:
+        od = c["max_all_on_demand"]
+        print(f"head + max workers, all {itype} (if the autoscaler falls back to it): "
+              f"{_money(c['max'], None if c['max'] is None else c['max'] * hrs, hrs)}; all "
+              f"on-demand {_money(od, None if od is None else od * hrs, hrs)}", file=out)
     if budget_usd:
-        for label, key in (("idle (min)", "min"), ("busy (max)", "max")):
+        for label, key in (("idle (min)", "min"), (f"busy (max{assumes})", "max")):
+            if m[key] is None:
+                print(f"budget ${budget_usd:,.0f}/month: {label} has no confirmed price",
+                      file=out)
+                continue
             share = m[key] / budget_usd * 100
             verdict = "within" if m[key] <= budget_usd else "OVER"
             print(f"budget ${budget_usd:,.0f}/month: {label} is {share:.0f}% - {verdict}",
                   file=out)
         # Hours of full-size use the budget buys after the idle floor.
-        spare = budget_usd - m["min"]
-        extra = h["max"] - h["min"]
-        if spare > 0 and extra > 0:
-            print(f"  the budget covers about {spare / extra:,.0f} h/month at max workers "
-                  "above the idle floor", file=out)
+        if m["min"] is not None and h["max"] is not None:
+            spare = budget_usd - m["min"]
+            extra = h["max"] - h["min"]
+            if spare > 0 and extra > 0:
+                print(f"  the budget covers about {spare / extra:,.0f} h/month at max workers "
+                      "above the idle floor", file=out)
     else:
         print("no budget given (--budget-usd or --stack-file Pulumi.<stack>.yaml)", file=out)
     return 0

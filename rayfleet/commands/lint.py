@@ -237,6 +237,16 @@ def lint_config(cfg: dict[str, Any], text: str = "") -> list[Finding]:
                              f"{itype} is a GPU type but the node type declares no GPU resource",
                              "declare resources: {CPU: n, GPU: n, accelerator_type:<X>: 1} so "
                              "GPU jobs are matched before the node exists"))
+        # A job asking for accelerator_type:H100 must not be placed on an A100 node type.
+        spec = catalog.worker_types().get(itype)
+        declared = sorted(k.partition(":")[2] for k in (res if isinstance(res, dict) else {})
+                          if str(k).startswith("accelerator_type:"))
+        if spec and declared and declared != [spec.accelerator_type]:
+            f.append(Finding(WARNING, 3, f"available_node_types.{name}.resources",
+                             f"declares accelerator_type:{', '.join(declared)} but a {itype} "
+                             f"has {spec.gpus}x {spec.accelerator_type}",
+                             f"declare accelerator_type:{spec.accelerator_type}: 1 (`rayfleet "
+                             "render` does)"))
 
     head_start = _commands(cfg, "head_start_ray_commands")
     worker_start = _commands(cfg, "worker_start_ray_commands")

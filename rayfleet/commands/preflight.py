@@ -5,8 +5,11 @@ Offline checks first (token file, GPUs asked for vs node types), then read-only 
 one test object in the bucket: subnets and their AZs offer each instance type
 (describe_instance_type_offerings), security groups, launch templates (and, for templates that
 are the network source, their interfaces carry subnet and groups), AMIs, instance profiles and
-key pairs exist, EC2 service quotas for P instances (on-demand and spot) cover max workers x
-vCPUs, and the bucket is reachable and writable. Prints a table of PASS / FAIL / UNKNOWN with
+key pairs exist, EC2 service quotas for P instances (on-demand and spot; every GPU worker type
+of the catalog is a P type) cover the most vCPUs the worker types can run together (each up to
+its max_workers, all within the cluster's max_workers, largest first), and the bucket is
+reachable and writable. Each worker type is checked on its own: offered in the workers' AZ
+(its launch template's subnet), its template present. Prints a table of PASS / FAIL / UNKNOWN with
 the fix; exits 1 if anything FAILs. UNKNOWN (e.g. a service the credentials cannot query) is
 reported, never a crash.
 """
@@ -62,6 +65,19 @@ def gpus_fit(cfg: dict, num_gpus: int) -> str:
     raise ClusterError(f"no node type offers {num_gpus} GPUs (the most is {best}); the job "
                        "would wait forever: ask for at most that many per worker, or spread "
                        "the job over more workers")
+
+
+def quota_need(types: list[tuple[int, int]], cap: int | None) -> int:
+    """The most vCPUs a market's P node types can run at once: each type up to its
+    max_workers, all of them together up to the cluster's max_workers (several worker types
+    share it), the largest types first."""
+    left = sum(n for _, n in types) if cap is None else int(cap)
+    need = 0
+    for cpus, n in sorted(types, reverse=True):
+        take = min(left, n)
+        need += cpus * take
+        left -= take
+    return need
 
 
 def token_check(cfg: dict) -> Check:
@@ -133,7 +149,8 @@ class Preflight:
         amis: set[str] = set()
         profiles: set[str] = set()
         keys: set[str] = set()
-        vcpus = {"on-demand": 0, "spot": 0}
+        # Per market, (vCPUs, max workers) of each P worker node type.
+        p_types: dict[str, list[tuple[int, int]]] = {"on-demand": [], "spot": []}
         for name, nt in types.items():
             nc = (nt or {}).get("node_config") or {}
             lt = self.template(nc) or {}
@@ -170,8 +187,8 @@ class Preflight:
                 market = (nc.get("InstanceMarketOptions") or lt.get("InstanceMarketOptions")
                           or {}).get("MarketType", "on-demand")
                 cpus = int(((nt or {}).get("resources") or {}).get("CPU", 0) or 0)
-                vcpus["spot" if market == "spot" else "on-demand"] += \
-                    cpus * int(nt.get("max_workers", 0))
+                p_types["spot" if market == "spot" else "on-demand"].append(
+                    (cpus, int(nt.get("max_workers", 0))))
         self.check_subnets_and_offerings(subnets)
         self.check_ids("security groups", sgs, lambda ids: self.ec2.describe_security_groups(
             GroupIds=ids)["SecurityGroups"], "re-run `pulumi up`, then `rayfleet render`")
@@ -182,7 +199,8 @@ class Preflight:
             "aws ec2 create-key-pair --key-name <name> --query KeyMaterial --output text "
             "> ~/.ssh/<name>.pem")
         self.check_profiles(profiles)
-        self.check_quotas(vcpus)
+        cap = self.cfg.get("max_workers")
+        self.check_quotas({m: quota_need(t, cap) for m, t in p_types.items()})
         if bucket:
             self.check_bucket(bucket)
         else:
@@ -308,4 +326,4 @@ def main(path: str, num_gpus: int | None = None, bucket: str | None = None, out=
     return 1 if failed else 0
 
 
-__all__ = ["Check", "Preflight", "gpus_fit", "main", "token_check"]
+__all__ = ["Check", "Preflight", "gpus_fit", "main", "quota_need", "token_check"]

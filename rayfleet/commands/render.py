@@ -6,10 +6,15 @@ copied from them, none hand-typed (docs/house.md, convention 3), so Ray's bootst
 group, subnets and an instance profile on every node type and creates none of its permissive
 defaults (rule 3). The result is written to ``cluster-configs/generated/<stack>.yaml``.
 
-Workers: the A100 launch templates carry the EFA network interfaces, each with its subnet and
-security groups. Ray's bootstrap copies those up into the node config and raises ValueError if
-the node config also sets SubnetIds or SecurityGroupIds, so worker node types name the launch
-template and leave both out; the head (no EFA) names them explicitly.
+Workers: one Ray node type per (allowed GPU type, market) of the stack, in the stack's order
+(``rayfleet:workerInstanceTypes``, each type's spot then its on-demand), named
+``ray.worker.<instance type>.<spot|ondemand>``, each on its own launch template, its resources
+the stack's (GPUs, ``accelerator_type:<A100|H100|H200>``). The launch templates carry the
+type's EFA network interfaces, each with its subnet and security groups. Ray's bootstrap
+copies those up into the node config and raises ValueError if the node config also sets
+SubnetIds or SecurityGroupIds, so worker node types name the launch template and leave both
+out; the head (no EFA) names them explicitly. The cluster's max_workers (rayfleet:maxWorkers)
+bounds every worker type together.
 
 vLLM (pyproject.toml's ``llm`` extra, ``ray[llm]``) goes on the head and on every node type whose
 resources ask for GPUs, after the node environment; CPU-only worker types do without it. The
@@ -258,15 +263,15 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
     nt = o.node_types
     profiles = o.instance_profiles
     lts = o.launch_templates
-    max_workers = nt.worker_spot.max_workers + nt.worker_ondemand.max_workers
 
     # Resources as the stack declares its node types: what was deployed, not what this
     # version of the kit would deploy today.
-    def worker(t: WorkerNodeType, template_id: str, spot: bool) -> dict:
+    def worker(t: WorkerNodeType) -> dict:
+        spot = t.market == "spot"
         node_config: dict[str, Any] = {
             "InstanceType": t.instance_type,
             "LaunchTemplate": Why(
-                {"LaunchTemplateId": template_id, "Version": "$Default"},
+                {"LaunchTemplateId": t.launch_template.id, "Version": "$Default"},
                 "The launch template brings the AMI, IMDSv2, encrypted roots, the placement "
                 "group and the EFA interfaces with their subnet and security groups; Ray's "
                 "bootstrap copies those up, and raises ValueError if SubnetIds or "
@@ -284,13 +289,14 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                                                            "terminate"}},
                 "Spot, one-time, terminate on interruption: a reclaimed worker is gone and "
                 "the autoscaler replaces it; nothing stopped lingers to bill EBS.")
-        resources = {"CPU": t.vcpus, "GPU": t.gpus, "accelerator_type:A100": 1}
+        accelerator = f"accelerator_type:{t.accelerator_type}"
+        resources = {"CPU": t.vcpus, "GPU": t.gpus, accelerator: 1}
         node_type = {
             "min_workers": t.min_workers,
             "max_workers": t.max_workers,
             "resources": Why(
                 resources,
-                "Declared, not detected: a job asking for GPUs or accelerator_type:A100 is "
+                f"Declared, not detected: a job asking for GPUs or {accelerator} is "
                 "matched to this type before any instance exists."),
             "node_config": node_config,
         }
@@ -315,10 +321,12 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
         "cluster_name": Why(c, f"From the stack output; Ray tags every instance "
                                f"{RAY_CLUSTER_TAG}={c}, the tag the head role's EC2 permissions "
                                "and `rayfleet sweep` key on."),
-        "max_workers": max_workers,
+        "max_workers": Why(o.max_workers,
+                           "rayfleet:maxWorkers: every worker type together. Each type may "
+                           "grow to its own max_workers; this bounds their sum."),
         "upscaling_speed": 1.0,
         "idle_timeout_minutes": Why(idle_timeout_minutes,
-                                    "An idle A100 worker costs tens of dollars an hour; "
+                                    "An idle GPU worker costs tens of dollars an hour; "
                                     "give it back soon."),
         "provider": {
             "type": "aws",
@@ -371,10 +379,9 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                     "KeyName": key_name,
                 },
             },
-            # Spot first in the file; on-demand keeps onDemandWorkers always launchable.
-            "ray.worker.a100.spot": worker(nt.worker_spot, lts.worker_spot.id, spot=True),
-            "ray.worker.a100.ondemand": worker(nt.worker_ondemand, lts.worker_ondemand.id,
-                                               spot=False),
+            # The stack's order (rayfleet:workerInstanceTypes, most preferred first); per
+            # type spot first, on-demand keeps onDemandWorkers launchable.
+            **{t.ray_name: worker(t) for t in nt.workers},
         },
         "head_node_type": "ray.head.default",
         "file_mounts": Why({REMOTE_TOKEN: token_file,

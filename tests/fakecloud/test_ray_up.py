@@ -352,8 +352,11 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             workers = [i for i in live if _tags(i).get("ray-node-type") == "worker"]
             assert len(workers) == 1, [_tags(i) for i in live]
             tags = _tags(workers[0])
-            assert tags["ray-user-node-type"] in ("ray.worker.a100.spot",
-                                                  "ray.worker.a100.ondemand"), tags
+            # One of the stack's worker node types (p4d or p4de, spot or on-demand): each
+            # declares accelerator_type:A100.
+            assert tags["ray-user-node-type"] in {
+                f"ray.worker.{w['instance_type']}.{w['market']}"
+                for w in stack.outputs["node_types"]["workers"]}, tags
             assert workers[0]["InstanceId"] in cloud.nodes, cloud.events
             nodes = json.loads(_ok(run([str(BIN / "ray"), "list", "nodes", "--format", "json",
                                         "--address", address], env=client, timeout=60),

@@ -210,7 +210,7 @@ RENDER = ["render", "{tmp}/outputs.json", "-o", "{tmp}/generated.yaml",
 COST_STACK = ["cost", "{yaml}", "--stack-file", "{tmp}/Pulumi.bad.yaml"]
 TRAIN = ["--storage-path", "{tmp}/runs"]
 DATA = ["--output", "{tmp}/data-out"]
-SPOT = "ray.worker.a100.spot"
+SPOT = "ray.worker.p4d.24xlarge.spot"
 
 CASES = [
     # -- the rayfleet CLI itself
@@ -236,12 +236,23 @@ CASES = [
          "rayfleet:operatorCidrs: '10.0.0.0/33' is not a CIDR",
          lambda t: _stack(t, operatorCidrs=["10.0.0.0/33"])),
     Case("stack-unknown-instance-type", "rayfleet", COST_STACK,
-         'rayfleet:workerInstanceType: \'p4d.24xlage\' is not allowed; allowed: p4d.24xlarge, '
-         'p4de.24xlarge (did you mean "p4d.24xlarge"?)',
-         lambda t: _stack(t, workerInstanceType="p4d.24xlage")),
+         'rayfleet:workerInstanceTypes: \'p4d.24xlage\' is not a GPU worker type of the '
+         'catalog; allowed: p4d.24xlarge, p4de.24xlarge, p5.48xlarge, p5e.48xlarge, '
+         'p5en.48xlarge (did you mean "p4d.24xlarge"?)',
+         lambda t: _stack(t, workerInstanceTypes=["p4d.24xlarge", "p4d.24xlage"])),
+    Case("stack-duplicate-instance-type", "rayfleet", COST_STACK,
+         "rayfleet:workerInstanceTypes: lists p4d.24xlarge twice",
+         lambda t: _stack(t, workerInstanceTypes=["p4d.24xlarge", "p4d.24xlarge"])),
+    Case("stack-no-instance-type", "rayfleet", COST_STACK,
+         "rayfleet:workerInstanceTypes: is empty; name at least one GPU worker type",
+         lambda t: _stack(t, workerInstanceTypes=[])),
+    Case("stack-retired-single-type-key", "rayfleet", COST_STACK,
+         "rayfleet:workerInstanceType: was replaced by rayfleet:workerInstanceTypes, a list, "
+         "most preferred first; set rayfleet:workerInstanceTypes: [p5.48xlarge] instead",
+         lambda t: _stack(t, workerInstanceType="p5.48xlarge")),
     Case("stack-region-without-p4d", "rayfleet", COST_STACK,
-         "rayfleet:region: p4d.24xlarge is not offered in us-west-1",
-         lambda t: _stack(t, region="us-west-1", workerAz="")),
+         "rayfleet:workerInstanceTypes: p4d.24xlarge is not offered in rayfleet:region "
+         "us-west-1", lambda t: _stack(t, region="us-west-1", workerAz="")),
     Case("stack-min-over-max", "rayfleet", COST_STACK,
          "rayfleet:minWorkers: is 3 but rayfleet:maxWorkers is 2",
          lambda t: _stack(t, minWorkers=3, maxWorkers=2)),
@@ -263,13 +274,17 @@ CASES = [
     Case("outputs-missing-key", "rayfleet", RENDER, "lacks private_subnet_ids",
          lambda t: _outputs(t, lambda o: o.pop("private_subnet_ids"))),
     Case("outputs-unknown-instance-type", "rayfleet", RENDER, 'did you mean "p4d.24xlarge"',
-         lambda t: _outputs(t, lambda o: o["node_types"]["worker_spot"].update(
+         lambda t: _outputs(t, lambda o: o["node_types"]["workers"][0].update(
              instance_type="p4d.24xlage"))),
     Case("outputs-min-over-max", "rayfleet", RENDER,
-         "node_types.worker_spot: min_workers 3 must be an integer between 0 and max_workers 1",
-         lambda t: _outputs(t, lambda o: o["node_types"]["worker_spot"].update(min_workers=3))),
-    Case("outputs-schema-version", "rayfleet", RENDER, "schema_version 2 is not 1",
-         lambda t: _outputs(t, lambda o: o.update(schema_version=2))),
+         "node_types.workers[0]: min_workers 3 must be an integer between 0 and max_workers 1",
+         lambda t: _outputs(t, lambda o: o["node_types"]["workers"][0].update(min_workers=3))),
+    Case("outputs-schema-version", "rayfleet", RENDER, "schema_version 3 is not 2",
+         lambda t: _outputs(t, lambda o: o.update(schema_version=3))),
+    Case("outputs-older-schema", "rayfleet", RENDER,
+         "schema_version 1 is older than 2 (one worker type; now "
+         "rayfleet:workerInstanceTypes, several); re-run `pulumi up`",
+         lambda t: _outputs(t, lambda o: o.update(schema_version=1))),
     Case("render-out-is-a-folder", "rayfleet", [*RENDER[:2], "-o", "{tmp}", *RENDER[4:]],
          "is a folder; name the YAML file to write", lambda t: _outputs(t, lambda o: None)),
     Case("render-token-under-a-file", "rayfleet",

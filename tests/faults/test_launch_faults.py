@@ -77,7 +77,9 @@ def test_launch_interrupted_by_capacity_error_is_swept_clean(infra_stack, moto_a
                      "--token-file", str(tmp_path / "token")]) == 0
     cfg = ray_launch_config(rendered)
     provider = AWSNodeProvider(cfg["provider"], cfg["cluster_name"])
-    worker_type = o["node_types"]["worker_ondemand"]["instance_type"]
+    # The preferred type's on-demand node type (p4d): EC2 has none of it in the workers' AZ.
+    preferred = o["node_types"]["workers"][1]
+    worker_type = preferred["instance_type"]
     attempts: list[str] = []
     # Ray launches through its fail-fast client (no botocore retries); the hook sits on it.
     provider.ec2_fail_fast.meta.client.meta.events.register(
@@ -91,7 +93,7 @@ def test_launch_interrupted_by_capacity_error_is_swept_clean(infra_stack, moto_a
 
     (head_id,) = launch("ray.head.default", "head")
     with pytest.raises(NodeLaunchException) as err:
-        launch("ray.worker.a100.ondemand", "worker")
+        launch(f"ray.worker.{worker_type}.{preferred['market']}", "worker")
     # What the user (or the autoscaler's log) sees: EC2's code and message, not a traceback.
     assert err.value.category == "InsufficientInstanceCapacity"
     assert f"sufficient {worker_type} capacity" in err.value.description

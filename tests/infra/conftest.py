@@ -25,7 +25,9 @@ MAXIMAL = {
     "rayfleet:flowLogRetentionDays": 365,
     "rayfleet:operatorCidrs": ["10.8.0.0/16", "192.168.10.0/24", "2001:db8::/48"],
     "rayfleet:headInstanceType": "m7i.4xlarge",
-    "rayfleet:workerInstanceType": "p4de.24xlarge",
+    # Two types as an engineer falling back from A100s to H100s lists them: the p5's 32
+    # network cards are the most EFA interfaces a template carries.
+    "rayfleet:workerInstanceTypes": ["p4d.24xlarge", "p5.48xlarge"],
     "rayfleet:minWorkers": 2,
     "rayfleet:maxWorkers": 8,
     "rayfleet:onDemandWorkers": 3,

@@ -151,6 +151,9 @@ def b64(text: str) -> str:
 
 # Every mutation runs on the dev stack ("rayfleet-dev-..." names) unless marked maximal.
 D = "rayfleet-dev"
+# The dev stack's worker templates: p4d then p4de (Pulumi.dev.yaml), spot and on-demand each.
+WORKER_TEMPLATES = tuple(f"worker-{t}-{m}" for t in ("p4d-24xlarge", "p4de-24xlarge")
+                         for m in ("spot", "ondemand"))
 MUTATIONS: dict[int, dict[str, Mutation]] = {
     1: {
         "dashboard open to 0.0.0.0/0": lambda b: add(
@@ -206,10 +209,10 @@ MUTATIONS: dict[int, dict[str, Mutation]] = {
             b, f"{D}-network-private-a", lambda i: i.update(mapPublicIpOnLaunch=True),
             policy.SUBNET),
         "worker interface gets a public IP": lambda b: edit(
-            b, f"{D}-nodes-worker-spot",
+            b, f"{D}-nodes-worker-p4d-24xlarge-spot",
             lambda i: i["networkInterfaces"][0].update(associatePublicIpAddress="true")),
         "workers launched into a public subnet": lambda b: edit(
-            b, f"{D}-nodes-worker-ondemand", lambda i: [
+            b, f"{D}-nodes-worker-p4de-24xlarge-ondemand", lambda i: [
                 n.update(subnetId="subnet-rayfleet-dev-network-public-b")
                 for n in i["networkInterfaces"]]),
     },
@@ -224,17 +227,17 @@ MUTATIONS: dict[int, dict[str, Mutation]] = {
         "IMDSv1 allowed": lambda b: edit(
             b, f"{D}-nodes-head", lambda i: i["metadataOptions"].update(httpTokens="optional")),
         "hop limit 2 without a reason": lambda b: edit(
-            b, f"{D}-nodes-worker-spot",
+            b, f"{D}-nodes-worker-p4d-24xlarge-spot",
             lambda i: i["metadataOptions"].update(httpPutResponseHopLimit=2)),
         "hop limit left to the AMI": lambda b: edit(
-            b, f"{D}-nodes-worker-ondemand",
+            b, f"{D}-nodes-worker-p4de-24xlarge-ondemand",
             lambda i: i["metadataOptions"].pop("httpPutResponseHopLimit")),
         "no metadata options at all": lambda b: edit(
             b, f"{D}-nodes-head", lambda i: i.pop("metadataOptions")),
     },
     10: {
         "unencrypted root": lambda b: edit(
-            b, f"{D}-nodes-worker-spot",
+            b, f"{D}-nodes-worker-p4d-24xlarge-spot",
             lambda i: i["blockDeviceMappings"][0]["ebs"].update(encrypted="false")),
         "root volume left to the AMI": lambda b: edit(
             b, f"{D}-nodes-head", lambda i: i.pop("blockDeviceMappings")),
@@ -341,10 +344,10 @@ MUTATIONS: dict[int, dict[str, Mutation]] = {
             b, f"{D}-nodes-head",
             lambda i: i.update(userData=b64("#!/bin/bash\nexport RAY_AUTH_TOKEN=abc\n"))),
         "AWS key in user data": lambda b: edit(
-            b, f"{D}-nodes-worker-spot", lambda i: i.update(userData=b64(
+            b, f"{D}-nodes-worker-p4d-24xlarge-spot", lambda i: i.update(userData=b64(
                 "aws configure set aws_access_key_id AKIAABCDEFGHIJKLMNOP\n"))),
         "password assignment": lambda b: edit(
-            b, f"{D}-nodes-worker-ondemand", lambda i: i.update(userData=b64(
+            b, f"{D}-nodes-worker-p4de-24xlarge-ondemand", lambda i: i.update(userData=b64(
                 "DB_PASSWORD=hunter2hunter2\n"))),
     },
     26: {
@@ -466,14 +469,14 @@ def test_secret_put_into_user_data_by_the_program_is_caught(monkeypatch):
     b = run_program(dev_config())
     caught = {v.resource for v in check(b.resources, [20])}
     assert caught == {f"LaunchTemplate '{D}-nodes-{k}'"
-                      for k in ("head", "worker-ondemand", "worker-spot")}
+                      for k in ("head", *WORKER_TEMPLATES)}
 
 
 def test_hop_limit_two_in_the_program_needs_its_reason_tag(monkeypatch):
     monkeypatch.setattr(gpu_nodes, "HOP_LIMIT_REASON_TAG", "unrelated-tag")
     b = run_program({**dev_config(), "rayfleet:rayInDocker": True})
     assert {v.resource for v in check(b.resources, [9])} == {
-        f"LaunchTemplate '{D}-nodes-{k}'" for k in ("head", "worker-ondemand", "worker-spot")}
+        f"LaunchTemplate '{D}-nodes-{k}'" for k in ("head", *WORKER_TEMPLATES)}
 
 
 def test_user_data_is_settings_only(built):

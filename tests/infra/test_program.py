@@ -169,30 +169,42 @@ def test_efa_group_admits_only_itself(stack):
 
 # ----------------------------------------------------------------------------- nodes
 
+# EFA interfaces (one per network card) of each worker type, as AWS's EFA page lists them.
+EFA_CARDS = {"p4d.24xlarge": 4, "p4de.24xlarge": 4, "p5.48xlarge": 32, "p5e.48xlarge": 32,
+             "p5en.48xlarge": 16}
+
+
 def test_worker_templates_carry_efa_placement_and_market(stack):
     _, values, b = stack
     c = config_of(values)
     out = b.outputs["rayfleet"]
-    lts = {k: b.named(f"{c.cluster_name}-nodes-{k.replace('_', '-')}")
-           for k in ("head", "worker_ondemand", "worker_spot")}
-    for kind, lt in lts.items():
-        assert out["launch_templates"][kind]["id"] == lt.outputs["id"]
+    head = b.named(f"{c.cluster_name}-nodes-head")
+    assert out["launch_templates"]["head"]["id"] == head.outputs["id"]
+    workers = out["node_types"]["workers"]
+    # One template per (allowed type, market), in the stack's order, each type's spot first.
+    assert [(w["instance_type"], w["market"]) for w in workers] == [
+        (t, m) for t in c.nodes.worker_instance_types for m in ("spot", "ondemand")]
+    assert len(b.of_type(policy.LAUNCH_TEMPLATE)) == 1 + 2 * len(c.nodes.worker_instance_types)
+    for w in workers:
+        t, market = w["instance_type"], w["market"]
+        lt = b.named(f"{c.cluster_name}-nodes-worker-{t.replace('.', '-')}-{market}")
+        assert w["launch_template"]["id"] == lt.outputs["id"]
         assert lt.inputs["instanceInitiatedShutdownBehavior"] == "terminate"
-    for kind in ("worker_ondemand", "worker_spot"):
-        lt = lts[kind]
         nics = lt.inputs["networkInterfaces"]
-        assert len(nics) == c.nodes.worker.efa_interfaces == 4
-        assert [n["networkCardIndex"] for n in nics] == [0, 1, 2, 3]
-        assert [n["deviceIndex"] for n in nics] == [0, 1, 1, 1]
+        assert len(nics) == w["efa_interfaces"] == EFA_CARDS[t], t
+        assert [n["networkCardIndex"] for n in nics] == list(range(EFA_CARDS[t]))
+        assert [n["deviceIndex"] for n in nics] == [0] + [1] * (EFA_CARDS[t] - 1)
         assert all(n["interfaceType"] == "efa" and n["subnetId"] == out["worker_subnet_id"]
-                   for n in nics)
+                   and not n.get("associatePublicIpAddress") for n in nics)
         assert lt.inputs["placement"]["groupName"] == out["placement_group"]
-        assert lt.inputs["instanceType"] == c.nodes.worker_instance_type
-    assert lts["worker_spot"].inputs["instanceMarketOptions"]["marketType"] == "spot"
-    assert "instanceMarketOptions" not in lts["worker_ondemand"].inputs
-    assert "networkInterfaces" not in lts["head"].inputs
-    assert lts["head"].inputs["instanceType"] == c.nodes.head_instance_type
-    (pg,) = b.of_type("aws:ec2/placementGroup:PlacementGroup")
+        assert lt.inputs["instanceType"] == t
+        assert ("instanceMarketOptions" in lt.inputs) == (market == "spot")
+        if market == "spot":
+            assert lt.inputs["instanceMarketOptions"]["marketType"] == "spot"
+    assert "networkInterfaces" not in head.inputs
+    assert head.inputs["instanceInitiatedShutdownBehavior"] == "terminate"
+    assert head.inputs["instanceType"] == c.nodes.head_instance_type
+    (pg,) = b.of_type("aws:ec2/placementGroup:PlacementGroup")   # shared by every type
     assert pg.inputs["strategy"] == "cluster"
 
 
@@ -216,8 +228,8 @@ def test_root_volumes_are_gp3_and_sized_from_config(stack):
         assert root["deviceName"] == "/dev/sda1" and root["ebs"]["volumeType"] == "gp3"
         sizes[lt.name.rsplit("-nodes-", 1)[1]] = root["ebs"]["volumeSize"]
     assert sizes == {"head": c.nodes.head_root_volume_gb,
-                     "worker-ondemand": c.nodes.worker_root_volume_gb,
-                     "worker-spot": c.nodes.worker_root_volume_gb}
+                     **{f"worker-{t.replace('.', '-')}-{m}": c.nodes.worker_root_volume_gb
+                        for t in c.nodes.worker_instance_types for m in ("spot", "ondemand")}}
 
 
 def test_hop_limit_is_two_only_with_ray_in_docker(built):
@@ -285,17 +297,22 @@ def test_stack_output_schema(stack):
         "worker_availability_zone", "vpc_id", "private_subnet_ids", "worker_subnet_id",
         "cluster_security_group_id", "efa_security_group_id", "operator_access",
         "operator_cidrs", "instance_profiles", "roles", "launch_templates", "node_types",
+        "max_workers",
         "placement_group", "ami_id", "imds_hop_limit", "bucket", "bucket_arn",
         "storage_uri", "kms_key_arn", "ray_ports", "budget_name", "autostop_minutes"}
     assert (out["cluster_name"], out["region"]) == (c.cluster_name, c.region)
     assert out["storage_uri"] == f"s3://{out['bucket']}/{c.storage.key_prefix}"
     assert out["bucket"].startswith(c.storage.bucket_prefix)
     nt = out["node_types"]
-    assert nt["head"]["gpus"] == 0 and nt["worker_spot"]["gpus"] == 8
-    assert nt["worker_ondemand"]["min_workers"] + nt["worker_spot"]["min_workers"] == \
-        c.nodes.min_workers
-    assert nt["worker_ondemand"]["max_workers"] + nt["worker_spot"]["max_workers"] == \
-        c.nodes.max_workers
+    assert nt["head"]["gpus"] == 0 and all(w["gpus"] == 8 for w in nt["workers"])
+    # The minimum is the preferred type's; each type's two markets split maxWorkers, which
+    # the cluster-wide max_workers bounds for all types together.
+    assert sum(w["min_workers"] for w in nt["workers"]) == c.nodes.min_workers
+    assert sum(w["min_workers"] for w in nt["workers"][2:]) == 0
+    for i in range(0, len(nt["workers"]), 2):
+        assert nt["workers"][i]["max_workers"] + nt["workers"][i + 1]["max_workers"] == \
+            c.nodes.max_workers
+    assert out["max_workers"] == c.nodes.max_workers
     assert (out["budget_name"] is not None) == c.budget.enabled
     assert out["autostop_minutes"] == c.autostop_minutes   # render's default for the stack
     assert out["ray_ports"]["gcs"] == [6379, 6379]
@@ -311,7 +328,8 @@ def test_render_reads_back_what_the_program_exports(stack):
     c = config_of(values)
     parsed = contract.parse(json.dumps(b.outputs))
     assert parsed.to_dict() == b.outputs["rayfleet"]
-    assert parsed.node_types.worker_spot.vcpus == c.nodes.worker.vcpus
+    assert [(w.instance_type, w.vcpus, w.accelerator_type) for w in parsed.node_types.workers] \
+        == [(s.name, s.vcpus, s.accelerator_type) for s in c.nodes.workers for _ in "ab"]
     assert parsed.node_types.head.vcpus == c.nodes.head.vcpus
 
 
@@ -327,7 +345,11 @@ def test_budget_alerts_the_configured_addresses(built):
 
 @pytest.mark.parametrize("values,key", [
     ({"rayfleet:operatorCidrs": ["0.0.0.0/0"]}, "rayfleet:operatorCidrs"),
-    ({"rayfleet:region": "us-west-1"}, "rayfleet:region"),
+    ({"rayfleet:region": "us-west-1"}, "rayfleet:workerInstanceTypes"),
+    ({"rayfleet:workerInstanceTypes": ["p4d.24xlarge", "p4d.24xlarge"]},
+     "rayfleet:workerInstanceTypes"),
+    # An older stack's single-type key: one line naming the new one, nothing created.
+    ({"rayfleet:workerInstanceType": "p4d.24xlarge"}, "rayfleet:workerInstanceType"),
     ({"rayfleet:minWorkers": 5}, "rayfleet:minWorkers"),
     ({"rayfleet:bucketPrefix": "Bad_Bucket"}, "rayfleet:bucketPrefix"),
     ({"rayfleet:maxWorker": 4}, "rayfleet:maxWorker"),

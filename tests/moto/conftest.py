@@ -97,9 +97,9 @@ def stack(ec2, ami, tmp_path):
         "TagSpecifications": [{"ResourceType": "instance", "Tags": ray_tags}],
     }, TagSpecifications=[{"ResourceType": "launch-template", "Tags": pulumi_tags}])
     lts = {"head": head_lt["LaunchTemplate"]}
-    for kind, spot in (("worker_ondemand", False), ("worker_spot", True)):
+    for w in o["node_types"]["workers"]:
         data = {
-            "ImageId": ami, "InstanceType": o["node_types"][kind]["instance_type"],
+            "ImageId": ami, "InstanceType": w["instance_type"],
             "IamInstanceProfile": {"Arn": profiles["worker"]["arn"]}, "MetadataOptions": imds,
             # One EFA per card on p4d; moto launches one interface, which is what the
             # subnet/group bookkeeping needs.
@@ -108,12 +108,14 @@ def stack(ec2, ami, tmp_path):
                                    "DeleteOnTermination": True}],
             "TagSpecifications": [{"ResourceType": "instance", "Tags": ray_tags}],
         }
-        if spot:
+        if w["market"] == "spot":
             data["InstanceMarketOptions"] = {"MarketType": "spot"}
-        lts[kind] = ec2.create_launch_template(
-            LaunchTemplateName=f"{c}-{kind}", LaunchTemplateData=data,
+        lt = ec2.create_launch_template(
+            LaunchTemplateName=f"{c}-{w['instance_type']}-{w['market']}",
+            LaunchTemplateData=data,
             TagSpecifications=[{"ResourceType": "launch-template", "Tags": pulumi_tags}],
         )["LaunchTemplate"]
+        w["launch_template"] = {"id": lt["LaunchTemplateId"]}
     s3 = boto3.client("s3", region_name=REGION)
     s3.create_bucket(Bucket=o["bucket"])
     ec2.create_key_pair(KeyName=f"{c}-operator")
@@ -121,7 +123,7 @@ def stack(ec2, ami, tmp_path):
              cluster_security_group_id=sg, efa_security_group_id=efa, ami_id=ami,
              instance_profiles=profiles,
              launch_templates={k: {"id": v["LaunchTemplateId"], "name": v["LaunchTemplateName"]}
-                               for k, v in lts.items()})
+                               for k, v in lts.items()})   # the head's; workers' in node_types
     path = tmp_path / "outputs.json"
     path.write_text(json.dumps({"rayfleet": o}))
     return {"outputs": o, "path": path}

@@ -24,11 +24,14 @@ def _tags(resource: dict) -> dict[str, str]:
     return {t["Key"]: t["Value"] for t in resource.get("Tags") or []}
 
 
-NODE_TYPES = {  # Ray node type -> (stack launch template, instance profile)
-    "ray.head.default": ("head", "head"),
-    "ray.worker.a100.ondemand": ("worker_ondemand", "worker"),
-    "ray.worker.a100.spot": ("worker_spot", "worker"),
-}
+def node_types(o: dict) -> dict[str, tuple[dict, str, str]]:
+    """Ray node type -> (its launch template, instance profile, market) for the stack's
+    outputs: the head, and one per allowed worker type and market."""
+    out = {"ray.head.default": (o["launch_templates"]["head"], "head", "ondemand")}
+    for w in o["node_types"]["workers"]:
+        out[f"ray.worker.{w['instance_type']}.{w['market']}"] = (
+            w["launch_template"], "worker", w["market"])
+    return out
 
 
 def test_infra_stack_renders_launches_and_sweeps_clean(infra_stack, moto_account, tmp_path,
@@ -43,7 +46,8 @@ def test_infra_stack_renders_launches_and_sweeps_clean(infra_stack, moto_account
     assert {s["SubnetId"] for s in ec2.describe_subnets(
         SubnetIds=o["private_subnet_ids"])["Subnets"]} == set(o["private_subnet_ids"])
     created = infra_stack.mocks.created
-    assert {lt["id"] for lt in o["launch_templates"].values()} == {
+    by_type = node_types(o)
+    assert {lt["id"] for lt, _, _ in by_type.values()} == {
         rid for typ, _, rid in created if typ == "aws:ec2/launchTemplate:LaunchTemplate"}
     # What the program asked for but moto could not hold is exactly what pulumi_moto.py
     # documents as placeholders; everything else exists in moto.
@@ -102,7 +106,7 @@ def test_infra_stack_renders_launches_and_sweeps_clean(infra_stack, moto_account
     cfg = ray_launch_config(rendered)  # `ray up` on the operator's machine, its credentials
     called.clear()
     provider = AWSNodeProvider(cfg["provider"], cfg["cluster_name"])
-    for node_type in NODE_TYPES:
+    for node_type in by_type:
         kind = "head" if node_type == cfg["head_node_type"] else "worker"
         provider.create_node(copy.deepcopy(cfg["available_node_types"][node_type]["node_config"]),
                              {TAG_RAY_NODE_KIND: kind, TAG_RAY_USER_NODE_TYPE: node_type}, 1)
@@ -119,12 +123,11 @@ def test_infra_stack_renders_launches_and_sweeps_clean(infra_stack, moto_account
     assert account_inventory(moto_account) == before
 
     instances = {_tags(i)[TAG_RAY_USER_NODE_TYPE]: i for i in cluster_instances(ec2, c)}
-    assert set(instances) == set(NODE_TYPES)
+    assert set(instances) == set(by_type)
     public_subnets = {s["SubnetId"] for s in ec2.describe_subnets(Filters=[
         {"Name": "tag:rayfleet:tier", "Values": ["public"]}])["Subnets"]}
     for node_type, i in instances.items():
-        lt_key, profile = NODE_TYPES[node_type]
-        lt = o["launch_templates"][lt_key]
+        lt, profile, market = by_type[node_type]
         tags = _tags(i)
         where = f"{node_type} {i['InstanceId']}"
         # Private subnets only, no public address (rule 7).
@@ -153,10 +156,12 @@ def test_infra_stack_renders_launches_and_sweeps_clean(infra_stack, moto_account
             assert nics and all({g["GroupId"] for g in n["Groups"]} == {
                 o["cluster_security_group_id"], o["efa_security_group_id"]} for n in nics), where
             efas = version["NetworkInterfaces"]
-            assert len(efas) == o["node_types"][lt_key]["efa_interfaces"], where
+            (w,) = [w for w in o["node_types"]["workers"]
+                    if w["launch_template"]["id"] == lt["id"]]
+            assert len(efas) == w["efa_interfaces"], where
             assert all(n["InterfaceType"] == "efa" for n in efas), where
             assert i["Placement"]["AvailabilityZone"] == o["worker_availability_zone"], where
-            assert (i.get("InstanceLifecycle") == "spot") == (lt_key == "worker_spot"), where
+            assert (i.get("InstanceLifecycle") == "spot") == (market == "spot"), where
         # IMDSv2 required, hop limit from the stack (rule 9). On the instance, moto shows what
         # the RunInstances call asked for: Ray's bootstrap copies the template's data, IMDS
         # options included, into every launch. moto itself does not apply a launch template's
@@ -173,7 +178,7 @@ def test_infra_stack_renders_launches_and_sweeps_clean(infra_stack, moto_account
 
     # `ray down` with cache_stopped_nodes: false terminates; an interrupted one can leave a
     # stopped worker behind (its EBS still bills) and an orphaned volume.
-    worker = instances["ray.worker.a100.ondemand"]["InstanceId"]
+    worker = instances["ray.worker.p4d.24xlarge.ondemand"]["InstanceId"]
     ec2.stop_instances(InstanceIds=[worker])
     ec2.create_volume(AvailabilityZone=o["worker_availability_zone"], Size=500,
                       TagSpecifications=[{"ResourceType": "volume", "Tags": [
@@ -187,4 +192,4 @@ def test_infra_stack_renders_launches_and_sweeps_clean(infra_stack, moto_account
     assert {o["cluster_security_group_id"], o["efa_security_group_id"]} <= {
         g["GroupId"] for g in ec2.describe_security_groups()["SecurityGroups"]}
     assert len(ec2.describe_launch_templates(LaunchTemplateIds=[
-        lt["id"] for lt in o["launch_templates"].values()])["LaunchTemplates"]) == 3
+        lt["id"] for lt, _, _ in by_type.values()])["LaunchTemplates"]) == len(by_type)

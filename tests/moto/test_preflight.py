@@ -20,8 +20,9 @@ def test_rendered_stack_passes(rendered, capsys):
     rc, out = _run(rendered, capsys, "--num-gpus", "8")
     assert rc == 0, out
     assert "0 failed" in out
-    for name in ("token", "8 GPUs", "subnets", "p4d.24xlarge offered", "security groups",
-                 "AMIs", "key pairs", "instance profile", "bucket"):
+    # Each allowed worker type is checked in the workers' AZ on its own (p4d, then p4de).
+    for name in ("token", "8 GPUs", "subnets", "p4d.24xlarge offered", "p4de.24xlarge offered",
+                 "security groups", "AMIs", "key pairs", "instance profile", "bucket"):
         assert name in out, name
     # moto has no Service Quotas: reported as unknown, not a crash.
     assert "UNKNOWN  quota" in out
@@ -58,7 +59,8 @@ def test_instance_type_not_offered_in_the_az(rendered, capsys):
 
 
 def test_quota_below_max_workers_vcpus_fails(rendered, capsys):
-    """A new account's P quota (often 0, or 48 vCPUs) cannot hold one p4d (96 vCPUs)."""
+    """A new account's P quota (often 0, or 48 vCPUs) cannot hold one p4d (96 vCPUs). The
+    example allows p4d and p4de, one spot worker each, two workers in all: 192 spot vCPUs."""
     import io
 
     import boto3
@@ -73,9 +75,19 @@ def test_quota_below_max_workers_vcpus_fails(rendered, capsys):
     out = io.StringIO()
     assert preflight.main(str(rendered), session=session, out=out) == 1
     lines = out.getvalue().splitlines()
-    assert any(ln.startswith("FAIL") and "Spot" in ln and "need 96" in ln and "L-7212CCBC" in ln
-               for ln in lines), lines
+    assert any(ln.startswith("FAIL") and "Spot" in ln and "need 192" in ln
+               and "L-7212CCBC" in ln for ln in lines), lines
     assert any(ln.startswith("PASS") and "On-Demand P" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("types,cap,need", [
+    ([(96, 2), (192, 2)], 2, 384),     # [p4d, p5], 2 workers at most: two p5s at worst
+    ([(96, 2), (192, 2)], 3, 480),     # three: two p5s and a p4d
+    ([(96, 1), (96, 1)], 2, 192),      # the example: one spot worker of each A100 type
+    ([(96, 0), (192, 0)], 2, 0),       # no spot at all (onDemandWorkers = maxWorkers)
+])
+def test_quota_need_is_what_the_types_can_run_together(types, cap, need):
+    assert preflight.quota_need(types, cap) == need
 
 
 @pytest.mark.parametrize("mutate,argv,expected", [

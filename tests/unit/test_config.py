@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from rayfleet.config import (
-    A100_REGIONS,
+    WORKER_REGIONS,
     DEFAULTS,
     SCHEMA,
     StackConfig,
@@ -40,7 +40,7 @@ def test_defaults_are_a_complete_secure_stack():
     c = StackConfig.from_mapping({})
     assert c.region == "us-east-1" and c.network.az_count == 3
     assert c.access.operator_cidrs == () and c.access.mode == "ssm"
-    assert c.nodes.worker_instance_type == "p4d.24xlarge"
+    assert c.nodes.worker_instance_types == ("p4d.24xlarge",)
     assert c.nodes.imds_hop_limit == 1
     assert c.storage.encryption == "kms"
     assert not c.budget.enabled
@@ -108,8 +108,27 @@ def test_subnets_fit_the_vpc_and_never_overlap(vpc, azs):
     assert all(n.prefixlen <= 28 for n in nets)  # AWS's smallest subnet
 
 
+def test_worker_types_keep_the_stacks_order_and_split_per_type_and_market():
+    n = cfg(workerInstanceTypes=["p5.48xlarge", "p4d.24xlarge"], minWorkers=2, maxWorkers=4,
+            onDemandWorkers=1).nodes
+    assert [w.name for w in n.workers] == ["p5.48xlarge", "p4d.24xlarge"]
+    # The preferred type keeps the minimum (on-demand first); every type may grow to the
+    # split's maxima; the cluster's max_workers (maxWorkers) bounds them together.
+    assert [(w.spec.name, w.market, w.min_workers, w.max_workers)
+            for w in n.worker_splits()] == [
+        ("p5.48xlarge", "spot", 1, 3), ("p5.48xlarge", "ondemand", 1, 1),
+        ("p4d.24xlarge", "spot", 0, 3), ("p4d.24xlarge", "ondemand", 0, 1)]
+
+
+def test_a_bare_string_is_a_one_type_list_as_pulumi_config_set_stores_it():
+    assert cfg(workerInstanceTypes="p4de.24xlarge").nodes.worker_instance_types == \
+        ("p4de.24xlarge",)
+    assert cfg(workerInstanceTypes='["p5.48xlarge","p4d.24xlarge"]').nodes \
+        .worker_instance_types == ("p5.48xlarge", "p4d.24xlarge")
+
+
 def test_p4de_regions_are_a_subset_of_p4d_regions():
-    assert set(A100_REGIONS["p4de.24xlarge"]) <= set(A100_REGIONS["p4d.24xlarge"])
+    assert set(WORKER_REGIONS["p4de.24xlarge"]) <= set(WORKER_REGIONS["p4d.24xlarge"])
 
 
 def test_config_import_stays_light_for_the_cli():
@@ -169,10 +188,16 @@ BAD = [
      ['did you mean "my-cluster"']),
     ({"rayfleet:clusterName": "a"}, "rayfleet:clusterName", ["3-32"]),
     ({"rayfleet:region": "us-east1"}, "rayfleet:region", ['did you mean "us-east-1"']),
-    ({"rayfleet:region": "us-west-1"}, "rayfleet:region",
-     ["p4d.24xlarge is not offered in us-west-1", "us-east-1", 'did you mean "us-west-2"']),
-    ({"rayfleet:region": "eu-central-1", "rayfleet:workerInstanceType": "p4de.24xlarge"},
-     "rayfleet:region", ["p4de.24xlarge is not offered", "allowed: us-east-1, us-west-2"]),
+    ({"rayfleet:region": "us-west-1"}, "rayfleet:workerInstanceTypes",
+     ["p4d.24xlarge is not offered in rayfleet:region us-west-1", "us-east-1",
+      'did you mean "us-west-2"']),
+    ({"rayfleet:region": "eu-central-1",
+      "rayfleet:workerInstanceTypes": ["p4d.24xlarge", "p4de.24xlarge"]},
+     "rayfleet:workerInstanceTypes", ["p4de.24xlarge is not offered",
+                                      "allowed: us-east-1, us-west-2"]),
+    ({"rayfleet:region": "us-east-1", "rayfleet:workerInstanceTypes": ["p5en.48xlarge"]},
+     "rayfleet:workerInstanceTypes", ["p5en.48xlarge is not offered in rayfleet:region "
+                                      "us-east-1"]),
     ({"rayfleet:azCount": 2}, "rayfleet:azCount", ["between 3 and 6"]),
     ({"rayfleet:azCount": "three"}, "rayfleet:azCount", ["expected an integer"]),
     ({"rayfleet:workerAz": "us-east-1"}, "rayfleet:workerAz", ["not an availability zone"]),
@@ -202,9 +227,18 @@ BAD = [
     ({"rayfleet:headInstanceType": "p4d.24xlarge"}, "rayfleet:headInstanceType",
      ["GPU type", "CPU"]),
     ({"rayfleet:workerInstanceType": "p5.48xlarge"}, "rayfleet:workerInstanceType",
-     ["allowed: p4d.24xlarge, p4de.24xlarge"]),
-    ({"rayfleet:workerInstanceType": "p4d.24xl"}, "rayfleet:workerInstanceType",
-     ['did you mean "p4d.24xlarge"']),
+     ["replaced by rayfleet:workerInstanceTypes",
+      "set rayfleet:workerInstanceTypes: [p5.48xlarge]"]),
+    ({"rayfleet:workerInstanceTypes": ["p4d.24xl"]}, "rayfleet:workerInstanceTypes",
+     ["not a GPU worker type", "allowed: p4d.24xlarge, p4de.24xlarge, p5.48xlarge",
+      'did you mean "p4d.24xlarge"']),
+    ({"rayfleet:workerInstanceTypes": ["p5.48xlarge", "p4d.24xlarge", "p5.48xlarge"]},
+     "rayfleet:workerInstanceTypes", ["lists p5.48xlarge twice"]),
+    ({"rayfleet:workerInstanceTypes": []}, "rayfleet:workerInstanceTypes",
+     ["is empty", "p4d.24xlarge, p4de.24xlarge, p5.48xlarge, p5e.48xlarge, p5en.48xlarge"]),
+    ({"rayfleet:workerInstanceTypes": ""}, "rayfleet:workerInstanceTypes", ["is empty"]),
+    ({"rayfleet:workerInstanceTypes": ["m6i.2xlarge"]}, "rayfleet:workerInstanceTypes",
+     ["not a GPU worker type"]),
     ({"rayfleet:minWorkers": 3, "rayfleet:maxWorkers": 2}, "rayfleet:minWorkers",
      ["must be <= maxWorkers", "rayfleet:maxWorkers is 2"]),
     ({"rayfleet:maxWorkers": 0}, "rayfleet:maxWorkers", ["between 1 and 64"]),

@@ -40,8 +40,43 @@ def test_price_table_is_dated_and_covers_every_worker_type():
     p = cost.load_prices()
     assert p["as_of"] and "offline" in p["source"]
     assert set(WORKER_INSTANCE_TYPES) <= set(p["gpu"])
-    for t in p["gpu"].values():
+    for name, t in p["gpu"].items():
+        if t["on_demand"] is None or t["spot"] is None:
+            # Unconfirmed: both left out, and the source note names the type's family.
+            assert t["on_demand"] is None and t["spot"] is None, name
+            assert name.split(".")[0] in p["source"] and "could be confirmed" in p["source"]
+            continue
         assert t["spot"] < t["on_demand"]
+
+
+def _two_types() -> dict:
+    """The example YAML with its second type (p4de) swapped for p5, unpriced."""
+    text = EXAMPLE.read_text().replace("p4de.24xlarge", "p5.48xlarge")
+    return yaml.safe_load(text)
+
+
+def test_several_types_ceiling_per_type_the_preferred_first():
+    p = cost.load_prices()
+    e = cost.estimate(yaml.safe_load(EXAMPLE.read_text()))
+    head = cost.hourly("m6i.2xlarge", "on_demand", p)
+    assert e["assumes"] == "p4d.24xlarge"
+    p4de = p["gpu"]["p4de.24xlarge"]
+    # Every worker p4de: its on-demand one and its spot one, the cluster's max_workers (2).
+    assert e["by_type"]["p4de.24xlarge"]["max"] == pytest.approx(
+        head + p4de["spot"] + p4de["on_demand"], abs=0.01)
+    assert e["max_workers"] == 2
+
+
+def test_an_unpriced_type_says_so_instead_of_guessing(tmp_path, capsys):
+    e = cost.estimate(_two_types())
+    assert e["unpriced"] == ["p5.48xlarge"]
+    assert e["by_type"]["p5.48xlarge"] == {"max": None, "max_all_on_demand": None}
+    assert e["hourly"]["max"] is not None   # the preferred p4d has prices
+    assert cli.main(["cost", _write(tmp_path, _two_types())]) == 0
+    out = capsys.readouterr().out
+    assert "No confirmed price in the catalog for p5.48xlarge" in out
+    assert "all p5.48xlarge (if the autoscaler falls back to it): no confirmed price" in out
+    assert "all p4d.24xlarge (the preferred type): $" in out
 
 
 def _write(tmp_path, cfg) -> str:
@@ -51,10 +86,10 @@ def _write(tmp_path, cfg) -> str:
 
 
 @pytest.mark.parametrize("mutate,expected", [
-    (lambda c: c["available_node_types"]["ray.worker.a100.spot"]["node_config"].update(
+    (lambda c: c["available_node_types"]["ray.worker.p4d.24xlarge.spot"]["node_config"].update(
         InstanceType="p4d.24xlage"), 'did you mean "p4d.24xlarge"'),
     (lambda c: c["provider"].update(region="ap-south-1"), "not in the price table"),
-    (lambda c: c["available_node_types"]["ray.worker.a100.spot"].update(min_workers=5),
+    (lambda c: c["available_node_types"]["ray.worker.p4d.24xlarge.spot"].update(min_workers=5),
      "min_workers 5 > max_workers 1"),
 ])
 def test_bad_input_one_line(mutate, expected, tmp_path, capsys):

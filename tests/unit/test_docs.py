@@ -51,3 +51,18 @@ def test_the_link_check_reads_links_and_headings_as_github_does():
     assert _anchor("The Pulumi program: what the offline tests prove — and what they don't") \
         == "the-pulumi-program-what-the-offline-tests-prove--and-what-they-dont"
     assert _anchor("Data: workloads.data") == "data-workloadsdata"
+
+
+def test_the_node_types_page_table_is_the_catalogs():
+    """docs/node-types.md's table of GPU worker types is generated from rayfleet/catalog.json;
+    a price, region or EFA count changed in one and not the other fails here."""
+    from rayfleet import catalog
+
+    text = (REPO / "docs" / "node-types.md").read_text()
+    m = re.search(r"<!-- node-types-table: [^\n]*-->\n(.*?)<!-- /node-types-table -->", text,
+                  re.S)
+    assert m, "docs/node-types.md lost its generated-table markers"
+    assert m.group(1) == catalog.worker_table(), (
+        "docs/node-types.md's table drifted from the catalog; paste "
+        "`python -c 'from rayfleet import catalog; print(catalog.worker_table(), end=\"\")'`")
+    assert set(catalog.worker_types()) == set(re.findall(r"^\| `([^`]+)` \|", m.group(1), re.M))

@@ -162,7 +162,7 @@ def test_ansible_port_defaults_equal_ray_ports():
 def test_config_render_and_cost_read_the_catalog():
     assert config.WORKER_INSTANCE_TYPES is catalog.worker_types()
     assert config.HEAD_INSTANCE_TYPES is catalog.head_types()
-    assert config.A100_REGIONS is catalog.worker_regions()
+    assert config.WORKER_REGIONS is catalog.worker_regions()
     assert cost.load_prices()["gpu"].keys() == catalog.worker_types().keys()
     assert not (REPO / "rayfleet" / "prices.json").exists()
 

@@ -87,7 +87,7 @@ def _head(c):
 
 
 def _spot(c):
-    return c["available_node_types"]["ray.worker.a100.spot"]
+    return c["available_node_types"]["ray.worker.p4d.24xlarge.spot"]
 
 
 MUTATIONS = {
@@ -135,6 +135,17 @@ def test_gpu_type_without_gpu_resources_is_a_warning(tmp_path):
     assert cli.main(["lint", str(path)]) == 0  # a warning alone does not fail
 
 
+def test_an_accelerator_type_the_instance_lacks_is_a_warning():
+    """A p5 node type declaring accelerator_type:A100 would take jobs meant for A100s."""
+    cfg = _example()
+    assert not [x for x in lint.lint_config(cfg) if "accelerator_type" in x.problem]
+    _spot(cfg)["node_config"]["InstanceType"] = "p5.48xlarge"
+    (w,) = [x for x in lint.lint_config(cfg) if "accelerator_type" in x.problem]
+    assert w.severity == lint.WARNING and w.where.endswith("ray.worker.p4d.24xlarge.spot.resources")
+    assert "declares accelerator_type:A100 but a p5.48xlarge has 8x H100" in w.problem
+    assert "accelerator_type:H100" in w.fix
+
+
 def _vllm_warnings(cfg) -> set[str]:
     return {x.where for x in lint.lint_config(cfg)
             if x.severity == lint.WARNING and x.rule == 25 and "vLLM" in x.problem}
@@ -153,7 +164,7 @@ def test_a_gpu_type_or_head_without_vllm_is_a_warning(tmp_path):
     # A GPU type whose own setup list was edited down to the node environment...
     spot = copy.deepcopy(cfg)
     _spot(spot)["worker_setup_commands"] = cfg["setup_commands"]
-    where = "available_node_types.ray.worker.a100.spot.worker_setup_commands"
+    where = "available_node_types.ray.worker.p4d.24xlarge.spot.worker_setup_commands"
     assert _vllm_warnings(spot) == {where}
     # ...or dropped, so it runs the global lists, which have no vLLM.
     del _spot(spot)["worker_setup_commands"]

@@ -73,5 +73,5 @@ def test_wheel_installed_outside_the_checkout_renders_and_lints(tmp_path):
     lint = _run([rayfleet, "lint", generated], work, env)
     assert "0 error(s)" in lint.stdout
     cost = _run([rayfleet, "cost", generated], work, env)
-    assert json.loads(EXAMPLE.read_text())["rayfleet"]["node_types"]["worker_spot"][
+    assert json.loads(EXAMPLE.read_text())["rayfleet"]["node_types"]["workers"][0][
         "instance_type"] in cost.stdout

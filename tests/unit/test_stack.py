@@ -1,5 +1,6 @@
 """The stack-output contract (rayfleet/stack.py): the example output is exactly its shape,
-outputs of older stacks still render, and render trusts the node types the stack declares."""
+an older schema is refused in one line, and render trusts the node types the stack
+declares."""
 
 from __future__ import annotations
 
@@ -39,31 +40,41 @@ def test_an_older_stacks_extra_keys_are_ignored(outputs, tmp_path):
     o = old["rayfleet"]
     o["bucket_key_prefix"] = "rayfleet/"
     o["instance_profiles"]["head"]["name"] = "rayfleet-dev-head"
-    o["node_types"]["worker_spot"].update(memory_gib=1152, gpu_memory_gib=40, market="spot")
+    o["node_types"]["workers"][0].update(memory_gib=1152, gpu_memory_gib=40)
     texts = [render.render_text(stack.parse(json.dumps(d)), "t") for d in (outputs, old)]
     assert texts[0] == texts[1]
 
 
 def test_render_trusts_the_stacks_node_types(outputs):
     # A stack deployed when the catalog said otherwise: render declares what was deployed.
-    outputs["rayfleet"]["node_types"]["worker_spot"].update(vcpus=48, gpus=4)
+    outputs["rayfleet"]["node_types"]["workers"][0].update(vcpus=48, gpus=4)
     outputs["rayfleet"]["node_types"]["head"]["vcpus"] = 6
     cfg = render.plain(render.build_config(stack.parse(json.dumps(outputs)), "t"))
     types = cfg["available_node_types"]
-    assert types["ray.worker.a100.spot"]["resources"]["CPU"] == 48
-    assert types["ray.worker.a100.spot"]["resources"]["GPU"] == 4
-    assert types["ray.worker.a100.ondemand"]["resources"]["CPU"] == 96
+    assert types["ray.worker.p4d.24xlarge.spot"]["resources"]["CPU"] == 48
+    assert types["ray.worker.p4d.24xlarge.spot"]["resources"]["GPU"] == 4
+    assert types["ray.worker.p4d.24xlarge.ondemand"]["resources"]["CPU"] == 96
     assert types["ray.head.default"]["resources"]["CPU"] == 6
 
 
 @pytest.mark.parametrize("mutate,expected", [
-    (lambda o: o["node_types"]["worker_spot"].update(vcpus="96"),
-     "node_types.worker_spot.vcpus: must be a whole number >= 1"),
-    (lambda o: o["node_types"]["worker_ondemand"].update(gpus=0),
-     "node_types.worker_ondemand.gpus: must be a whole number >= 1"),
+    (lambda o: o["node_types"]["workers"][0].update(vcpus="96"),
+     "node_types.workers[0].vcpus: must be a whole number >= 1"),
+    (lambda o: o["node_types"]["workers"][1].update(gpus=0),
+     "node_types.workers[1].gpus: must be a whole number >= 1"),
     (lambda o: o["node_types"]["head"].pop("vcpus"), "lacks node_types.head.vcpus"),
-    (lambda o: o["node_types"]["worker_spot"].update(efa_interfaces=-1),
-     "node_types.worker_spot.efa_interfaces"),
+    (lambda o: o["node_types"]["workers"][0].update(efa_interfaces=-1),
+     "node_types.workers[0].efa_interfaces"),
+    (lambda o: o["node_types"]["workers"][2].pop("launch_template"),
+     "lacks node_types.workers[2].launch_template.id"),
+    (lambda o: o["node_types"]["workers"][3].update(market="reserved"),
+     "node_types.workers[3].market: 'reserved' is not a market; allowed: spot, ondemand"),
+    (lambda o: o["node_types"]["workers"].append(dict(o["node_types"]["workers"][0])),
+     "node_types.workers[4]: p4d.24xlarge spot appears twice"),
+    (lambda o: o["node_types"].update(workers=[]), "lacks node_types.workers"),
+    (lambda o: o.pop("max_workers"), "lacks max_workers"),
+    # A schema-1 output (one worker type, two markets): refused in one line, what to do.
+    (lambda o: o.update(schema_version=1), "schema_version 1 is older than 2"),
 ])
 def test_bad_node_types_are_one_line_exit_2(mutate, expected, outputs, tmp_path, capsys):
     mutate(outputs["rayfleet"])
@@ -94,7 +105,7 @@ def test_the_docstring_and_the_required_keys_follow_the_dataclass(outputs):
                 out |= keys(v, f"{prefix}{k}.")
         return out
 
-    every = keys(exported)
+    every = keys(exported) | keys(exported["node_types"]["workers"][0], "node_types.workers.")
     assert set(stack.REQUIRED_KEYS) <= every
     for key in every:
         assert re.search(rf"\b{key.rsplit('.', 1)[-1]}\b", stack.__doc__), key

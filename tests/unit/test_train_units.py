@@ -99,8 +99,8 @@ def test_a_resource_only_the_autoscaler_can_add_waits_for_it(tmp_path):
     cfg = tmp_path / "ray_bootstrap_config.yaml"
     shutil.copy(REPO / "cluster-configs" / "aws-a100.example.yaml", cfg)
     extra = launchable_nodes(str(cfg))
-    assert sorted(n["Launchable"] for n in extra) == ["ray.worker.a100.ondemand",
-                                                      "ray.worker.a100.spot"]
+    assert sorted(n["Launchable"] for n in extra) == ["ray.worker.p4d.24xlarge.ondemand",
+                                                      "ray.worker.p4d.24xlarge.spot"]
     args, _ = args_of("--resources-per-worker", '{"accelerator_type:A100": 0.5}')
     check_resources(args, [CPU_NODE] + extra, {"CPU": 4.0 + 192, "accelerator_type:A100": 2})
     with pytest.raises(ClusterError, match="accelerator_type:A100"):

@@ -114,12 +114,21 @@ def _cluster_yaml(path: str) -> dict:
 
 
 def gpu_capacity(path: str) -> tuple[int, int]:
-    """(largest GPU count on one worker node, GPUs of all workers at max) of a cluster YAML."""
+    """(largest GPU count on one worker node, GPUs of all workers at max) of a cluster YAML.
+    Each node type counts up to its max_workers, all of them together up to the cluster's
+    max_workers (several worker types share it), the largest first."""
+    cfg = _cluster_yaml(path)
     per_node, total = 0, 0
-    for nt in _cluster_yaml(path)["available_node_types"].values():
+    types = []
+    for nt in cfg["available_node_types"].values():
         gpus = int((nt.get("resources") or {}).get("GPU", 0))
         per_node = max(per_node, gpus)
-        total += gpus * int(nt.get("max_workers", 0))
+        types.append((gpus, int(nt.get("max_workers", 0))))
+    left = int(cfg.get("max_workers", sum(n for _, n in types)))
+    for gpus, n in sorted(types, reverse=True):
+        take = min(left, n)
+        total += gpus * take
+        left -= take
     return per_node, total
 
 
