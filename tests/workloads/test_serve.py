@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rayfleet.commands import local
 from rayfleet.facts import RAY_PORTS_BY_NAME
 from tests.conftest import REPO
 from tests.workloads.conftest import deploy_lm, serve_shutdown
@@ -57,12 +58,16 @@ def test_models_and_health(client, lm_url):
     assert status == 200 and body["status"] == "ok"
 
 
-def _listeners(root_pid: int) -> list[tuple[str, int, str, int]]:
+def _listeners(root_pid: int, haproxy_folder: Path) -> list[tuple[str, int, str, int]]:
     """(address, port, process name, pid) of every TCP listener of the cluster's processes (the
-    head's `ray start` and everything below it), from `ss -ltnpH`."""
+    head's `ray start` and everything below it, and the HAProxy started on this cluster's
+    config: one that a reload started may no longer sit below it), from `ss -ltnpH`."""
     import psutil
 
     pids = {root_pid} | {p.pid for p in psutil.Process(root_pid).children(recursive=True)}
+    for proc in psutil.process_iter(["cmdline"]):
+        if str(haproxy_folder) in " ".join(proc.info["cmdline"] or ()):
+            pids.add(proc.pid)
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
     found = []
     for line in out.splitlines():
@@ -74,13 +79,17 @@ def _listeners(root_pid: int) -> list[tuple[str, int, str, int]]:
     return found
 
 
-def test_haproxy_serves_and_nothing_new_listens_on_the_world(ray_cluster, lm_url):
+def test_haproxy_serves_and_nothing_new_listens_on_the_world(ray_cluster, lm_url,
+                                                             monkeypatch):
     """The session cluster's ingress is HAProxy (rayfleet.ingress, the default): HAProxy
     answers on the Serve port; every HAProxy socket, the replica's direct-ingress port and the
     fallback proxy are on loopback; what listens beyond loopback is Ray's own (GCS, raylet and
     workers' gRPC, behind the token), and none of it on a port of the ingress."""
     port = int(lm_url.rsplit(":", 1)[1])
-    found = _listeners(ray_cluster["pid"])
+    monkeypatch.setenv("RAYFLEET_HOME", str(ray_cluster["home"]))
+    folder = local._haproxy_folder()   # this cluster's HAProxy files
+    assert folder.is_dir(), folder
+    found = _listeners(ray_cluster["pid"], folder)
     world = {(a, p, n) for a, p, n, _ in found if a not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")}
     haproxy = {(a, p) for a, p, n, _ in found if n == "haproxy"}
     assert (("127.0.0.1", port) in haproxy), (port, found)          # HAProxy is the ingress
