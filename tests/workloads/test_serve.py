@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -89,9 +90,16 @@ def test_haproxy_serves_and_nothing_new_listens_on_the_world(ray_cluster, lm_url
     monkeypatch.setenv("RAYFLEET_HOME", str(ray_cluster["home"]))
     folder = local._haproxy_folder()   # this cluster's HAProxy files
     assert folder.is_dir(), folder
-    found = _listeners(ray_cluster["pid"], folder)
+    # Ray reloads HAProxy when Serve's routing changes (earlier tests deploy and shut apps
+    # down on this cluster): read the listeners once HAProxy holds the Serve port again.
+    deadline = time.time() + 60
+    while True:
+        found = _listeners(ray_cluster["pid"], folder)
+        haproxy = {(a, p) for a, p, n, _ in found if n == "haproxy"}
+        if ("127.0.0.1", port) in haproxy or time.time() > deadline:
+            break
+        time.sleep(1)
     world = {(a, p, n) for a, p, n, _ in found if a not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")}
-    haproxy = {(a, p) for a, p, n, _ in found if n == "haproxy"}
     assert (("127.0.0.1", port) in haproxy), (port, found)          # HAProxy is the ingress
     assert all(a == "127.0.0.1" for a, _ in haproxy), haproxy      # stats, exporter, frontend
     direct = RAY_PORTS_BY_NAME["serve-direct-ingress"]
