@@ -7,7 +7,8 @@ import argparse
 import math
 import sys
 
-from rayfleet.commands import cost, lint, local, logs, preflight, render, serve_config, sweep
+from rayfleet.commands import (cost, lint, local, logs, preflight, render, serve_config, status,
+                               sweep)
 from rayfleet.entrypoint import ArgumentParser, at_least, bounded, run_main, tcp_port
 from rayfleet.facts import loopback_port, port
 from rayfleet.ingress import DEFAULT_INGRESS, INGRESS_CHOICES
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _local(sub)
     _ops(sub)
     _logs(sub)
+    _status(sub)
     return parser
 
 
@@ -153,6 +155,7 @@ def _ops(sub: argparse._SubParsersAction) -> None:
                    help="GPUs one job's worker asks for: some node type must offer them")
     p.add_argument("--bucket", default=None, help="s3://bucket/prefix to check reachable and "
                                                   "writable (default: from the YAML header)")
+    preflight.add_arguments(p)
 
 
 def _run_render(args: argparse.Namespace) -> int:
@@ -179,7 +182,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
 
 def _run_preflight(args: argparse.Namespace) -> int:
-    return preflight.main(args.config, num_gpus=args.num_gpus, bucket=args.bucket)
+    return preflight.main(args.config, num_gpus=args.num_gpus, bucket=args.bucket, hours=args.hours)
 
 
 def _run_serve_config(args: argparse.Namespace) -> int:
@@ -216,9 +219,24 @@ def _run_logs(args: argparse.Namespace) -> int:
                      file=args.file, out_path=args.out, cluster=args.cluster)
 
 
+def _status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="per worker node type of a launched cluster: running, "
+                                      "pending, the last launch error and its AWS reason")
+    p.add_argument("--config", default=None, metavar="CLUSTER_YAML",
+                   help="the YAML `rayfleet render` wrote: its node types in order, its token")
+    p.add_argument("--address", default=None, metavar="URL",
+                   help="the dashboard through `ray dashboard <cluster.yaml>`'s tunnel "
+                        f"(default: RAY_ADDRESS if http://, else {status.DEFAULT_ADDRESS})")
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    return status.main(address=args.address, config=args.config)
+
+
 HANDLERS = {"local": _run_local, "render": _run_render, "lint": _run_lint,
             "cost": _run_cost, "sweep": _run_sweep, "preflight": _run_preflight,
-            "serve-config": _run_serve_config, "logs": _run_logs}
+            "serve-config": _run_serve_config, "logs": _run_logs,
+            "status": _run_status}
 
 
 def _main(argv: list[str] | None) -> int:

@@ -20,6 +20,7 @@ import yaml
 
 from rayfleet.commands import cli, render
 from rayfleet.config import RAY_PORTS
+from rayfleet.stack import parse
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "cluster-configs"
@@ -200,10 +201,12 @@ def test_node_agents_are_shipped_beside_the_token_and_started(tmp_path, outputs)
     _, cfg = rendered(tmp_path, outputs)
     folder = Path(cfg["file_mounts"]["~/rayfleet-agents"])
     assert folder == tmp_path / "agents"
-    assert sorted(p.name for p in folder.iterdir()) == ["autostop.py", "haproxy_guard.py",
-                                                        "logship.py", "spot.py"]
+    # The autoscaler's scorer alone in its folder (the head's PYTHONPATH names only it).
+    assert sorted(p.name for p in folder.iterdir()) == ["autoscaler", "autostop.py",
+                                                        "haproxy_guard.py", "logship.py",
+                                                        "spot.py"]
     assert os.access(folder / "haproxy_guard.py", os.X_OK)  # Ray runs it as HAProxy
-    for script in folder.iterdir():   # standalone: they run with the node environment alone
+    for script in folder.glob("*.py"):   # standalone: they run with the node environment alone
         proc = subprocess.run([sys.executable, "-I", str(script), "--help"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and "usage:" in proc.stdout, (script, proc.stderr)
@@ -298,8 +301,11 @@ def test_setup_installs_exactly_the_node_environment(tmp_path, outputs):
     # on-prem installs the same.
     onprem = yaml.safe_load((CONFIGS / "onprem.yaml").read_text())
     assert onprem["setup_commands"] == cfg["setup_commands"]
-    # The same Ray start (on-prem nodes run no AWS agents: no bucket, no spot, not ours to stop).
-    assert ray_start(onprem, "head") == ray_start(cfg, "head")
+    # The same Ray start (on-prem nodes run no AWS agents: no bucket, no spot, not ours to stop;
+    # and one fixed node type, so no scorer: render's head line adds only its environment).
+    scorer = f" {render.scorer_env(parse(json.dumps(outputs)))} "
+    assert scorer in ray_start(cfg, "head")
+    assert ray_start(onprem, "head") == ray_start(cfg, "head").replace(scorer, " ")
     assert ray_start(onprem, "worker") == ray_start(cfg, "worker")
 
 

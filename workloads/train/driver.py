@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, fields, replace
 
-from rayfleet import catalog
+from rayfleet import capacity, catalog
 from rayfleet.errors import (
     CheckpointError,
     ClusterError,
@@ -518,6 +518,65 @@ def launchable_nodes(path: str = AUTOSCALER_CONFIG) -> list[dict]:
     return out
 
 
+def fitting_types(opts: TrainOptions, launchable: list[dict]) -> list[str]:
+    """The autoscaler's node types that could hold one of this run's workers, in the cluster
+    YAML's order."""
+    bundle = worker_bundle(opts)
+    return list(dict.fromkeys(
+        n["Launchable"] for n in launchable
+        if all(n["Resources"].get(k, 0) >= v for k, v in bundle.items() if v > 0)))
+
+
+class LaunchWatch:
+    """While the run waits for nodes the autoscaler must launch, read the autoscaler's report
+    (the GCS KV, rayfleet/capacity.py) every ``poll_s``; when every node type that could hold
+    a worker has failed its last launch (EC2: no capacity, quota, ...), and none is running or
+    launching, say so in one line and interrupt the run, instead of Ray Train waiting out its
+    placement timeout (15 min) while the autoscaler retries."""
+
+    def __init__(self, candidates: list[str], read, poll_s: float = 5.0, interrupt=None):
+        import _thread
+        import threading
+
+        self.candidates, self.read, self.poll_s = candidates, read, poll_s
+        self.interrupt = interrupt or _thread.interrupt_main
+        self.line: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rayfleet-launch-watch",
+                                        daemon=True)
+
+    def __enter__(self) -> LaunchWatch:
+        if self.candidates:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def check(self) -> str | None:
+        rows = capacity.all_failing(capacity.report(self.read()), self.candidates)
+        return capacity.failing_line(rows) if rows else None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                line = self.check()
+            except Exception:   # noqa: BLE001  (a report it cannot read is no verdict)
+                continue
+            if line and not self._stop.is_set():
+                self.line = line
+                self.interrupt()
+                return
+
+
+def autoscaler_report() -> bytes | None:
+    """The autoscaler's last report, from the GCS this driver is connected to."""
+    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+
+
 def check_resources(opts: TrainOptions, nodes: list[dict], total: dict) -> None:
     """Fail in seconds, naming what is missing, when no placement can exist (instead of
     Ray Train waiting forever for resources)."""
@@ -728,8 +787,15 @@ def _main(argv: list[str] | None) -> int:
     runs.record_run(storage, name, identity)
     started = time.time()
     startup.mark("fit_called")
+    watch = LaunchWatch(fitting_types(opts, launchable) if launchable else [],
+                        autoscaler_report)
     try:
-        result = trainer.fit()
+        with watch:
+            result = trainer.fit()
+    except KeyboardInterrupt:
+        if watch.line:
+            raise ClusterError(watch.line) from None
+        raise
     except Exception as e:
         cause = failures.explain(e, storage=storage, name=name, workers=world,
                                  bundle=worker_bundle(opts), nodes_at_start=nodes) \

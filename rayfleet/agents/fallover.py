@@ -1,0 +1,72 @@
+"""The head's autoscaler scorer: launch GPU workers in the stack's order, and move on to the
+next allowed type when one has no capacity.
+
+Ray's autoscaler (v1, what `ray up` runs) picks a node type for pending work by a score it
+computes from resources alone, and breaks ties by the node type's *name*, largest first
+(``sorted(scores, reverse=True)`` in ``resource_demand_scheduler.get_nodes_for``). For a stack
+allowing p4d then p4de, whose node types declare the same resources, that launches
+``ray.worker.p4de.24xlarge.spot`` first ("p4de" sorts after "p4d."), and the spot type of each
+before its on-demand one, whatever the stack's order. It also passes the scorer what it knows
+of each type's last launch (``NodeAvailabilitySummary``: EC2's error code and message for a type
+whose launch failed, kept for ``AUTOSCALER_NODE_AVAILABILITY_MAX_STALENESS_S``, 30 min), but its
+default scorer ignores it, so it keeps asking for the type that just failed.
+
+This scorer keeps Ray's own score and ranks the node types by, in turn:
+1. Ray's GPU guard (no GPU node for CPU-only work);
+2. whether the type's last launch succeeded (or none was tried): a type EC2 just refused
+   goes behind every type that may still have capacity;
+3. how many of the demanded resource kinds the type has (Ray's own term);
+4. the stack's order: ``RAYFLEET_NODE_TYPE_ORDER``, the worker node types as `rayfleet render`
+   lists them (the stack's ``workerInstanceTypes`` order, each type's markets in turn);
+5. Ray's utilisation terms.
+
+So a job asking for ``accelerator_type:A100`` gets p4d while EC2 has it, then p4de once p4d's
+launches fail, and p4d again once its failure is older than Ray's staleness window or a p4d
+launch succeeds. When every fitting type has failed, the order alone decides and the
+autoscaler keeps retrying in that order; the training driver and `rayfleet status` read the
+same availability record to say so (rayfleet/capacity.py).
+
+Ray loads it by name from ``RAY_AUTOSCALER_UTILIZATION_SCORER`` in the environment of the head's
+`ray start`; render copies this file alone into a folder of its own on the head and puts that
+folder on the same line's PYTHONPATH, so nothing else of the agents' folder shadows a package in
+the head's processes. It runs inside the autoscaler: Ray's modules only, imported there.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The environment variables render sets on the head's `ray start` line.
+ORDER_ENV = "RAYFLEET_NODE_TYPE_ORDER"
+# Ray's own name for the scorer's module path (ray.autoscaler._private.constants).
+SCORER_ENV = "RAY_AUTOSCALER_UTILIZATION_SCORER"
+# The module name this file has on the head (render copies it under this name).
+MODULE = "rayfleet_fallover"
+SCORER = f"{MODULE}.score"
+
+
+def order(environ=os.environ) -> list[str]:
+    return [t for t in environ.get(ORDER_ENV, "").split(",") if t]
+
+
+def available(node_type: str, summary) -> bool:
+    """False when the type's last launch failed within Ray's staleness window."""
+    record = (getattr(summary, "node_availabilities", None) or {}).get(node_type)
+    return record is None or bool(record.is_available)
+
+
+def score(node_resources, resources, node_type, *, node_availability_summary):
+    """Ray's UtilizationScorer signature; None where the type cannot hold any of the work."""
+    from ray.autoscaler._private.resource_demand_scheduler import (
+        _resource_based_utilization_scorer,
+    )
+
+    base = _resource_based_utilization_scorer(
+        node_resources, resources, node_availability_summary=node_availability_summary)
+    if base is None:
+        return None
+    gpu_ok, matching, *utilisation = base
+    preferred = order()
+    rank = preferred.index(node_type) if node_type in preferred else len(preferred)
+    return (gpu_ok, available(node_type, node_availability_summary), matching, -rank,
+            *utilisation)

@@ -1,0 +1,105 @@
+"""`rayfleet status`: per node type of a launched cluster, what runs, what is launching and the
+last launch error with its AWS reason, one line each (rayfleet/capacity.py reads the report).
+
+It asks the head's dashboard (``/api/cluster_status``) through the tunnel `ray dashboard
+<cluster.yaml>` opens, with the cluster's token, as `ray job submit` does. With the cluster
+YAML (``--config``), its node types come in the YAML's order (the order the head's scorer
+launches them in, rayfleet/agents/fallover.py) and its token file is found the way render
+wrote it; a node type no node has reached and no launch has touched still gets its line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from rayfleet import capacity
+from rayfleet.commands.render import default_token_file
+from rayfleet.errors import ClusterError, RayfleetError
+from rayfleet.facts import port
+
+DEFAULT_ADDRESS = f"http://127.0.0.1:{port('dashboard')}"
+
+
+def _config(path: str | None) -> dict:
+    if path is None:
+        return {}
+    try:
+        cfg = yaml.safe_load(Path(path).expanduser().read_text())
+    except OSError as e:
+        raise RayfleetError(f"cannot read {path} ({e.strerror})") from None
+    except yaml.YAMLError:
+        raise RayfleetError(f"{path} is not YAML: pass the cluster YAML `rayfleet render` "
+                            "wrote") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("available_node_types"), dict):
+        raise RayfleetError(f"{path} has no available_node_types: pass the cluster YAML "
+                            "`rayfleet render` wrote")
+    return cfg
+
+
+def address_of(address: str | None) -> str:
+    """--address, else RAY_ADDRESS when it is the dashboard's http(s) address, else the
+    tunnel's default."""
+    given = address or os.environ.get("RAY_ADDRESS", "")
+    if given.startswith(("http://", "https://")):
+        return given.rstrip("/")
+    if address:
+        raise RayfleetError(f"--address {address!r} is not the dashboard's http:// address "
+                            f"(e.g. {DEFAULT_ADDRESS}, what `ray dashboard <cluster.yaml>` "
+                            "forwards)")
+    return DEFAULT_ADDRESS
+
+
+def token_of(cfg: dict) -> str | None:
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or (
+        default_token_file(cfg["cluster_name"]) if cfg.get("cluster_name") else None)
+    if not path:
+        return None
+    try:
+        return Path(path).expanduser().read_text().strip()
+    except OSError as e:
+        raise RayfleetError(f"cannot read the cluster's token {path} ({e.strerror}); set "
+                            "RAY_AUTH_TOKEN_PATH") from None
+
+
+def fetch(address: str, token: str | None, timeout: float = 10) -> dict:
+    """The dashboard's cluster status (``cluster_status``: the autoscaler's last report)."""
+    req = urllib.request.Request(f"{address}/api/cluster_status",
+                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            body = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            raise ClusterError(f"{address} refused the request ({e.code}): the cluster's token "
+                               "is missing or wrong (RAY_AUTH_TOKEN_PATH, or --config)") from None
+        raise ClusterError(f"{address}/api/cluster_status answered {e.code}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise ClusterError(f"cannot reach the dashboard at {address} ({reason}); open the "
+                           "tunnel first: ray dashboard <cluster.yaml>") from None
+    return (body.get("data") or {}).get("clusterStatus") or {}
+
+
+def main(address: str | None = None, config: str | None = None, out=None) -> int:
+    cfg = _config(config)
+    url = address_of(address)
+    rep = capacity.report(fetch(url, token_of(cfg)))
+    head = cfg.get("head_node_type")
+    order = [t for t in cfg.get("available_node_types") or {} if t != head]
+    rows = [r for r in capacity.node_types(rep, order) if r.name != head]
+    lines = [r.line() for r in rows] or ["no worker node types: the cluster does not autoscale "
+                                         "(no `ray up` autoscaler report yet)"]
+    if not rep:
+        lines.insert(0, "the autoscaler has not reported yet (it does every few seconds "
+                        "after `ray up`)")
+    failing = capacity.all_failing(rep, order) if order else []
+    if failing:
+        lines.append(capacity.failing_line(failing))
+    print("\n".join(lines), file=out)
+    return 0

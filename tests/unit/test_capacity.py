@@ -1,0 +1,159 @@
+"""Reading the autoscaler's report: `rayfleet status` (through a dashboard answering over HTTP
+as Ray's does) and the training driver's fail-fast when every type fails to launch.
+
+The report is built by Ray's own code: ``AutoscalerSummary`` with a
+``NodeProviderAvailabilityTracker`` fed EC2's capacity error, turned to JSON as Ray's monitor
+writes it to the GCS, and, for the dashboard, wrapped by Ray's ``to_google_style`` as its
+``/api/cluster_status`` route answers (every snake_case key camelCased). The rehearsal on the
+fake cloud reads the real thing from a real head (tests/fakecloud/test_ray_up.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import io
+import json
+import threading
+import time
+
+import pytest
+
+from rayfleet import capacity
+from rayfleet.commands import cli
+from workloads.train import driver
+
+ORDER = ["ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand",
+         "ray.worker.p4de.24xlarge.spot"]
+MESSAGE = ("We currently do not have sufficient p4d.24xlarge capacity in the Availability Zone "
+           "you requested (us-east-1b). Our system will be working on provisioning additional "
+           "capacity.")
+
+
+def ray_report(failed: list[str], running: dict[str, int] | None = None,
+               launching: dict[str, int] | None = None) -> str:
+    """The GCS value Ray's monitor writes: ``{"autoscaler_report": asdict(summary), ...}``."""
+    from ray.autoscaler._private.autoscaler import AutoscalerSummary
+    from ray.autoscaler._private.node_provider_availability_tracker import (
+        NodeProviderAvailabilityTracker,
+    )
+    from ray.autoscaler.node_launch_exception import NodeLaunchException
+
+    now = time.time()
+    tracker = NodeProviderAvailabilityTracker(timer=lambda: now)
+    for name in failed:
+        tracker.update_node_availability(
+            name, now - 3, NodeLaunchException("InsufficientInstanceCapacity", MESSAGE, None))
+    summary = AutoscalerSummary(active_nodes={"ray.head.default": 1, **(running or {})},
+                                idle_nodes=None, pending_nodes=[],
+                                pending_launches=launching or {}, failed_nodes=[],
+                                node_availability_summary=tracker.summary())
+    return json.dumps({"time": now, "autoscaler_report": dataclasses.asdict(summary)})
+
+
+def test_rows_name_each_type_and_ec2s_reason():
+    rep = capacity.report(ray_report(ORDER[:2], running={ORDER[2]: 1}))
+    rows = {r.name: r for r in capacity.node_types(rep, ORDER)}
+    assert [r.name for r in capacity.node_types(rep, ORDER)][:3] == ORDER
+    assert rows[ORDER[2]].running == 1 and rows[ORDER[2]].error is None
+    line = rows[ORDER[0]].line()
+    assert line.startswith(f"{ORDER[0]}: 0 running, 0 pending; last launch failed at ")
+    assert line.endswith(f"InsufficientInstanceCapacity: {MESSAGE}")
+    # A type running is not "all failing", whatever the others say.
+    assert capacity.all_failing(rep, ORDER) == []
+
+
+def test_all_failing_only_when_every_candidate_failed_and_none_runs_or_launches():
+    assert capacity.all_failing(capacity.report(ray_report(ORDER[:2])), ORDER) == []
+    rows = capacity.all_failing(capacity.report(ray_report(ORDER)), ORDER)
+    assert [r.name for r in rows] == ORDER
+    line = capacity.failing_line(rows)
+    assert "\n" not in line and line.count("InsufficientInstanceCapacity") == 3
+    assert capacity.all_failing(capacity.report(ray_report(ORDER, launching={ORDER[1]: 1})),
+                                ORDER) == []
+    assert capacity.all_failing({}, ORDER) == [] and capacity.all_failing(
+        capacity.report(ray_report(ORDER)), []) == []
+
+
+class _Dashboard(http.server.BaseHTTPRequestHandler):
+    body = b"{}"
+    token = "sekrit"
+
+    def do_GET(self):   # noqa: N802
+        ok = self.headers.get("Authorization") == f"Bearer {self.token}"
+        self.send_response(200 if ok and self.path == "/api/cluster_status" else 401)
+        self.end_headers()
+        if ok:
+            self.wfile.write(self.body)
+
+    def log_message(self, *_):
+        pass
+
+
+@pytest.fixture
+def dashboard():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Dashboard)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_rayfleet_status_reads_the_dashboard_in_the_yamls_order(dashboard, tmp_path,
+                                                               monkeypatch, capsys):
+    from ray.dashboard.utils import to_google_style
+
+    value = json.loads(ray_report(ORDER, launching={}))
+    _Dashboard.body = json.dumps({"result": True, "msg": "Got cluster status.", "data":
+                                  to_google_style({"cluster_status": value})}).encode()
+    token = tmp_path / "token"
+    token.write_text("sekrit\n")
+    config = tmp_path / "cluster.yaml"
+    config.write_text(json.dumps({
+        "cluster_name": "c", "head_node_type": "ray.head.default",
+        "available_node_types": {"ray.head.default": {}, **{n: {} for n in ORDER},
+                                 "ray.worker.p5.48xlarge.spot": {}}}))
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    assert cli.main(["status", "--config", str(config), "--address", dashboard]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # One line per worker type in the YAML's order, the untouched p5 included; then the verdict.
+    assert [ln.split(":")[0] for ln in lines[:4]] == [*ORDER, "ray.worker.p5.48xlarge.spot"]
+    assert all("InsufficientInstanceCapacity: We currently" in ln for ln in lines[:3])
+    assert lines[3] == "ray.worker.p5.48xlarge.spot: 0 running, 0 pending"
+    # The p5 type has not failed: the autoscaler still has somewhere to go.
+    assert len(lines) == 4
+
+
+def test_rayfleet_status_without_the_token_is_one_line(dashboard, monkeypatch, capsys, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("wrong\n")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    assert cli.main(["status", "--address", dashboard]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "refused the request (401)" in err, err
+    assert cli.main(["status", "--address", "127.0.0.1:1"]) == 2
+    assert "not the dashboard's http:// address" in capsys.readouterr().err
+
+
+def test_the_driver_stops_waiting_when_every_fitting_type_fails():
+    launchable = [{"Launchable": n, "Resources": {"CPU": 96, "GPU": 8,
+                                                  "accelerator_type:A100": 1}} for n in ORDER]
+    launchable.append({"Launchable": "ray.worker.cpu", "Resources": {"CPU": 16}})
+    opts = driver.TrainOptions.parse(["--smoke-test", "--resources-per-worker",
+                                      '{"accelerator_type:A100": 0.5}'])
+    # The CPU type cannot hold an A100 worker: it is no candidate.
+    assert driver.fitting_types(opts, launchable) == ORDER
+    reports = iter([ray_report(ORDER[:1]), ray_report(ORDER[:2]), ray_report(ORDER)])
+    fired = threading.Event()
+    watch = driver.LaunchWatch(ORDER, lambda: next(reports), poll_s=0.01,
+                               interrupt=fired.set)
+    with watch:
+        assert fired.wait(10)
+    assert watch.line == capacity.failing_line(
+        capacity.all_failing(capacity.report(ray_report(ORDER)), ORDER))
+    assert watch.line.startswith("no allowed worker type can launch (ray.worker.p4d.24xlarge."
+                                 "spot: InsufficientInstanceCapacity: We currently")
+    # A run whose bundle no launchable type fits has nothing to watch.
+    idle = driver.LaunchWatch([], lambda: io.StringIO().getvalue(), interrupt=fired.clear)
+    with idle:
+        pass
+    assert idle.line is None

@@ -1,0 +1,140 @@
+"""The head's scorer (rayfleet/agents/fallover.py) inside Ray's own node-type choice.
+
+Ray 2.60's `get_nodes_for` (what the autoscaler runs each update to pick node types for pending
+work) is called here as the autoscaler calls it, with Ray's own availability tracker fed EC2's
+capacity error as Ray's AWS provider raises it (NodeLaunchException). The scorer is loaded the
+way the head loads it: by name, from the folder render copies it to, through Ray's loader.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from rayfleet.agents import fallover
+from rayfleet.commands import render
+from tests.conftest import REPO
+
+ORDER = ["ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand",
+         "ray.worker.p4de.24xlarge.spot", "ray.worker.p4de.24xlarge.ondemand"]
+A100 = {"CPU": 96, "GPU": 8, "accelerator_type:A100": 1}
+NODE_TYPES = {
+    "ray.head.default": {"resources": {"CPU": 8, "GPU": 0}, "max_workers": 0},
+    **{name: {"resources": dict(A100), "max_workers": 1} for name in ORDER},
+}
+# A Train worker asking for half an A100 node's accelerator resource, as the rehearsal's jobs do.
+DEMAND = [{"CPU": 1, "accelerator_type:A100": 0.5}]
+CAPACITY = ("InsufficientInstanceCapacity", "We currently do not have sufficient {} capacity in "
+            "the Availability Zone you requested (us-east-1b).")
+
+
+def _pick(scorer, tracker) -> str:
+    from ray.autoscaler._private.resource_demand_scheduler import get_nodes_for
+
+    added, left = get_nodes_for(
+        NODE_TYPES, {"ray.head.default": 1}, "ray.head.default", 1, DEMAND,
+        utilization_scorer=functools.partial(scorer,
+                                             node_availability_summary=tracker.summary()))
+    assert not left and sum(added.values()) == 1, (added, left)
+    (name,) = added
+    return name
+
+
+def _fail(tracker, node_type: str) -> None:
+    from ray.autoscaler.node_launch_exception import NodeLaunchException
+
+    code, message = CAPACITY
+    itype = node_type.split(".", 2)[2].rsplit(".", 1)[0]
+    tracker.update_node_availability(node_type, 1_700_000_000,
+                                     NodeLaunchException(code, message.format(itype), None))
+
+
+@pytest.fixture
+def tracker():
+    from ray.autoscaler._private.node_provider_availability_tracker import (
+        NodeProviderAvailabilityTracker,
+    )
+
+    # A clock that stands still: Ray forgets a failure after 30 min, not during a test.
+    return NodeProviderAvailabilityTracker(timer=lambda: 1_700_000_010)
+
+
+def test_rays_own_choice_ignores_the_stacks_order_and_the_failures(tracker):
+    """What the scorer is for: Ray breaks the tie between identical types by name, largest
+    first, so p4de's spot type comes before the stack's preferred p4d, and again after a p4de
+    failure (Ray's default scorer ignores the availability it is given). If Ray changes this,
+    the scorer's reason to exist changes with it."""
+    from ray.autoscaler._private.resource_demand_scheduler import _default_utilization_scorer
+
+    assert _pick(_default_utilization_scorer, tracker) == "ray.worker.p4de.24xlarge.spot"
+    _fail(tracker, "ray.worker.p4de.24xlarge.spot")
+    assert _pick(_default_utilization_scorer, tracker) == "ray.worker.p4de.24xlarge.spot"
+
+
+def test_the_stacks_order_then_the_next_type_with_capacity(tracker, monkeypatch):
+    monkeypatch.setenv(fallover.ORDER_ENV, ",".join(ORDER))
+    picks = []
+    for _ in ORDER:
+        picks.append(_pick(fallover.score, tracker))
+        _fail(tracker, picks[-1])
+    # p4d spot, p4d on-demand, then p4de: each EC2 refusal moves the launch to the next type.
+    assert picks == ORDER
+    # Every type failing: the order alone decides, and the autoscaler retries from the top.
+    assert _pick(fallover.score, tracker) == ORDER[0]
+    # A type whose launch succeeds again is preferred over the failing ones.
+    tracker.update_node_availability(ORDER[3], 1_700_000_005, None)
+    assert _pick(fallover.score, tracker) == ORDER[3]
+
+
+def test_cpu_work_still_never_starts_a_gpu_node(tracker, monkeypatch):
+    from ray.autoscaler._private.resource_demand_scheduler import get_nodes_for
+
+    monkeypatch.setenv(fallover.ORDER_ENV, ",".join(ORDER))
+    types = {**NODE_TYPES, "ray.worker.cpu": {"resources": {"CPU": 16}, "max_workers": 1}}
+    added, _ = get_nodes_for(types, {"ray.head.default": 1}, "ray.head.default", 1, [{"CPU": 1}],
+                             utilization_scorer=functools.partial(
+                                 fallover.score, node_availability_summary=tracker.summary()))
+    assert dict(added) == {"ray.worker.cpu": 1}
+
+
+def test_the_head_loads_the_copy_render_ships(tmp_path):
+    """Through Ray's own loader, with only what render's head `ray start` line sets: the
+    folder render copies the agents to, its scorer folder on PYTHONPATH, and Ray's variable."""
+    folder = render.copy_agents(str(tmp_path / "agents"))
+    scorer_dir = folder / "autoscaler"
+    assert sorted(p.name for p in scorer_dir.iterdir()) == [f"{fallover.MODULE}.py"]
+    probe = (
+        "from ray.autoscaler._private.resource_demand_scheduler import "
+        "ResourceDemandScheduler as R\n"
+        "s = R(None, {}, 0, 'head', 1.0).utilization_scorer\n"
+        "print(s.__module__, s.__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(scorer_dir),
+                               fallover.SCORER_ENV: fallover.SCORER})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [fallover.MODULE, "score"]
+
+
+def test_render_puts_the_scorer_and_the_stacks_order_on_the_heads_start_line():
+    from rayfleet.stack import parse
+
+    outputs = parse((REPO / "cluster-configs" / "examples" / "dev-outputs.json").read_text())
+    cfg = render.plain(render.build_config(outputs, "~/.rayfleet/token"))
+    workers = [t for t in cfg["available_node_types"] if t != cfg["head_node_type"]]
+    (start,) = [c for c in cfg["head_start_ray_commands"] if " start --head" in c]
+    env = dict(w.split("=", 1) for w in start.split("; ")[-1].split(" ray")[0].split()
+               if "=" in w)
+    assert env[fallover.SCORER_ENV] == fallover.SCORER
+    assert env["PYTHONPATH"] == "$HOME/rayfleet-agents/autoscaler"
+    # The stack's order, which render keeps for the YAML's node types too.
+    assert env[fallover.ORDER_ENV].split(",") == workers
+    assert workers[:2] == ["ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand"]
+    # Workers start Ray without it: only the head's autoscaler scores.
+    assert not any(fallover.SCORER_ENV in c for c in cfg["worker_start_ray_commands"])
+    json.dumps(yaml.safe_load(yaml.safe_dump(cfg)))
