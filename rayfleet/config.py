@@ -32,6 +32,8 @@ from rayfleet.facts import (
     CLUSTER_NAME,
     IMDS_HOP_LIMIT,
     IMDS_HOP_LIMIT_CONTAINERS,
+    MARKET_BLOCK,
+    MARKET_RESERVED,
     MARKETS,
     RAY_CLUSTER_TAG,
     RAY_PORTS,
@@ -74,7 +76,10 @@ class ConfigKey:
     """One stack config key as Pulumi.yaml declares it: type, default, description."""
 
     name: str
-    type: str  # Pulumi's project config types: string, integer, boolean, array (of strings)
+    # Pulumi's project config types: string, integer, boolean, array (of strings); "objects"
+    # is a list of objects, which Pulumi.yaml can only declare untyped (a project's config
+    # types are those four, an array's items one of them), so this module checks its shape.
+    type: str
     default: Any
     description: str
 
@@ -122,6 +127,13 @@ SCHEMA: tuple[ConfigKey, ...] = (
     ConfigKey("onDemandWorkers", "integer", 0,
               "How many of maxWorkers may run on-demand, per worker type; the rest are spot. "
               "0 means all spot, maxWorkers means no spot."),
+    ConfigKey("capacityReservations", "objects", [],
+              "Reserved capacity the GPU workers launch into before spot and on-demand, each "
+              "an object: instanceType (one of workerInstanceTypes), availabilityZone, id "
+              "(cr-...) or resourceGroupArn, capacityBlock (true for a Capacity Block for ML, "
+              "which needs id; default false). Each gets its own launch template and Ray node "
+              "type, first in its type's order; one Capacity Block and one On-Demand Capacity "
+              "Reservation per type (a resource group targets several)."),
     ConfigKey("headRootVolumeGb", "integer", 200,
               "Encrypted gp3 root volume of the head, GiB."),
     ConfigKey("workerRootVolumeGb", "integer", 500,
@@ -195,13 +207,36 @@ class AccessConfig:
 
 
 @dataclass(frozen=True)
+class CapacityReservation:
+    """One entry of rayfleet:capacityReservations: reserved capacity of one worker type in one
+    AZ, targeted by reservation id or by resource group (exactly one of the two)."""
+
+    instance_type: str
+    availability_zone: str
+    id: str | None                   # cr-<17 hex digits>
+    resource_group_arn: str | None   # arn:<partition>:resource-groups:<region>:<account>:group/..
+    capacity_block: bool = False
+
+    @property
+    def market(self) -> str:
+        """``block`` (a Capacity Block) or ``reserved`` (an On-Demand Capacity Reservation)."""
+        return MARKET_BLOCK if self.capacity_block else MARKET_RESERVED
+
+    @property
+    def target(self) -> str:
+        """What the launch template targets: the id, or the resource group's ARN."""
+        return self.id or self.resource_group_arn or ""
+
+
+@dataclass(frozen=True)
 class WorkerSplit:
     """One (worker type, market) of the cluster: a launch template and a Ray node type."""
 
     spec: InstanceSpec
-    market: str          # "spot" | "ondemand"
+    market: str          # "spot" | "ondemand" | "block" | "reserved"
     min_workers: int
     max_workers: int
+    reservation: CapacityReservation | None = None   # for "block" and "reserved"
 
 
 @dataclass(frozen=True)
@@ -215,6 +250,7 @@ class NodesConfig:
     worker_root_volume_gb: int
     ami_id: str | None
     ray_in_docker: bool
+    capacity_reservations: tuple[CapacityReservation, ...] = ()
 
     @property
     def head(self) -> InstanceSpec:
@@ -248,13 +284,37 @@ class NodesConfig:
     def spot_max(self) -> int:
         return self.max_workers - self.on_demand_workers
 
+    def reservations_of(self, instance_type: str) -> tuple[CapacityReservation, ...]:
+        """The type's reservations in the order its node types are written: a Capacity Block
+        first (paid in full already, and it ends), then its On-Demand Capacity Reservation."""
+        return tuple(sorted((r for r in self.capacity_reservations
+                             if r.instance_type == instance_type),
+                            key=lambda r: not r.capacity_block))
+
     def worker_splits(self) -> tuple[WorkerSplit, ...]:
-        """Every (type, market) in the stack's order: each type's spot, then its on-demand."""
+        """Every (type, market) in the stack's order, which is the order of preference: per
+        type (rayfleet:workerInstanceTypes' order) its reservations, then its spot, then its
+        on-demand.
+
+        A reservation's node type keeps no minimum (rayfleet:minWorkers stays on the preferred
+        type's spot and on-demand, as without reservations) and may grow to maxWorkers: how
+        many instances a reservation holds is AWS's to say (`rayfleet preflight` shows it),
+        and the cluster's max_workers bounds every type together anyway."""
         bounds = {"spot": (self.spot_min, self.spot_max),
                   "ondemand": (self.on_demand_min, self.on_demand_max)}
-        return tuple(WorkerSplit(spec, market, bounds[market][0] if i == 0 else 0,
-                                 bounds[market][1])
-                     for i, spec in enumerate(self.workers) for market in MARKETS)
+        out: list[WorkerSplit] = []
+        for i, spec in enumerate(self.workers):
+            out += [WorkerSplit(spec, r.market, 0, self.max_workers, r)
+                    for r in self.reservations_of(spec.name)]
+            out += [WorkerSplit(spec, market, bounds[market][0] if i == 0 else 0,
+                                bounds[market][1]) for market in MARKETS]
+        return tuple(out)
+
+    @property
+    def reserved_azs(self) -> tuple[str, ...]:
+        """The AZs the reservations are in, each once, in config order: each needs a private
+        subnet of the stack for its template's interfaces."""
+        return tuple(dict.fromkeys(r.availability_zone for r in self.capacity_reservations))
 
 
 @dataclass(frozen=True)
@@ -297,7 +357,7 @@ class StackConfig:
         raw = _collect(mapping, namespace)
         v = {k.name: _coerce(k, raw[k.name]) if k.name in raw else k.default for k in SCHEMA}
         region = _region(v["region"])
-        nodes = _nodes(v, _worker_types(v["workerInstanceTypes"], region))
+        nodes = _nodes(v, _worker_types(v["workerInstanceTypes"], region), region)
         budget = _budget(v)
         return cls(
             cluster_name=_cluster_name(v["clusterName"]),
@@ -451,6 +511,17 @@ def _coerce(key: ConfigKey, value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() in ("true", "false"):
             return value.strip().lower() == "true"
         raise ConfigError(name, f"expected true or false, got {value!r}")
+    if key.type == "objects":
+        if isinstance(value, str):
+            # How pulumi.Config hands a structured value over: JSON text.
+            try:
+                value = json.loads(value) if value.strip() else []
+            except json.JSONDecodeError:
+                raise ConfigError(name, f"expected a list of objects, got {value!r}") from None
+        if isinstance(value, (list, tuple)) and all(isinstance(x, dict) for x in value):
+            return [dict(x) for x in value]
+        raise ConfigError(name, f"expected a list of objects (one per reservation), got "
+                                f"{value!r}")
     if key.type == "array":
         if isinstance(value, str):
             text = value.strip()
@@ -608,7 +679,7 @@ def _operator_cidrs(values: list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _nodes(v: Mapping[str, Any], worker_types: tuple[str, ...]) -> NodesConfig:
+def _nodes(v: Mapping[str, Any], worker_types: tuple[str, ...], region: str) -> NodesConfig:
     head = v["headInstanceType"]
     # The catalog's head types, in a few words: its families and its smallest to largest size.
     families, sizes = catalog.data()["head_families"], list(catalog.data()["head_sizes"])
@@ -647,7 +718,82 @@ def _nodes(v: Mapping[str, Any], worker_types: tuple[str, ...]) -> NodesConfig:
                                          200, 16384),
         ami_id=ami,
         ray_in_docker=v["rayInDocker"],
+        capacity_reservations=_capacity_reservations(v["capacityReservations"], worker_types,
+                                                     region),
     )
+
+
+# The keys of one rayfleet:capacityReservations entry.
+RESERVATION_KEYS = ("instanceType", "availabilityZone", "id", "resourceGroupArn",
+                    "capacityBlock")
+RESERVATION_ID = re.compile(r"cr-[0-9a-f]{17}")
+
+
+def _capacity_reservations(entries: list[dict], worker_types: tuple[str, ...],
+                           region: str) -> tuple[CapacityReservation, ...]:
+    """rayfleet:capacityReservations: each entry names an allowed worker type, an AZ of the
+    region and exactly one target; one Capacity Block and one reservation per type."""
+    name = _q("capacityReservations")
+    out: list[CapacityReservation] = []
+    for i, entry in enumerate(entries):
+        at = f"{name}[{i}]"
+        for key in entry:
+            if key not in RESERVATION_KEYS:
+                raise ConfigError(f"{at}.{key}", "is not a reservation setting",
+                                  allowed=RESERVATION_KEYS, value=key)
+        itype = entry.get("instanceType")
+        if itype not in worker_types:
+            raise ConfigError(f"{at}.instanceType", f"{itype!r} is not one of "
+                                                    "rayfleet:workerInstanceTypes; add it there "
+                                                    "first", allowed=worker_types, value=itype)
+        az = entry.get("availabilityZone")
+        if not (isinstance(az, str) and re.fullmatch(re.escape(region) + r"[a-z]", az)):
+            hint = (_suggest(region + az[-1]) if isinstance(az, str)
+                    and re.fullmatch(r"[a-z]", az[-1:]) else "")
+            raise ConfigError(f"{at}.availabilityZone",
+                              f"{az!r} is not an availability zone of rayfleet:region {region} "
+                              f"(expected {region}a, {region}b, ...){hint}")
+        block = entry.get("capacityBlock", False)
+        if isinstance(block, str) and block.strip().lower() in ("true", "false"):
+            block = block.strip().lower() == "true"
+        if not isinstance(block, bool):
+            raise ConfigError(f"{at}.capacityBlock", f"expected true or false, got {block!r}")
+        rid, arn = entry.get("id"), entry.get("resourceGroupArn")
+        if (rid is None) == (arn is None):
+            raise ConfigError(at, "needs exactly one of id (cr-...) or resourceGroupArn, got "
+                                  + ("both" if rid is not None else "neither"))
+        if block and rid is None:
+            raise ConfigError(f"{at}.resourceGroupArn", "cannot target a Capacity Block "
+                                                        "(capacityBlock: true): EC2 launches "
+                                                        "into a block by its reservation id; "
+                                                        "set id: cr-... instead")
+        if rid is not None:
+            if not (isinstance(rid, str) and RESERVATION_ID.fullmatch(rid)):
+                fixed = str(rid).strip().lower()
+                hint = _suggest(fixed) if RESERVATION_ID.fullmatch(fixed) else ""
+                raise ConfigError(f"{at}.id", f"{rid!r} is not a capacity reservation id (cr- "
+                                              f"and 17 lowercase hex digits){hint}")
+        else:
+            partition = "aws-us-gov" if region.startswith("us-gov-") else "aws"
+            pattern = (rf"arn:{partition}:resource-groups:{re.escape(region)}:\d{{12}}:"
+                       r"group/[A-Za-z0-9_.-]{1,300}")
+            if not (isinstance(arn, str) and re.fullmatch(pattern, arn)):
+                raise ConfigError(f"{at}.resourceGroupArn",
+                                  f"{arn!r} is not a resource group ARN of rayfleet:region "
+                                  f"{region} (arn:{partition}:resource-groups:{region}:"
+                                  "<account>:group/<name>)")
+        r = CapacityReservation(itype, az, rid, arn, block)
+        for other in out:
+            if r.target == other.target:
+                raise ConfigError(f"{at}", f"lists {r.target} twice; name each reservation "
+                                           "once")
+            if (r.instance_type, r.market) == (other.instance_type, other.market):
+                what = "Capacity Block" if block else "On-Demand Capacity Reservation"
+                raise ConfigError(f"{at}", f"is a second {what} for {itype}; one per type "
+                                           "(put several On-Demand Capacity Reservations in "
+                                           "one resource group and target that)")
+        out.append(r)
+    return tuple(out)
 
 
 def _bucket_prefix(value: str) -> str:
@@ -713,6 +859,7 @@ __all__ = [
     "WORKER_REGIONS",
     "AccessConfig",
     "BudgetConfig",
+    "CapacityReservation",
     "ConfigKey",
     "InstanceSpec",
     "NetworkConfig",

@@ -33,9 +33,12 @@ TAG_NODE_ROLE = "rayfleet:node-role"
 TAG_TIER = "rayfleet:tier"
 # Says why a launch template raised the IMDS hop limit above 1 (rule 9).
 TAG_HOP_LIMIT_REASON = "rayfleet:imds-hop-limit-reason"
+# A reservation's launch template: the reservation id (cr-...) or resource group ARN it was
+# built for, so the policy pack can name a template that lost its target (rule 31).
+TAG_CAPACITY_RESERVATION = "rayfleet:capacity-reservation"
 
 TAG_KEYS = (TAG_CLUSTER, TAG_STACK, TAG_MANAGED_BY, TAG_NODE_KIND, TAG_NODE_ROLE, TAG_TIER,
-            TAG_HOP_LIMIT_REASON)
+            TAG_HOP_LIMIT_REASON, TAG_CAPACITY_RESERVATION)
 
 
 # ----------------------------------------------------------------------------- IMDS
@@ -202,3 +205,18 @@ SECRET_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
 # node types are written: spot first (on-demand keeps rayfleet:onDemandWorkers launchable
 # when spot has no capacity). The catalog's prices spell them on_demand and spot.
 MARKETS = ("spot", "ondemand")
+
+# The markets of a stack's reserved capacity (rayfleet:capacityReservations), one node type
+# each: "block" a Capacity Block for ML (paid in full when bought, for fixed dates), "reserved"
+# an On-Demand Capacity Reservation (billed at the on-demand rate whether used or not). A
+# worker type's reservations come before its spot and on-demand node types, a block first:
+# capacity already paid for is used before any that costs more.
+MARKET_BLOCK = "block"
+MARKET_RESERVED = "reserved"
+RESERVATION_MARKETS = (MARKET_BLOCK, MARKET_RESERVED)
+# Every market a worker node type may have, in the order a type's node types are written.
+WORKER_MARKETS = RESERVATION_MARKETS + MARKETS
+# EC2's InstanceMarketOptions.MarketType of an instance launched into a Capacity Block
+# (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/capacity-blocks-launch.html); it also
+# needs the block's reservation id as its CapacityReservationTarget.
+CAPACITY_BLOCK_MARKET_TYPE = "capacity-block"

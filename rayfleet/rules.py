@@ -105,6 +105,9 @@ _RULES = (
     Rule(30, "Serve's HAProxy ingress: its pages on loopback, its replica ports from the "
              "cluster only",
          "", ("pack", "lint", "test")),
+    Rule(31, "Reserved capacity: a template targets exactly its configured reservation, and a "
+             "Capacity Block is never spot",
+         "", ("pack", "lint")),
 )
 
 RULES: Mapping[int, Rule] = {r.number: r for r in _RULES}

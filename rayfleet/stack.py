@@ -17,10 +17,12 @@ JSON::
     launch_templates: {head: {id}}       # each worker's template is in its node type
     node_types:                          # from the catalog when the stack was deployed
       head:    {instance_type, vcpus, gpus: 0}
-      workers:                           # rayfleet:workerInstanceTypes' order; per type its
-        - {instance_type, market,        #   spot, then its on-demand ("spot" | "ondemand")
-           vcpus, gpus, accelerator_type, efa_interfaces, min_workers, max_workers,
-           launch_template: {id}}
+      workers:                           # the order of preference: rayfleet:workerInstanceTypes'
+        - {instance_type, market,        #   order; per type its Capacity Block ("block"), its
+           vcpus, gpus, accelerator_type, #  reservation ("reserved"), its "spot", its "ondemand"
+           efa_interfaces, min_workers, max_workers, launch_template: {id},
+           capacity_reservation:         # only on "block" and "reserved" node types
+             {availability_zone, subnet_id, id | resource_group_arn}}
     max_workers: int                     # rayfleet:maxWorkers: every worker type together
     storage_uri: str                     # s3://<bucket>/<key prefix>: where jobs write
     autostop_minutes: int                # optional; 0 or absent: never (rayfleet:autostopMinutes)
@@ -42,6 +44,11 @@ Render trusts ``node_types``: a node type's Ray resources are what the stack say
 have, so a newer kit never silently disagrees with a deployed stack. A key this version does
 not know is ignored (an older stack may export more); a change that would make an older
 render misread an output raises :data:`SCHEMA_VERSION`.
+
+Reserved capacity (``block`` and ``reserved`` node types, with their ``capacity_reservation``)
+did not raise it: a render of the same schema without them refuses those markets in one line
+("is not a market"), so it cannot misread them, and a stack without reservations exports
+exactly what it did before.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ from typing import Any, Generic, TypeVar
 
 from rayfleet import catalog
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
-from rayfleet.facts import CLUSTER_NAME, MARKETS
+from rayfleet.facts import CLUSTER_NAME, MARKET_BLOCK, RESERVATION_MARKETS, WORKER_MARKETS
 
 SCHEMA_VERSION = 2
 
@@ -74,11 +81,26 @@ class TemplateId:
 
 
 @dataclass(frozen=True)
+class CapacityReservationTarget:
+    """What a reserved node type launches into: one reservation (``id``) or any reservation of
+    a resource group (``resource_group_arn``), in one AZ, through that AZ's private subnet."""
+
+    availability_zone: str
+    subnet_id: str
+    id: str | None = field(default=None, metadata={"omit_if_none": True})
+    resource_group_arn: str | None = field(default=None, metadata={"omit_if_none": True})
+
+    @property
+    def target(self) -> str:
+        return self.id or self.resource_group_arn or ""
+
+
+@dataclass(frozen=True)
 class WorkerNodeType:
     """One (GPU worker type, market) of the stack: a launch template and a Ray node type."""
 
     instance_type: str
-    market: str               # "spot" | "ondemand"
+    market: str               # "spot" | "ondemand" | "block" | "reserved"
     vcpus: int
     gpus: int
     accelerator_type: str     # the Ray resource accelerator_type:<this> (A100, H100, H200)
@@ -86,6 +108,9 @@ class WorkerNodeType:
     min_workers: int
     max_workers: int
     launch_template: TemplateId
+    # "block" and "reserved" only; absent from the others' output, as before reservations.
+    capacity_reservation: CapacityReservationTarget | None = field(
+        default=None, metadata={"omit_if_none": True})
 
     @property
     def ray_name(self) -> str:
@@ -169,7 +194,8 @@ class StackOutputs:
 
 def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not (f.metadata.get("omit_if_none") and getattr(value, f.name) is None)}
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -266,9 +292,10 @@ def _check(o: dict[str, Any], source: str) -> None:
         if t not in known:
             raise ConfigError(f"{source}: node_types.{kind}.instance_type",
                               f"{t!r} is not a known GPU worker type{did_you_mean(t, known)}")
-        if w["market"] not in MARKETS:
+        if w["market"] not in WORKER_MARKETS:
             raise ConfigError(f"{source}: node_types.{kind}.market",
-                              f"{w['market']!r} is not a market", MARKETS, w["market"])
+                              f"{w['market']!r} is not a market", WORKER_MARKETS, w["market"])
+        _check_reservation(source, kind, w)
         if (t, w["market"]) in seen:
             raise ConfigError(f"{source}: node_types.{kind}",
                               f"{t} {w['market']} appears twice; {_RERUN}")
@@ -291,6 +318,24 @@ def _check(o: dict[str, Any], source: str) -> None:
                                                      "cluster name")
 
 
+def _check_reservation(source: str, kind: str, w: dict[str, Any]) -> None:
+    """A block or reserved node type names its AZ, subnet and exactly one target (a block its
+    reservation id); any other market names none."""
+    key = f"{source}: node_types.{kind}.capacity_reservation"
+    cr = w.get("capacity_reservation")
+    if w["market"] not in RESERVATION_MARKETS:
+        if cr is not None:
+            raise ConfigError(key, f"is set on a {w['market']} node type; {_RERUN}")
+        return
+    if not isinstance(cr, dict) or not cr.get("availability_zone") or not cr.get("subnet_id"):
+        raise ConfigError(key, f"must name the {w['market']} node type's availability_zone and "
+                               f"subnet_id; {_RERUN}")
+    if bool(cr.get("id")) == bool(cr.get("resource_group_arn")):
+        raise ConfigError(key, f"must name exactly one of id and resource_group_arn; {_RERUN}")
+    if w["market"] == MARKET_BLOCK and not cr.get("id"):
+        raise ConfigError(key, f"a Capacity Block is launched into by its id; {_RERUN}")
+
+
 def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -305,10 +350,14 @@ def _build(o: dict[str, Any]) -> StackOutputs:
     nt = o["node_types"]
 
     def worker(w: dict[str, Any]) -> WorkerNodeType:
+        cr = w.get("capacity_reservation")
         return WorkerNodeType(w["instance_type"], w["market"], w["vcpus"], w["gpus"],
                               w["accelerator_type"], w.get("efa_interfaces", 0),
                               w["min_workers"], w["max_workers"],
-                              TemplateId(w["launch_template"]["id"]))
+                              TemplateId(w["launch_template"]["id"]),
+                              CapacityReservationTarget(
+                                  cr["availability_zone"], cr["subnet_id"], cr.get("id"),
+                                  cr.get("resource_group_arn")) if cr else None)
 
     def arns(d: dict[str, Any]) -> ByRole[Arn]:
         return ByRole(Arn(d["head"]["arn"]), Arn(d["worker"]["arn"]))

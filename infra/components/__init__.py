@@ -60,6 +60,7 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         nat_gateways=cfg.network.nat_gateways,
         flow_log_retention_days=cfg.network.flow_log_retention_days,
         worker_az=cfg.network.worker_az,
+        reserved_azs=cfg.nodes.reserved_azs,
     ), opts)
     security = Security(f"{c}-security", SecurityArgs(
         cluster_name=c,
@@ -84,6 +85,9 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         key_prefix=cfg.storage.key_prefix,
         kms_key_arn=storage.kms_key_arn,
     ), opts)
+    # One private subnet per AZ, the reservations' AZs among them (Network made sure).
+    subnet_by_az = dict(zip(network.availability_zones, network.private_subnet_ids,
+                            strict=True))
     nodes = GpuNodes(f"{c}-nodes", GpuNodesArgs(
         cluster_name=c,
         stack=stack,
@@ -98,6 +102,8 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         head_instance_profile_arn=iam.head_profile.arn,
         worker_instance_profile_arn=iam.worker_profile.arn,
         ami_id=cfg.nodes.ami_id,
+        reservations=cfg.nodes.capacity_reservations,
+        subnet_by_az=subnet_by_az,
     ), opts)
     budget = None
     if cfg.budget.enabled:
@@ -106,13 +112,22 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         ), opts)
 
     head = cfg.nodes.head
-    # One worker node type per (allowed type, market), in the stack's order, each with the
-    # template built for it.
+    # One worker node type per (allowed type, market), in the stack's order (the order of
+    # preference: per type its reservations, spot, on-demand), each with the template built
+    # for it; a reservation's also says what it targets, in which AZ and subnet.
+    def reserved(r):
+        if r is None:
+            return None
+        return contract.CapacityReservationTarget(
+            availability_zone=r.availability_zone, subnet_id=subnet_by_az[r.availability_zone],
+            id=r.id, resource_group_arn=r.resource_group_arn)
+
     workers = [contract.WorkerNodeType(
         instance_type=w.spec.name, market=w.market, vcpus=w.spec.vcpus, gpus=w.spec.gpus,
         accelerator_type=w.spec.accelerator_type, efa_interfaces=w.spec.efa_interfaces,
         min_workers=w.min_workers, max_workers=w.max_workers,
-        launch_template=contract.TemplateId(nodes.workers[(w.spec.name, w.market)].id))
+        launch_template=contract.TemplateId(nodes.workers[(w.spec.name, w.market)].id),
+        capacity_reservation=reserved(w.reservation))
         for w in cfg.nodes.worker_splits()]
 
     return {"rayfleet": contract.StackOutputs(

@@ -7,18 +7,35 @@ hold for every node however it is launched: the Deep Learning AMI, IMDSv2 (rule 
 gp3 roots (rule 10), no public address (rule 7), the cluster tags that the head role's
 permissions hinge on, and for the GPU workers their type's EFA interfaces (one per network
 card: p4d 4, p5 32) and the one cluster placement group every worker type shares.
+
+Reserved capacity (rayfleet:capacityReservations) gets one more worker template per
+reservation: on-demand, or ``capacity-block`` for a Capacity Block, targeting exactly that
+reservation (its id or resource group), its interfaces in the private subnet of the
+reservation's AZ and without the placement group: a reservation is capacity in one AZ that
+AWS already holds, and a cluster placement group in another AZ, or one the reserved instances
+do not fit, would only make the launch fail.
 """
 
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import pulumi
 import pulumi_aws as aws
 
 from rayfleet.catalog import InstanceSpec
-from rayfleet.facts import MARKETS, RAY_CLUSTER_TAG, TAG_CLUSTER, TAG_NODE_KIND, TAG_STACK
+from rayfleet.config import CapacityReservation
+from rayfleet.facts import (
+    CAPACITY_BLOCK_MARKET_TYPE,
+    MARKETS,
+    RAY_CLUSTER_TAG,
+    TAG_CAPACITY_RESERVATION,
+    TAG_CLUSTER,
+    TAG_NODE_KIND,
+    TAG_STACK,
+)
 # Module-level, so a test can swap it and watch the policy pack notice.
 from rayfleet.facts import TAG_HOP_LIMIT_REASON as HOP_LIMIT_REASON_TAG
 
@@ -43,6 +60,9 @@ class GpuNodesArgs:
     head_instance_profile_arn: pulumi.Input[str]
     worker_instance_profile_arn: pulumi.Input[str]
     ami_id: str | None = None  # None: the newest DLAMI
+    # rayfleet:capacityReservations, and the private subnet of each AZ they are in.
+    reservations: tuple[CapacityReservation, ...] = ()
+    subnet_by_az: Mapping[str, pulumi.Input[str]] = field(default_factory=dict)
 
 
 def user_data(cluster_name: str, node_kind: str) -> str:
@@ -73,7 +93,8 @@ def template_suffix(instance_type: str, market: str) -> str:
 
 class GpuNodes(pulumi.ComponentResource):
     """Cluster placement group and launch templates: the head, and per allowed worker type one
-    spot and one on-demand template (``self.workers[(type, market)]``, in the stack's order)."""
+    template per reservation of it, one spot and one on-demand (``self.workers[(type,
+    market)]``, in the stack's order)."""
 
     def __init__(self, name: str, args: GpuNodesArgs,
                  opts: pulumi.ResourceOptions | None = None):
@@ -112,6 +133,10 @@ class GpuNodes(pulumi.ComponentResource):
         # interfaces must match that type's network cards.
         self.workers: dict[tuple[str, str], aws.ec2.LaunchTemplate] = {}
         for worker in args.workers:
+            for r in args.reservations:
+                if r.instance_type == worker.name:
+                    self.workers[(worker.name, r.market)] = self._reserved(
+                        name, args, worker, r, root_device, child)
             for market in MARKETS:
                 self.workers[(worker.name, market)] = self._worker(
                     name, args, worker, market, root_device, child)
@@ -150,6 +175,39 @@ class GpuNodes(pulumi.ComponentResource):
             block_device_mappings=[_root(root_device, args.worker_root_volume_gb, 6000, 500)],
             tag_specifications=_tag_specs(args, "worker", spot=spot, efa=True),
             **self._common(args, "worker", args.worker_instance_profile_arn),
+            opts=child,
+        )
+
+    def _reserved(self, name: str, args: GpuNodesArgs, worker: InstanceSpec,
+                  r: CapacityReservation, root_device: str,
+                  child: pulumi.ResourceOptions) -> aws.ec2.LaunchTemplate:
+        """A template that launches only into reservation ``r``: by its id, or into any
+        reservation of its resource group."""
+        what = "Capacity Block" if r.capacity_block else "capacity reservation"
+        common = self._common(args, "worker", args.worker_instance_profile_arn)
+        # The target, tagged as well: what the template is for survives an edit that drops
+        # the target, and the policy pack names such a template (rule 31).
+        common["tags"] = {**common["tags"], TAG_CAPACITY_RESERVATION: r.target}
+        return aws.ec2.LaunchTemplate(
+            f"{name}-{template_suffix(worker.name, r.market)}",
+            description=f"Ray {worker.name} worker ({what} {r.target}) of {args.cluster_name}",
+            instance_type=worker.name,
+            network_interfaces=_efa_interfaces(args, worker,
+                                               args.subnet_by_az[r.availability_zone]),
+            # A Capacity Block is launched with market type capacity-block and its reservation
+            # id; an ODCR is on-demand (no market options) with its target. Neither is spot.
+            instance_market_options=aws.ec2.LaunchTemplateInstanceMarketOptionsArgs(
+                market_type=CAPACITY_BLOCK_MARKET_TYPE) if r.capacity_block else None,
+            capacity_reservation_specification=(
+                aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs(
+                    capacity_reservation_target=(
+                        aws.ec2.LaunchTemplateCapacityReservationSpecificationCapacityReservationTargetArgs(
+                            capacity_reservation_id=r.id,
+                            capacity_reservation_resource_group_arn=r.resource_group_arn)))),
+            user_data=user_data(args.cluster_name, "worker"),
+            block_device_mappings=[_root(root_device, args.worker_root_volume_gb, 6000, 500)],
+            tag_specifications=_tag_specs(args, "worker", spot=False, efa=True),
+            **common,
             opts=child,
         )
 
@@ -212,16 +270,18 @@ def _root(device: str, size_gb: int, iops: int, throughput: int):
     )
 
 
-def _efa_interfaces(args: GpuNodesArgs, worker: InstanceSpec) -> list:
+def _efa_interfaces(args: GpuNodesArgs, worker: InstanceSpec,
+                    subnet_id: pulumi.Input[str] | None = None) -> list:
     """One EFA per network card (p4d: 4, p5 and p5e: 32, p5en: 16). Card 0 carries the primary
     interface (device 0), the others device index 1, as AWS documents for multi-card instances
-    (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html)."""
+    (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html). In the
+    workers' subnet unless ``subnet_id`` (a reservation's AZ) says otherwise."""
     return [
         aws.ec2.LaunchTemplateNetworkInterfaceArgs(
             network_card_index=card,
             device_index=0 if card == 0 else 1,
             interface_type="efa",
-            subnet_id=args.worker_subnet_id,
+            subnet_id=subnet_id if subnet_id is not None else args.worker_subnet_id,
             security_groups=[args.cluster_security_group_id, args.efa_security_group_id],
             # Rule 7 holds without associate_public_ip_address: EC2 never auto-assigns a public
             # IPv4 to an instance launched with several interfaces, and refuses the parameter

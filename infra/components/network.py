@@ -30,6 +30,8 @@ class NetworkArgs:
     nat_gateways: str  # "single" | "per-az"
     flow_log_retention_days: int
     worker_az: str | None = None  # None: the first available AZ
+    # AZs of rayfleet:capacityReservations: each needs a private subnet (its template's).
+    reserved_azs: tuple[str, ...] = ()
 
 
 class Network(pulumi.ComponentResource):
@@ -153,7 +155,12 @@ class Network(pulumi.ComponentResource):
         })
 
     def _zones(self, args: NetworkArgs) -> list[str]:
-        """The AZs to use, the workers' AZ first (its private subnet hosts the A100s)."""
+        """The AZs to use, the workers' AZ first (its private subnet hosts the A100s), and
+        every reservation's AZ among them (its template's interfaces live in that AZ's private
+        subnet): a reserved AZ the first ``azCount`` leave out takes the place of the last
+        one no reservation needs, so adding a reservation moves as few subnets as it can.
+        Raised before any resource of the network: a reservation in an AZ the region does
+        not offer, or more AZs needed than rayfleet:azCount."""
         wanted = len(args.private_subnet_cidrs)
         zones = aws.get_availability_zones(
             state="available",
@@ -173,7 +180,23 @@ class Network(pulumi.ComponentResource):
             raise ConfigError("rayfleet:azCount",
                               f"is {wanted} but {args.region} has {len(zones)} available AZs "
                               f"({', '.join(zones)})")
-        return zones[:wanted]
+        chosen = zones[:wanted]
+        needed = [zones[0], *args.reserved_azs]
+        for az in args.reserved_azs:
+            if az not in zones:
+                raise ConfigError("rayfleet:capacityReservations",
+                                  f"a reservation is in {az}, not an available AZ of "
+                                  f"{args.region}", allowed=zones, value=az)
+            if az in chosen:
+                continue
+            spare = [i for i, z in enumerate(chosen) if z not in needed]
+            if not spare:
+                raise ConfigError("rayfleet:azCount",
+                                  f"is {wanted} but the workers' AZ and the reservations' need "
+                                  f"{len(set(needed))} ({', '.join(dict.fromkeys(needed))}); "
+                                  f"raise rayfleet:azCount to {len(set(needed))}")
+            chosen[spare[-1]] = az
+        return chosen
 
     def _flow_logs(self, name: str, args: NetworkArgs) -> None:
         """Flow logs of every ENI in the VPC to CloudWatch, kept for a retention (rule 8),

@@ -13,8 +13,10 @@ produced yet (an ARN, an id) is unknown: references between resources are follow
 Pulumi's property dependencies, and a check that needs an unknown value is reported by
 CrossGuard as not runnable in that preview instead of guessing.
 
-Rules 3, 21, 22, 23 and 25 concern the cluster YAML and the nodes' runtime, not the resource
-graph: ``rayfleet lint`` checks those; rule 24 is the stack configuration's.
+Rules 4 and 31 read the stack's config too (operatorCidrs, capacityReservations), handed in
+by the pack as keyword arguments. Rules 3, 21, 22, 23 and 25 concern the cluster YAML and the
+nodes' runtime, not the resource graph: ``rayfleet lint`` checks those; rule 24 is the stack
+configuration's.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayfleet.facts import (
+    CAPACITY_BLOCK_MARKET_TYPE,
     IMDS_HOP_LIMIT,
     IMDS_HOP_LIMIT_CONTAINERS,
     OPERATOR_PORTS,
@@ -37,6 +40,7 @@ from rayfleet.facts import (
     RAY_PORTS_BY_NAME,
     INGRESS_PORTS,
     SECRET_PATTERNS,
+    TAG_CAPACITY_RESERVATION,
     TAG_HOP_LIMIT_REASON,
     TAG_NODE_ROLE,
     WORLD_FORBIDDEN,
@@ -866,6 +870,73 @@ def rule_29_explicit_key_policy(resources: Sequence[Resource],
                 yield _v(29, k, "lets any principal use the key without a condition")
 
 
+def _target(lt: Resource) -> list[str]:
+    """The reservation ids and resource group ARNs a launch template targets."""
+    spec = _known(lt.inputs, "capacityReservationSpecification") or {}
+    target = spec.get("capacityReservationTarget") or {}
+    return [str(v) for v in (target.get("capacityReservationId"),
+                             target.get("capacityReservationResourceGroupArn")) if v]
+
+
+def rule_31_reserved_capacity(resources: Sequence[Resource],
+                              capacity_reservations: Sequence[Mapping[str, Any]] = (),
+                              **_: Any) -> Iterator[Violation]:
+    """Each reservation of rayfleet:capacityReservations (``capacity_reservations``, as the
+    stack config holds them) has a template that targets it and nothing else, of its instance
+    type and market; no template targets a reservation the config does not name; a template
+    with the capacity-block market type targets a reservation id; none of them is spot."""
+    configured = {str(c.get("id") or c.get("resourceGroupArn")): c
+                  for c in capacity_reservations}
+    served: set[str] = set()
+    for lt in _all(resources, LAUNCH_TEMPLATE):
+        targets = _target(lt)
+        market = (_known(lt.inputs, "instanceMarketOptions") or {}).get("marketType")
+        built_for = (_known(lt.inputs, "tags") or {}).get(TAG_CAPACITY_RESERVATION)
+        block = market == CAPACITY_BLOCK_MARKET_TYPE
+        if not (targets or built_for or block):
+            continue  # an ordinary spot or on-demand template
+        if built_for:
+            served.add(str(built_for))
+        if market == "spot":
+            yield _v(31, lt, "targets reserved capacity but is spot: a reservation is "
+                             "launched on-demand, a Capacity Block with market type "
+                             f"{CAPACITY_BLOCK_MARKET_TYPE}")
+        if not targets:
+            yield _v(31, lt, ("has market type capacity-block but targets no reservation "
+                              "(EC2 needs the block's reservation id)") if block else
+                             f"was built for {built_for} ({TAG_CAPACITY_RESERVATION}) but "
+                             "targets no reservation: it would launch outside it, or not at all")
+            continue
+        if len(targets) > 1:
+            yield _v(31, lt, f"targets both {' and '.join(targets)}; a template targets one")
+            continue
+        target = targets[0]
+        if built_for and built_for != target:
+            yield _v(31, lt, f"was built for {built_for} but targets {target}")
+        entry = configured.get(target)
+        if entry is None:
+            yield _v(31, lt, f"targets {target}, which rayfleet:capacityReservations does not "
+                             "name (another team's reserved capacity, or a stale one)")
+            continue
+        if str(_known(lt.inputs, "instanceType")) != str(entry.get("instanceType")):
+            yield _v(31, lt, f"is {_known(lt.inputs, 'instanceType')} but {target} reserves "
+                             f"{entry.get('instanceType')}")
+        if _true(entry.get("capacityBlock")) != block:
+            yield _v(31, lt, f"targets {target} with market type {market or 'on-demand'}, but "
+                             "the config says it is "
+                             + ("a Capacity Block (capacity-block)" if _true(
+                                 entry.get("capacityBlock")) else
+                                "an On-Demand Capacity Reservation (on-demand)"))
+        if block and not target.startswith("cr-"):
+            yield _v(31, lt, "has market type capacity-block but targets a resource group; a "
+                             "Capacity Block is launched into by its reservation id")
+    for target in configured:
+        if target not in served:
+            yield _v(31, f"capacityReservations '{target}'",
+                     "has no launch template built for it (none tagged "
+                     f"{TAG_CAPACITY_RESERVATION}={target}): the cluster would never use it")
+
+
 CHECKS: Mapping[int, Callable[..., Iterator[Violation]]] = {
     1: rule_1_no_world_ray_ports, 2: rule_2_no_world_ssh, 4: rule_4_ray_ports_from_cluster_only,
     5: rule_5_default_sg_denies_all, 6: rule_6_descriptions, 7: rule_7_private_nodes,
@@ -877,4 +948,5 @@ CHECKS: Mapping[int, Callable[..., Iterator[Violation]]] = {
     20: rule_20_no_secrets_in_user_data, 26: rule_26_listed_describe_actions,
     27: rule_27_bucket_access_logged, 28: rule_28_log_groups_cmk,
     29: rule_29_explicit_key_policy, 30: rule_30_ingress_ports_from_cluster,
+    31: rule_31_reserved_capacity,
 }

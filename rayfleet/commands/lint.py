@@ -30,7 +30,7 @@ import yaml
 
 from rayfleet import catalog, nodeenv
 from rayfleet.errors import RayfleetError
-from rayfleet.facts import RAY_PORTS, SECRET_PATTERNS
+from rayfleet.facts import CAPACITY_BLOCK_MARKET_TYPE, RAY_PORTS, SECRET_PATTERNS
 from rayfleet.ingress import BINARY, ENABLE, GUARD_NAME, pinned_ports
 from rayfleet.rules import RULES
 
@@ -343,6 +343,32 @@ def _aws_node_type(name: str, nt: dict) -> list[Finding]:
             f.append(Finding(ERROR, 7, f"{where}.NetworkInterfaces[{i}]",
                              "AssociatePublicIpAddress: true puts the node on the internet",
                              "remove it; nodes live in private subnets"))
+    f.extend(_reservation_findings(where, nc))
+    return f
+
+
+def _reservation_findings(where: str, nc: dict) -> list[Finding]:
+    """Rule 31 as a cluster YAML shows it: the market and reservation target a node type
+    launches with. Warnings, as the node's launch template (which lint cannot read) may
+    carry what the node config leaves out; `rayfleet render` writes both."""
+    market = (nc.get("InstanceMarketOptions") or {}).get("MarketType")
+    spec = nc.get("CapacityReservationSpecification") or {}
+    target = spec.get("CapacityReservationTarget") or {} if isinstance(spec, dict) else {}
+    f: list[Finding] = []
+    if market == CAPACITY_BLOCK_MARKET_TYPE and not target.get("CapacityReservationId"):
+        f.append(Finding(WARNING, 31, f"{where}.CapacityReservationSpecification",
+                         "InstanceMarketOptions say capacity-block but no reservation id is "
+                         "targeted: EC2 launches into a Capacity Block only by its id, so "
+                         "every launch of this node type fails",
+                         "set CapacityReservationSpecification: {CapacityReservationTarget: "
+                         "{CapacityReservationId: cr-...}} (rayfleet:capacityReservations, "
+                         "`rayfleet render`)"))
+    if market == "spot" and target:
+        f.append(Finding(WARNING, 31, f"{where}.InstanceMarketOptions",
+                         "a spot node type targets a capacity reservation: reserved capacity "
+                         "is launched on-demand (or capacity-block), never as spot",
+                         "drop InstanceMarketOptions for an On-Demand Capacity Reservation, "
+                         "or use MarketType: capacity-block for a Capacity Block"))
     return f
 
 

@@ -57,10 +57,12 @@ class Reported:
         return self.message
 
 
-def check(resources: list[Resource], rules=None, *, operator_cidrs=()) -> list[Reported]:
+def check(resources: list[Resource], rules=None, *, operator_cidrs=(),
+          capacity_reservations=()) -> list[Reported]:
     """What the policy pack reports over ``resources``, as `pulumi preview --policy-pack`."""
-    return [Reported(m, u) for m, u in pack.evaluate(policy_resources(resources), rules,
-                                                      operator_cidrs=operator_cidrs)]
+    return [Reported(m, u) for m, u in pack.evaluate(
+        policy_resources(resources), rules, operator_cidrs=operator_cidrs,
+        capacity_reservations=capacity_reservations)]
 
 
 # ----------------------------------------------------------------------------- no violations
@@ -389,6 +391,17 @@ MUTATIONS: dict[int, dict[str, Mutation]] = {
             b, f"{D}-network-flow-logs-key", lambda i: policy_doc(
                 i, lambda st: st.append({"Effect": "Allow", "Principal": "*",
                                          "Action": "kms:*", "Resource": "*"}))),
+    },
+    31: {
+        # The reservation stack's own mutations (a template that lost its target, ...) are
+        # in test_reservations.py; the dev stack has none configured.
+        "on-demand template given the capacity-block market type": lambda b: edit(
+            b, f"{D}-nodes-worker-p4d-24xlarge-ondemand",
+            lambda i: i.update(instanceMarketOptions={"marketType": "capacity-block"})),
+        "on-demand template aimed at a reservation the stack does not name": lambda b: edit(
+            b, f"{D}-nodes-worker-p4de-24xlarge-ondemand",
+            lambda i: i.update(capacityReservationSpecification={
+                "capacityReservationTarget": {"capacityReservationId": "cr-0123456789abcdef0"}})),
     },
     30: {
         "direct-ingress rule widened to Ray's unpinned 30000-31000": lambda b: edit(

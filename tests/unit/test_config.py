@@ -147,7 +147,8 @@ def test_pulumi_yaml_declares_every_key_as_config_py_does():
     assert set(declared) == {k.qualified for k in SCHEMA}
     for key in SCHEMA:
         entry = declared[key.qualified]
-        assert entry["type"] == key.type, key.name
+        # A list of objects is declared untyped (Pulumi's project types cannot say it).
+        assert entry.get("type", "objects") == key.type, key.name
         assert entry["default"] == key.default, key.name
         assert entry["description"] == key.description, key.name
 
@@ -164,9 +165,11 @@ def test_pulumi_yaml_follows_the_project_file_rules():
     python_types = {"string": str, "integer": int, "boolean": bool, "array": list}
     for key, entry in project["config"].items():
         assert key.startswith("rayfleet:"), key
-        assert {"type", "default", "description"} <= set(entry), key
+        assert {"default", "description"} <= set(entry), key
         assert "value" not in entry, key
-        assert type(entry["default"]) is python_types[entry["type"]], key
+        assert type(entry["default"]) is python_types[entry.get("type", "array")], key
+        if "type" not in entry:
+            continue  # untyped: a list of objects, no items type to name
         if entry["type"] == "array":
             assert entry["items"] == {"type": "string"}, key
         assert entry["description"].strip(), key
@@ -177,6 +180,45 @@ def test_pulumi_yaml_defaults_build_the_default_config():
     defaults = {k: v["default"] for k, v in project["config"].items()}
     assert StackConfig.from_mapping(defaults) == StackConfig.from_mapping({})
     assert {f"rayfleet:{k}": v for k, v in DEFAULTS.items()} == defaults
+
+
+# ----------------------------------------------------------------------------- reservations
+
+ODCR = {"instanceType": "p4d.24xlarge", "availabilityZone": "us-east-1b",
+        "id": "cr-0123456789abcdef0"}
+BLOCK = {"instanceType": "p4d.24xlarge", "availabilityZone": "us-east-1c",
+         "id": "cr-0fedcba9876543210", "capacityBlock": True}
+GROUP = "arn:aws:resource-groups:us-east-1:123456789012:group/p4de-odcrs"
+
+
+def test_reservations_come_first_in_their_types_order_block_before_odcr():
+    n = cfg(workerInstanceTypes=["p4d.24xlarge", "p4de.24xlarge"], minWorkers=1, maxWorkers=4,
+            onDemandWorkers=1,
+            capacityReservations=[ODCR, {"instanceType": "p4de.24xlarge",
+                                         "availabilityZone": "us-east-1b",
+                                         "resourceGroupArn": GROUP}, BLOCK]).nodes
+    # Prepaid capacity first, per type in the stack's order; reservations keep no minimum and
+    # may grow to maxWorkers (AWS, not the config, knows how many instances they hold).
+    assert [(w.spec.name, w.market, w.min_workers, w.max_workers,
+             w.reservation.target if w.reservation else None)
+            for w in n.worker_splits()] == [
+        ("p4d.24xlarge", "block", 0, 4, BLOCK["id"]),
+        ("p4d.24xlarge", "reserved", 0, 4, ODCR["id"]),
+        ("p4d.24xlarge", "spot", 0, 3, None), ("p4d.24xlarge", "ondemand", 1, 1, None),
+        ("p4de.24xlarge", "reserved", 0, 4, GROUP),
+        ("p4de.24xlarge", "spot", 0, 3, None), ("p4de.24xlarge", "ondemand", 0, 1, None)]
+    assert n.reserved_azs == ("us-east-1b", "us-east-1c")
+
+
+def test_reservations_as_pulumi_config_hands_them_over():
+    # `pulumi config set --path` stores a structured value; the program gets it as JSON text.
+    import json
+
+    n = cfg(capacityReservations=json.dumps([BLOCK])).nodes
+    assert n.capacity_reservations[0].capacity_block and n.capacity_reservations[0].market == \
+        "block"
+    assert cfg(capacityReservations="").nodes.capacity_reservations == ()
+    assert cfg().nodes.capacity_reservations == ()
 
 
 # ----------------------------------------------------------------------------- bad configs
@@ -275,6 +317,41 @@ BAD = [
     ({"rayfleet:region": {"secure": "AAAbase64"}}, "rayfleet:region", ["not a secret"]),
     ({"aws:region": "eu-west-1"}, "aws:region", ["rayfleet:region (us-east-1)"]),
     ({"aws:profile": "prod"}, "aws:profile", ["AWS_PROFILE"]),
+    # rayfleet:capacityReservations: each mistake names the entry's key.
+    ({"rayfleet:capacityReservations": "cr-0123456789abcdef0"}, "rayfleet:capacityReservations",
+     ["expected a list of objects"]),
+    ({"rayfleet:capacityReservations": [{**ODCR, "instanceType": "p4de.24xlarge"}]},
+     "rayfleet:capacityReservations[0].instanceType",
+     ["not one of rayfleet:workerInstanceTypes", "allowed: p4d.24xlarge"]),
+    ({"rayfleet:capacityReservations": [{**ODCR, "availabilityZone": "us-east1b"}]},
+     "rayfleet:capacityReservations[0].availabilityZone", ['did you mean "us-east-1b"']),
+    ({"rayfleet:capacityReservations": [{**ODCR, "availabilityZone": "eu-west-1a"}]},
+     "rayfleet:capacityReservations[0].availabilityZone", ["rayfleet:region us-east-1"]),
+    ({"rayfleet:capacityReservations": [{**ODCR, "id": "cr-0123456789ABCDEF0"}]},
+     "rayfleet:capacityReservations[0].id", ['did you mean "cr-0123456789abcdef0"']),
+    ({"rayfleet:capacityReservations": [{**ODCR, "resourceGroupArn": GROUP}]},
+     "rayfleet:capacityReservations[0]", ["exactly one of id", "got both"]),
+    ({"rayfleet:capacityReservations": [{"instanceType": "p4d.24xlarge",
+                                         "availabilityZone": "us-east-1b"}]},
+     "rayfleet:capacityReservations[0]", ["exactly one of id", "got neither"]),
+    ({"rayfleet:capacityReservations": [{**ODCR, "capacityblock": True}]},
+     "rayfleet:capacityReservations[0].capacityblock", ['did you mean "capacityBlock"']),
+    ({"rayfleet:capacityReservations": [{**ODCR, "capacityBlock": "yes"}]},
+     "rayfleet:capacityReservations[0].capacityBlock", ["expected true or false"]),
+    ({"rayfleet:capacityReservations": [{"instanceType": "p4d.24xlarge", "capacityBlock": True,
+                                         "availabilityZone": "us-east-1b",
+                                         "resourceGroupArn": GROUP}]},
+     "rayfleet:capacityReservations[0].resourceGroupArn", ["set id: cr-... instead"]),
+    ({"rayfleet:capacityReservations": [{"instanceType": "p4d.24xlarge",
+                                         "availabilityZone": "us-east-1b",
+                                         "resourceGroupArn": GROUP.replace("us-east-1",
+                                                                           "us-west-2")}]},
+     "rayfleet:capacityReservations[0].resourceGroupArn", ["of rayfleet:region us-east-1"]),
+    ({"rayfleet:capacityReservations": [ODCR, {**ODCR, "id": "cr-0123456789abcdef1"}]},
+     "rayfleet:capacityReservations[1]", ["second On-Demand Capacity Reservation for "
+                                          "p4d.24xlarge", "resource group"]),
+    ({"rayfleet:capacityReservations": [ODCR, {**ODCR, "capacityBlock": True}]},
+     "rayfleet:capacityReservations[1]", ["lists cr-0123456789abcdef0 twice"]),
 ]
 
 

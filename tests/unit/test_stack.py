@@ -67,8 +67,20 @@ def test_render_trusts_the_stacks_node_types(outputs):
      "node_types.workers[0].efa_interfaces"),
     (lambda o: o["node_types"]["workers"][2].pop("launch_template"),
      "lacks node_types.workers[2].launch_template.id"),
+    (lambda o: o["node_types"]["workers"][3].update(market="dedicated"),
+     "node_types.workers[3].market: 'dedicated' is not a market; allowed: block, reserved, "
+     "spot, ondemand"),
+    # Reserved capacity: a block or reserved node type names its AZ, subnet and one target.
     (lambda o: o["node_types"]["workers"][3].update(market="reserved"),
-     "node_types.workers[3].market: 'reserved' is not a market; allowed: spot, ondemand"),
+     "node_types.workers[3].capacity_reservation: must name the reserved node type's "
+     "availability_zone and subnet_id"),
+    (lambda o: o["node_types"]["workers"][0].update(market="block", capacity_reservation={
+        "availability_zone": "us-east-1b", "subnet_id": "subnet-1",
+        "resource_group_arn": "arn:aws:resource-groups:us-east-1:123456789012:group/g"}),
+     "node_types.workers[0].capacity_reservation: a Capacity Block is launched into by its id"),
+    (lambda o: o["node_types"]["workers"][0].update(capacity_reservation={
+        "availability_zone": "us-east-1b", "subnet_id": "subnet-1", "id": "cr-1"}),
+     "node_types.workers[0].capacity_reservation: is set on a spot node type"),
     (lambda o: o["node_types"]["workers"].append(dict(o["node_types"]["workers"][0])),
      "node_types.workers[4]: p4d.24xlarge spot appears twice"),
     (lambda o: o["node_types"].update(workers=[]), "lacks node_types.workers"),
