@@ -12,6 +12,16 @@ reachable and writable. Each worker type is checked on its own: offered in the w
 (its launch template's subnet), its template present. Prints a table of PASS / FAIL / UNKNOWN with
 the fix; exits 1 if anything FAILs. UNKNOWN (e.g. a service the credentials cannot query) is
 reported, never a crash.
+
+Reserved capacity comes first: every node type that targets a capacity reservation (its node
+config's or its launch template's CapacityReservationSpecification) gets one line per
+reservation: id, state, instance type, AZ, available/total instances and, for a Capacity
+Block, its start and end. A reservation a launch could not use is refused in one line before
+anything else is checked (exit 2): not found, not active (a Capacity Block may also be
+scheduled), of another instance type than the node type, in an AZ the stack has no private
+subnet in (or not the AZ of the node type's subnet), or ending within ``--hours``. A resource
+group's reservations are listed through Resource Groups (ListGroupResources); the group is
+refused when none of them could take the node type's workers.
 """
 
 from __future__ import annotations
@@ -20,12 +30,14 @@ import re
 import stat
 import sys
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from rayfleet import catalog
 from rayfleet.config import AWS_REGIONS
+from rayfleet.entrypoint import bounded
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError, did_you_mean
-from rayfleet.facts import S3_BUCKET_NAME
+from rayfleet.facts import CAPACITY_BLOCK_MARKET_TYPE, S3_BUCKET_NAME
 from rayfleet.commands.lint import load_yaml
 
 PASS, FAIL, UNKNOWN = "PASS", "FAIL", "UNKNOWN"
@@ -33,6 +45,25 @@ PASS, FAIL, UNKNOWN = "PASS", "FAIL", "UNKNOWN"
 # EC2 service quotas, in vCPUs (https://docs.aws.amazon.com/ec2/latest/instancetypes/ec2-instance-quotas.html).
 P_QUOTAS = {"on-demand": ("L-417A185B", "Running On-Demand P instances"),
             "spot": ("L-7212CCBC", "All P Spot Instance Requests")}
+
+# `rayfleet preflight --hours`: how long the cluster must be able to run; a reservation that
+# ends sooner (a Capacity Block's fixed end, or an ODCR's end date) is refused.
+DEFAULT_HOURS = 1.0
+# States a launch can use (EC2 DescribeCapacityReservations' State): an ODCR only when active;
+# a Capacity Block bought for later is scheduled until its start.
+USABLE_STATES = {"default": ("active",), "capacity-block": ("active", "scheduled")}
+RESOURCE_TYPE = "AWS::EC2::CapacityReservation"
+# A Capacity Block lasts at most 182 days; more hours than that no reservation can cover.
+MAX_HOURS = 182 * 24
+
+
+def add_arguments(p) -> None:
+    """preflight's flags beyond the YAML, GPUs and bucket (the CLI adds them here)."""
+    p.add_argument("--hours", type=bounded(float, lambda h: 0 < h <= MAX_HOURS,
+                                           f"more than 0 and at most {MAX_HOURS}"),
+                   default=DEFAULT_HOURS,
+                   help="hours the cluster must be able to run from now: a Capacity Block or "
+                        f"reservation ending sooner is refused (default {DEFAULT_HOURS:g})")
 
 
 @dataclass
@@ -142,7 +173,8 @@ class Preflight:
             self._templates[key] = data
         return self._templates[key]
 
-    def run(self, bucket: str | None) -> list[Check]:
+    def run(self, bucket: str | None, hours: float = DEFAULT_HOURS) -> list[Check]:
+        self.check_reservations(hours)  # raises, before anything else, on one it cannot use
         types = self.cfg.get("available_node_types") or {}
         subnets: dict[str, set[str]] = {}  # instance type -> subnets
         sgs: set[str] = set()
@@ -207,6 +239,103 @@ class Preflight:
             self.add(UNKNOWN, "bucket", "no s3:// path in the YAML header or --bucket",
                      "pass --bucket s3://<bucket>/<prefix>")
         return self.checks
+
+    def _reserved_node_types(self) -> list[tuple[str, str, bool, dict, list[str]]]:
+        """(node type, instance type, is a Capacity Block, CapacityReservationTarget, subnet
+        ids) of every worker node type that targets reserved capacity."""
+        out = []
+        for name, nt in (self.cfg.get("available_node_types") or {}).items():
+            if name == self.cfg.get("head_node_type"):
+                continue
+            nc = (nt or {}).get("node_config") or {}
+            lt = self.template(nc) or {}
+            spec = (nc.get("CapacityReservationSpecification")
+                    or lt.get("CapacityReservationSpecification") or {})
+            target = spec.get("CapacityReservationTarget") or {}
+            if not target:
+                continue
+            market = (nc.get("InstanceMarketOptions") or lt.get("InstanceMarketOptions")
+                      or {}).get("MarketType")
+            subnets = list(nc.get("SubnetIds") or []) or [
+                n["SubnetId"] for n in lt.get("NetworkInterfaces") or [] if n.get("SubnetId")]
+            out.append((name, nc.get("InstanceType") or lt.get("InstanceType"),
+                        market == CAPACITY_BLOCK_MARKET_TYPE, target, subnets))
+        return out
+
+    def _group_reservations(self, name: str, arn: str) -> list[str]:
+        """The capacity reservation ids in resource group ``arn``."""
+        rg = self.session.client("resource-groups", region_name=self.region)
+        ids, token = [], None
+        try:
+            while True:
+                page = rg.list_group_resources(Group=arn, **({"NextToken": token} if token
+                                                             else {}))
+                for r in page.get("Resources") or []:
+                    ident = r.get("Identifier") or {}
+                    if ident.get("ResourceType") == RESOURCE_TYPE:
+                        ids.append(ident["ResourceArn"].rsplit("/", 1)[-1])
+                token = page.get("NextToken")
+                if not token:
+                    break
+        except _client_error() as e:
+            raise ClusterError(f"{name}: resource group {arn} cannot be read ({_code(e)}); "
+                               "check the ARN (rayfleet:capacityReservations) and that your "
+                               "credentials may call resource-groups:ListGroupResources") \
+                from None
+        if not ids:
+            raise ClusterError(f"{name}: resource group {arn} holds no capacity reservation; "
+                               "add the reservations to it, or target one by id")
+        return ids
+
+    def check_reservations(self, hours: float = DEFAULT_HOURS) -> None:
+        """One PASS line per reservation a node type targets; a ClusterError (one line) for
+        the first one a launch could not use."""
+        wanted = self._reserved_node_types()
+        if not wanted:
+            return
+        head = (self.cfg.get("available_node_types") or {}).get(
+            self.cfg.get("head_node_type")) or {}
+        # The head's subnets are the stack's private subnets, one per AZ (`rayfleet render`).
+        stack_subnets = list((head.get("node_config") or {}).get("SubnetIds") or []) or \
+            sorted({s for w in wanted for s in w[4]})
+        subnet_ids = sorted(set(stack_subnets).union(*(set(w[4]) for w in wanted)))
+        try:
+            subnet_az = {s["SubnetId"]: s["AvailabilityZone"] for s in
+                         self.ec2.describe_subnets(SubnetIds=subnet_ids)["Subnets"]}
+        except _client_error() as e:
+            raise ClusterError(f"subnets {', '.join(subnet_ids)}: {_code(e)}; re-run `pulumi "
+                               "up`, then `rayfleet render`") from None
+        stack_azs = sorted({subnet_az[s] for s in stack_subnets if s in subnet_az})
+        until = datetime.now(timezone.utc) + timedelta(hours=hours)
+        for name, itype, block, target, subnets in wanted:
+            node_azs = sorted({subnet_az[s] for s in subnets if s in subnet_az})
+            group = target.get("CapacityReservationResourceGroupArn")
+            ids = ([target["CapacityReservationId"]] if target.get("CapacityReservationId")
+                   else self._group_reservations(name, group))
+            try:
+                found = self.ec2.describe_capacity_reservations(
+                    CapacityReservationIds=ids)["CapacityReservations"]
+            except _client_error() as e:
+                raise ClusterError(f"{name}: capacity reservation {', '.join(ids)} not found "
+                                   f"({_code(e)}) in {self.region}; check its id in "
+                                   "rayfleet:capacityReservations") from None
+            missing = sorted(set(ids) - {r["CapacityReservationId"] for r in found})
+            if missing:
+                raise ClusterError(f"{name}: capacity reservation {', '.join(missing)} not found "
+                                   f"in {self.region}; check its id in "
+                                   "rayfleet:capacityReservations")
+            problems = []
+            for r in found:
+                problem = reservation_problem(r, itype, block, stack_azs, node_azs, until,
+                                              hours)
+                self.add(PASS, f"reservation {r['CapacityReservationId']}",
+                         f"{name}: {describe_reservation(r)}"
+                         + (f"; not usable by it: {problem}" if problem else ""))
+                if problem:
+                    problems.append(f"{name}: {r['CapacityReservationId']} {problem}")
+            # By id, the one reservation must do; through a group, one usable member is enough.
+            if problems and (not group or len(problems) == len(found)):
+                raise ClusterError(problems[0])
 
     def check_ids(self, what: str, ids: set[str], describe, fix: str) -> None:
         if not ids:
@@ -299,8 +428,60 @@ class Preflight:
                      "check the stack's bucket and your credentials' access to its prefix")
 
 
+def _when(value) -> str:
+    """A reservation's date as a line shows it: UTC, to the minute."""
+    if not isinstance(value, datetime):
+        return str(value)
+    value = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def describe_reservation(r: dict) -> str:
+    """State, type, AZ, available/total and, for a Capacity Block, its dates: one line."""
+    line = (f"{r.get('State')}, {r.get('InstanceType')} in {r.get('AvailabilityZone')}, "
+            f"{r.get('AvailableInstanceCount')}/{r.get('TotalInstanceCount')} available")
+    if r.get("ReservationType") == CAPACITY_BLOCK_MARKET_TYPE:
+        line += f", Capacity Block {_when(r.get('StartDate'))} to {_when(r.get('EndDate'))}"
+    elif r.get("EndDate"):
+        line += f", ends {_when(r.get('EndDate'))}"
+    return line
+
+
+def reservation_problem(r: dict, itype: str | None, block: bool, stack_azs: list[str],
+                        node_azs: list[str], until: datetime, hours: float) -> str | None:
+    """Why a launch of the node type could not use reservation ``r``, or None."""
+    kind = r.get("ReservationType") or "default"
+    is_block = kind == CAPACITY_BLOCK_MARKET_TYPE
+    if is_block != block:
+        return ("is a Capacity Block but the node type is not launched as capacity-block"
+                if is_block else "is not a Capacity Block but the node type is launched as "
+                "capacity-block; set capacityBlock: false for it")
+    usable = USABLE_STATES["capacity-block" if is_block else "default"]
+    if r.get("State") not in usable:
+        return (f"is {r.get('State')}, not {' or '.join(usable)}; a launch into it fails "
+                "(buy or renew it, or drop it from rayfleet:capacityReservations)")
+    if itype and r.get("InstanceType") != itype:
+        return (f"reserves {r.get('InstanceType')} but the node type launches {itype}; fix "
+                "instanceType in rayfleet:capacityReservations")
+    az = r.get("AvailabilityZone")
+    if az not in stack_azs:
+        return (f"is in {az}, where the stack has no private subnet (it has "
+                f"{', '.join(stack_azs) or 'none'}); set availabilityZone: {az} and re-run "
+                "`pulumi up`, which adds one")
+    if node_azs and az not in node_azs:
+        return (f"is in {az} but the node type's interfaces are in {', '.join(node_azs)}; "
+                f"set availabilityZone: {az} and re-run `pulumi up`")
+    end = r.get("EndDate")
+    if isinstance(end, datetime):
+        end = end if end.tzinfo else end.replace(tzinfo=timezone.utc)
+        if end < until:
+            return (f"ends {_when(end)}, before the {hours:g} h asked for (--hours); buy a "
+                    "block that lasts, or ask for fewer hours")
+    return None
+
+
 def main(path: str, num_gpus: int | None = None, bucket: str | None = None, out=None,
-         session=None) -> int:
+         session=None, hours: float = DEFAULT_HOURS) -> int:
     out = out or sys.stdout
     cfg, text = load_yaml(path)
     if (cfg.get("provider") or {}).get("type") != "aws":
@@ -313,7 +494,8 @@ def main(path: str, num_gpus: int | None = None, bucket: str | None = None, out=
     if num_gpus is not None:
         fit = gpus_fit(cfg, num_gpus)  # raises before any AWS call
         offline.append(Check(PASS, f"{num_gpus} GPUs", f"node type {fit} offers them"))
-    checks = offline + Preflight(cfg, session).run(bucket or bucket_from_header(text))
+    checks = offline + Preflight(cfg, session).run(bucket or bucket_from_header(text),
+                                                   hours=hours)
     width = max(len(c.name) for c in checks)
     for c in checks:
         line = f"{c.status:8} {c.name:{width}}  {c.detail}"
