@@ -7,8 +7,9 @@ group, subnets and an instance profile on every node type and creates none of it
 defaults (rule 3). The result is written to ``cluster-configs/generated/<stack>.yaml``.
 
 Workers: one Ray node type per (allowed GPU type, market) of the stack, in the stack's order
-(``rayfleet:workerInstanceTypes``, each type's spot then its on-demand), named
-``ray.worker.<instance type>.<spot|ondemand>``, each on its own launch template, its resources
+(``rayfleet:workerInstanceTypes``, each type's Capacity Block, reservation, spot, on-demand),
+named ``ray.worker.<instance type>.<block|reserved|spot|ondemand>``, each on its own launch
+template (a reserved one also names its reservation in the node config), its resources
 the stack's (GPUs, ``accelerator_type:<A100|H100|H200>``). The launch templates carry the
 type's EFA network interfaces, each with its subnet and security groups. Ray's bootstrap
 copies those up into the node config and raises ValueError if the node config also sets
@@ -39,7 +40,13 @@ from rayfleet.commands import metrics as prometheus
 from rayfleet.commands.local import ensure_token
 from rayfleet import nodeenv, raystart
 from rayfleet.errors import ConfigError, RayfleetError
-from rayfleet.facts import RAY_CLUSTER_TAG, loopback_port, port
+from rayfleet.facts import (
+    CAPACITY_BLOCK_MARKET_TYPE,
+    MARKET_BLOCK,
+    RAY_CLUSTER_TAG,
+    loopback_port,
+    port,
+)
 from rayfleet.ingress import DEFAULT_INGRESS, GUARD_NAME, haproxy_env
 from rayfleet.stack import StackOutputs, WorkerNodeType
 from rayfleet.stack import parse as parse_outputs
@@ -289,6 +296,8 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                                                            "terminate"}},
                 "Spot, one-time, terminate on interruption: a reclaimed worker is gone and "
                 "the autoscaler replaces it; nothing stopped lingers to bill EBS.")
+        if t.capacity_reservation is not None:
+            node_config.update(reservation_options(t))
         accelerator = f"accelerator_type:{t.accelerator_type}"
         resources = {"CPU": t.vcpus, "GPU": t.gpus, accelerator: 1}
         node_type = {
@@ -379,8 +388,10 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                     "KeyName": key_name,
                 },
             },
-            # The stack's order (rayfleet:workerInstanceTypes, most preferred first); per
-            # type spot first, on-demand keeps onDemandWorkers launchable.
+            # The stack's order, the order of preference (rayfleet:workerInstanceTypes, most
+            # preferred first); per type its reserved capacity (a Capacity Block, then an
+            # ODCR: already paid for), then spot, then on-demand (keeps onDemandWorkers
+            # launchable).
             **{t.ray_name: worker(t) for t in nt.workers},
         },
         "head_node_type": "ray.head.default",
@@ -444,6 +455,30 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
            "metadata for an interruption notice, drains the node and has training checkpoint "
            "at its next step."),
     }
+
+
+def reservation_options(t: WorkerNodeType) -> dict[str, Why]:
+    """What a reserved node type (``block`` or ``reserved``) adds to its node_config: the
+    same market and target as its launch template, so `rayfleet lint`, `cost` and `preflight`
+    read them from the YAML alone."""
+    cr = t.capacity_reservation
+    assert cr is not None
+    target = ({"CapacityReservationId": cr.id} if cr.id else
+              {"CapacityReservationResourceGroupArn": cr.resource_group_arn})
+    out = {"CapacityReservationSpecification": Why(
+        {"CapacityReservationTarget": target},
+        f"Launch only into reserved capacity in {cr.availability_zone} (the template's EFA "
+        "interfaces are in that AZ's private subnet, with no placement group: AWS already "
+        "placed the reservation); when it is full or over, the launch fails and the "
+        "autoscaler moves on to the next node type.")}
+    if t.market == MARKET_BLOCK:
+        out["InstanceMarketOptions"] = Why(
+            {"MarketType": CAPACITY_BLOCK_MARKET_TYPE},
+            "A Capacity Block: EC2 launches into it only with this market type and the "
+            "block's id, and only between its start and end (`rayfleet preflight --hours` "
+            "checks it lasts); it was paid for when bought, so its workers add no hourly "
+            "compute cost.")
+    return out
 
 
 # Serve's HAProxy ingress on a node (rayfleet.ingress): its files in a 0700 folder of the
