@@ -39,6 +39,7 @@ import yaml
 from rayfleet.commands import metrics as prometheus
 from rayfleet.commands.local import ensure_token
 from rayfleet import nodeenv, raystart
+from rayfleet.agents import fallover
 from rayfleet.errors import ConfigError, RayfleetError
 from rayfleet.facts import (
     CAPACITY_BLOCK_MARKET_TYPE,
@@ -103,7 +104,8 @@ def setup_commands(env: nodeenv.NodeEnv) -> list[str]:
         f"{{ echo 'rayfleet: no Python {major}.{minor}+ with venv on this node; the node "
         f"environment needs one (add python3.12-venv or python3.11-venv to the image)' >&2; "
         f"exit 1; }}; }}",
-        f"{VENV}/bin/pip install --quiet --upgrade pip setuptools wheel",
+        f"{VENV}/bin/pip install --quiet --upgrade "
+        + " ".join(shlex.quote(r) for r in nodeenv.INSTALLER),
         # --no-compile: Python compiles what a process imports, once, when it first imports
         # it; compiling every file of torch, Ray and transformers up front is more than half
         # of the install's CPU time and delays every node's start.
@@ -428,14 +430,17 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
         if llm_commands and vllm == "cpu" else [],
         "head_start_ray_commands": Why([
             f"{RAY_BIN} stop; {STOP_AGENTS}",
-            f"ulimit -n {raystart.NOFILE}; {auth_env}{serve_env}; "
+            f"ulimit -n {raystart.NOFILE}; {auth_env}{serve_env}; {scorer_env(o)} "
             + ray_start(head=True, autoscaling_config="~/ray_bootstrap_config.yaml"),
             *head_agents(o, auth_env, autostop_minutes),
             *(prometheus.head_commands(haproxy=ingress == "haproxy") if metrics else []),
         ], "Token auth on (rule 21); the node environment first on PATH, so a job's `python` "
            "is its python; the dashboard and Jobs API listen on loopback only and are "
            "reached by an SSM tunnel (rule 22); every port pinned to what the security group "
-           "opens" + INGRESS_WHY[ingress] + ". Then the head's agents: each job's logs copied "
+           "opens" + INGRESS_WHY[ingress] + "; the autoscaler scores worker types with the "
+           "kit's scorer (rayfleet/agents/fallover.py): the stack's order, and past a type EC2 "
+           "just refused (no capacity) to the next. Then the head's agents: each job's logs "
+           "copied "
            "to the bucket as it runs "
            "and when it ends (`rayfleet logs`)"
            + ("" if autostop_minutes is None else
@@ -495,6 +500,19 @@ INGRESS_WHY = {
     "python": "; Serve's ingress is Serve's own Python proxy (`rayfleet render --ingress "
               "python`)",
 }
+
+
+# The head's scorer lives alone in this folder, which only the head's `ray start` line puts
+# on PYTHONPATH (the autoscaler imports it by name; the other agents stay off the path).
+REMOTE_SCORER = f"{REMOTE_AGENTS}/autoscaler"
+
+
+def scorer_env(o: StackOutputs) -> str:
+    """The environment of the head's `ray start`: Ray's autoscaler loads the kit's scorer, which
+    ranks the worker node types in the stack's order (rayfleet/agents/fallover.py)."""
+    order = ",".join(t.ray_name for t in o.node_types.workers)
+    return (f"PYTHONPATH={REMOTE_SCORER.replace('~', '$HOME', 1)} "
+            f"{fallover.SCORER_ENV}={fallover.SCORER} {fallover.ORDER_ENV}={order}")
 
 
 def ingress_commands(ingress: str) -> str:
@@ -565,6 +583,9 @@ def copy_agents(dest: str) -> Path:
         tmp.mkdir(parents=True)
         for name in AGENT_NAMES:
             shutil.copy2(AGENTS / f"{name}.py", tmp / f"{name}.py")
+        scorer = tmp / Path(REMOTE_SCORER).name
+        scorer.mkdir()
+        shutil.copy2(AGENTS / "fallover.py", scorer / f"{fallover.MODULE}.py")
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
     except OSError as e:
