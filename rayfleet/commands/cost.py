@@ -8,6 +8,13 @@ type: on-demand, and spot where the node type is a spot one. Head + min workers 
 (an idle cluster), head + max workers the ceiling. With several worker types the ceiling is
 given per type (every worker of that type, the cluster's max_workers bounding them all), the
 preferred (first) type's first; that one is compared with the stack's budget.
+
+Reserved capacity: a node type that targets an On-Demand Capacity Reservation is priced at its
+type's on-demand rate, which the reservation bills for every reserved instance whether a
+worker runs in it or not (the idle ones are not in these totals; `rayfleet preflight` shows
+how many it holds). A node type in a Capacity Block adds no hourly compute: the block was paid
+for in full when bought, and its fee is not in the catalog, so it is named, never guessed.
+A ceiling fills the dearest node types first, so prepaid capacity never lowers it.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 from rayfleet import catalog
 from rayfleet.config import load_stack_file
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
+from rayfleet.facts import CAPACITY_BLOCK_MARKET_TYPE
 from rayfleet.commands.lint import load_yaml
 
 # Always on: 365 days x 24 hours / 12 months. A month has at most 31 x 24 hours.
@@ -78,7 +86,11 @@ def estimate(cfg: dict[str, Any], prices: dict[str, Any] | None = None,
         if not itype:
             raise ConfigError(f"available_node_types.{name}.node_config.InstanceType",
                               "missing; cost needs an instance type per node type")
-        spot = (nc.get("InstanceMarketOptions") or {}).get("MarketType") == "spot"
+        market_type = (nc.get("InstanceMarketOptions") or {}).get("MarketType")
+        spot = market_type == "spot"
+        block = market_type == CAPACITY_BLOCK_MARKET_TYPE
+        reserved = not (spot or block) and bool(
+            (nc.get("CapacityReservationSpecification") or {}).get("CapacityReservationTarget"))
         head = name == head_type
         lo = 1 if head else int(nt.get("min_workers", 0))
         hi = 1 if head else int(nt.get("max_workers", cfg.get("max_workers", 0)))
@@ -86,10 +98,13 @@ def estimate(cfg: dict[str, Any], prices: dict[str, Any] | None = None,
             raise ConfigError(f"available_node_types.{name}", f"min_workers {lo} > "
                                                               f"max_workers {hi}")
         od = hourly(itype, "on_demand", prices)
-        price = hourly(itype, "spot", prices) if spot else od
+        # A Capacity Block's instances were paid for with the block: no hourly compute.
+        price = hourly(itype, "spot", prices) if spot else 0.0 if block else od
+        market = ("spot" if spot else "block" if block else "reserved" if reserved
+                  else "on-demand")
         rows.append({"node_type": name, "instance_type": itype, "head": head,
-                     "market": "spot" if spot else "on-demand", "price": price,
-                     "on_demand_price": od, "min": lo, "max": hi})
+                     "market": market, "price": price,
+                     "on_demand_price": 0.0 if block else od, "min": lo, "max": hi})
     head_row = next(r for r in rows if r["head"])
     workers = [r for r in rows if not r["head"]]
     # The autoscaler never runs more workers than the global max_workers.
@@ -97,10 +112,12 @@ def estimate(cfg: dict[str, Any], prices: dict[str, Any] | None = None,
     cap = int(cap) if cap is not None else sum(r["max"] for r in workers)
 
     def ceiling(itype: str, all_on_demand: bool) -> float | None:
-        # On-demand rows first (always launchable), then spot, up to the global cap.
+        # The dearest rows first, up to the global cap: on-demand and reserved (always
+        # launchable, at the on-demand rate), then spot, then a prepaid Capacity Block.
         left, pairs = cap, [(head_row["price"], 1)]
+        dearest = ("on-demand", "reserved", "spot", "block")
         for r in sorted((r for r in workers if r["instance_type"] == itype),
-                        key=lambda r: r["market"] == "spot"):
+                        key=lambda r: dearest.index(r["market"])):
             n = min(left, r["max"])
             left -= n
             pairs.append((r["on_demand_price"] if all_on_demand else r["price"], n))
@@ -154,9 +171,20 @@ def main(path: str, stack_file: str | None = None, budget_usd: float | None = No
     print(f"{'node type':34} {'instance':16} {'market':10} {'$/h each':>9} {'min':>4} "
           f"{'max':>4}", file=out)
     for r in e["rows"]:
-        price = "n/a" if r["price"] is None else f"{r['price']:.2f}"
+        price = ("n/a" if r["price"] is None else "prepaid" if r["market"] == "block"
+                 else f"{r['price']:.2f}")
         print(f"{r['node_type']:34} {r['instance_type']:16} {r['market']:10} "
               f"{price:>9} {r['min']:4d} {r['max']:4d}", file=out)
+    for r in e["rows"]:
+        if r["market"] == "reserved":
+            print(f"{r['node_type']} targets an On-Demand Capacity Reservation: it bills the "
+                  f"on-demand rate for every reserved {r['instance_type']} whether a worker "
+                  "runs in it or not; only running workers are in the totals below",
+                  file=out)
+        elif r["market"] == "block":
+            print(f"{r['node_type']} runs in a Capacity Block: paid in full when bought (its "
+                  "fee is not in the catalog and is not guessed here); its workers add no "
+                  "hourly compute", file=out)
     h, m = e["hourly"], e["monthly"]
     hrs = e["hours_per_month"]
     assumes = f", all {e['assumes']} (the preferred type)" if e["assumes"] else ""

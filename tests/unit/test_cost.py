@@ -98,3 +98,41 @@ def test_bad_input_one_line(mutate, expected, tmp_path, capsys):
     assert cli.main(["cost", _write(tmp_path, cfg)]) == 2
     err = capsys.readouterr().err
     assert expected in err and len(err.strip().splitlines()) == 1
+
+
+def test_reserved_capacity_is_priced_honestly(tmp_path):
+    """An ODCR's workers at the on-demand rate it bills anyway; a Capacity Block's at nothing
+    more per hour (prepaid; its fee is not in the catalog, so it is named, not guessed); the
+    ceiling fills the dearest node types first, so prepaid capacity never lowers it."""
+    import io
+    import json
+
+    from rayfleet import stack
+    from rayfleet.commands import render
+    from tests.reservations import BLOCK_NAME, RESERVED_NAME, with_reservations
+
+    o = json.loads((REPO / "cluster-configs/examples/dev-outputs.json").read_text())["rayfleet"]
+    cfg = render.plain(render.build_config(stack.parse(json.dumps(with_reservations(o))), "t"))
+    p = cost.load_prices()
+    e = cost.estimate(cfg)
+    rows = {r["node_type"]: r for r in e["rows"]}
+    od = p["gpu"]["p4de.24xlarge"]["on_demand"]
+    assert (rows[BLOCK_NAME]["market"], rows[BLOCK_NAME]["price"]) == ("block", 0.0)
+    assert (rows[RESERVED_NAME]["market"], rows[RESERVED_NAME]["price"]) == ("reserved", od)
+    plain_e = cost.estimate(yaml.safe_load(EXAMPLE.read_text()))
+    # p4d: the block only adds free capacity; the ceiling is the example's.
+    assert e["by_type"]["p4d.24xlarge"] == plain_e["by_type"]["p4d.24xlarge"]
+    # p4de: its two workers may both run on-demand-priced (its on-demand and its ODCR).
+    head = cost.hourly("m6i.2xlarge", "on_demand", p)
+    assert e["by_type"]["p4de.24xlarge"]["max"] == pytest.approx(head + 2 * od, abs=0.01)
+    out = io.StringIO()
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert cost.main(str(path), out=out) == 0
+    report = out.getvalue()
+    assert f"{BLOCK_NAME} runs in a Capacity Block: paid in full when bought (its fee is not " \
+        "in the catalog" in report
+    assert f"{RESERVED_NAME} targets an On-Demand Capacity Reservation: it bills the " \
+        "on-demand rate for every reserved p4de.24xlarge whether a worker runs in it or not" \
+        in report
+    assert any(ln.startswith(BLOCK_NAME) and "prepaid" in ln for ln in report.splitlines())

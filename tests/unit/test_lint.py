@@ -82,6 +82,42 @@ def _example() -> dict:
     return yaml.safe_load((CONFIGS / "aws-a100.example.yaml").read_text())
 
 
+def _reserved() -> dict:
+    """The example stack with a p4d Capacity Block and p4de reservations, rendered."""
+    import json
+
+    from rayfleet import stack
+    from rayfleet.commands import render
+    from tests.reservations import with_reservations
+
+    o = json.loads((CONFIGS / "examples" / "dev-outputs.json").read_text())["rayfleet"]
+    return render.plain(render.build_config(stack.parse(json.dumps(with_reservations(o))), "t"))
+
+
+def test_reserved_capacity_rendered_is_clean():
+    assert lint.lint_config(_reserved()) == []
+
+
+@pytest.mark.parametrize("mutate,where", [
+    # A Capacity Block launched without its id fails every time (rule 31).
+    (lambda t: t["ray.worker.p4d.24xlarge.block"]["node_config"].pop(
+        "CapacityReservationSpecification"), "p4d.24xlarge.block"),
+    (lambda t: t["ray.worker.p4d.24xlarge.block"]["node_config"].update(
+        CapacityReservationSpecification={"CapacityReservationTarget": {
+            "CapacityReservationResourceGroupArn": "arn:aws:resource-groups:x"}}),
+     "p4d.24xlarge.block"),
+    # A spot node type aimed at a reservation: reserved capacity is never spot.
+    (lambda t: t["ray.worker.p4de.24xlarge.reserved"]["node_config"].update(
+        InstanceMarketOptions={"MarketType": "spot"}), "p4de.24xlarge.reserved"),
+])
+def test_a_reservation_launched_the_wrong_way_is_a_warning(mutate, where):
+    cfg = _reserved()
+    mutate(cfg["available_node_types"])
+    found = lint.lint_config(cfg)
+    assert [(x.severity, x.rule) for x in found] == [(lint.WARNING, 31)], found
+    assert where in found[0].where
+
+
 def _head(c):
     return c["available_node_types"]["ray.head.default"]["node_config"]
 

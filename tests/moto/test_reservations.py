@@ -1,0 +1,188 @@
+"""Reserved capacity through `rayfleet preflight` on moto: one line per reservation, and each
+reservation a launch could not use refused in one line (exit 2) before any other check.
+
+moto 5.2.5 implements neither CreateCapacityReservation nor DescribeCapacityReservations (so no
+ReservationType capacity-block, StartDate or EndDate), and answers Resource Groups'
+ListGroupResources "Not yet implemented": those two calls are answered here through botocore's
+``before-call`` event on just those operations (still counted by ``aws_calls``), and moto
+serves everything else: subnets, launch templates, groups, profiles, key pair, bucket.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import datetime, timedelta, timezone
+
+import boto3
+import pytest
+import yaml
+
+from rayfleet.commands import cli, cost, lint, preflight, render
+from tests.reservations import BLOCK_ID, BLOCK_NAME, GROUP, RESERVED_NAME, with_reservations
+
+from .conftest import REGION
+
+pytestmark = pytest.mark.moto
+
+ODCR_IDS = ["cr-0aaaaaaaaaaaaaaa1", "cr-0aaaaaaaaaaaaaaa2"]
+NOW = datetime.now(timezone.utc).replace(microsecond=0)
+
+
+def reservation(rid: str, itype: str, az: str, **extra) -> dict:
+    """A reservation as DescribeCapacityReservations returns it (botocore-parsed)."""
+    return {"CapacityReservationId": rid, "InstanceType": itype, "AvailabilityZone": az,
+            "State": "active", "TotalInstanceCount": 2, "AvailableInstanceCount": 2,
+            "ReservationType": "default", "InstancePlatform": "Linux/UNIX", **extra}
+
+
+@pytest.fixture
+def reserved(stack, ec2, ami, tmp_path):
+    """The example stack with a p4d Capacity Block and the p4de ODCRs of a resource group:
+    their launch templates in moto as infra/ makes them, the outputs, the rendered YAML, and
+    the reservations AWS would describe (a block from an hour ago for 24 hours)."""
+    o = stack["outputs"]
+    az, subnet = o["availability_zones"][0], o["worker_subnet_id"]
+    templates = {}
+    for market, itype, target in (("block", "p4d.24xlarge", {"CapacityReservationId": BLOCK_ID}),
+                                  ("reserved", "p4de.24xlarge",
+                                   {"CapacityReservationResourceGroupArn": GROUP})):
+        data = {"ImageId": ami, "InstanceType": itype,
+                "IamInstanceProfile": {"Arn": o["instance_profiles"]["worker"]["arn"]},
+                "MetadataOptions": {"HttpTokens": "required", "HttpPutResponseHopLimit": 1},
+                "NetworkInterfaces": [{"DeviceIndex": 0, "SubnetId": subnet, "InterfaceType":
+                                       "efa", "Groups": [o["cluster_security_group_id"],
+                                                         o["efa_security_group_id"]]}],
+                "CapacityReservationSpecification": {"CapacityReservationTarget": target}}
+        if market == "block":
+            data["InstanceMarketOptions"] = {"MarketType": "capacity-block"}
+        templates[market] = ec2.create_launch_template(
+            LaunchTemplateName=f"{o['cluster_name']}-{itype}-{market}",
+            LaunchTemplateData=data)["LaunchTemplate"]["LaunchTemplateId"]
+    path = tmp_path / "reserved-outputs.json"
+    path.write_text(json.dumps({"rayfleet": with_reservations(o, templates)}))
+    yaml_path = render.render(str(path), out=str(tmp_path / "reserved.yaml"),
+                              token_file=str(tmp_path / "token"))
+    found = {BLOCK_ID: reservation(BLOCK_ID, "p4d.24xlarge", az,
+                                   ReservationType="capacity-block",
+                                   StartDate=NOW - timedelta(hours=1),
+                                   EndDate=NOW + timedelta(hours=23)),
+             **{rid: reservation(rid, "p4de.24xlarge", az) for rid in ODCR_IDS}}
+    return {"yaml": yaml_path, "found": found, "groups": {GROUP: list(ODCR_IDS)}, "az": az}
+
+
+class _Http:
+    def __init__(self, status: int):
+        self.status_code = status
+
+
+def session_for(reserved) -> boto3.session.Session:
+    """moto for everything, but DescribeCapacityReservations and ListGroupResources answered
+    from ``reserved`` (moto lacks both)."""
+    s = boto3.session.Session(region_name=REGION)
+
+    def describe(params, **_):
+        body = params["body"]
+        ids = [v for k, v in body.items() if k.startswith("CapacityReservationId.")]
+        missing = [i for i in ids if i not in reserved["found"]]
+        if missing:
+            return _Http(400), {"Error": {"Code": "InvalidCapacityReservationId.NotFound",
+                                          "Message": f"{missing[0]} not found"}}
+        return _Http(200), {"CapacityReservations": [reserved["found"][i] for i in ids]}
+
+    def members(params, **_):
+        group = json.loads(params["body"])["Group"]
+        arn = f"arn:aws:ec2:{REGION}:123456789012:capacity-reservation/"
+        return _Http(200), {"Resources": [
+            {"Identifier": {"ResourceArn": arn + rid,
+                            "ResourceType": "AWS::EC2::CapacityReservation"}}
+            for rid in reserved["groups"].get(group, [])]}
+
+    s.events.register("before-call.ec2.DescribeCapacityReservations", describe)
+    s.events.register("before-call.resource-groups.ListGroupResources", members)
+    return s
+
+
+def run(reserved, *, hours: float = preflight.DEFAULT_HOURS) -> tuple[int, str]:
+    out = io.StringIO()
+    rc = preflight.main(str(reserved["yaml"]), session=session_for(reserved), out=out,
+                        hours=hours)
+    return rc, out.getvalue()
+
+
+def test_a_stack_with_a_capacity_block_renders_preflights_costs_and_lints_clean(reserved):
+    text = reserved["yaml"].read_text()
+    cfg = yaml.safe_load(text)
+    assert list(cfg["available_node_types"])[1:3] == [BLOCK_NAME, "ray.worker.p4d.24xlarge.spot"]
+    # Lint: no finding at all.
+    assert lint.lint_config(cfg, text) == []
+    # Preflight: one line per reservation (the group's two ODCRs), nothing failed.
+    rc, out = run(reserved)
+    assert rc == 0, out
+    lines = out.splitlines()
+    block = next(ln for ln in lines if f"reservation {BLOCK_ID}" in ln)
+    assert block.startswith("PASS") and "active, p4d.24xlarge in us-east-1" in block
+    assert "2/2 available" in block
+    assert f"Capacity Block {(NOW - timedelta(hours=1)):%Y-%m-%d %H:%M} UTC to " \
+           f"{(NOW + timedelta(hours=23)):%Y-%m-%d %H:%M} UTC" in block
+    assert all(any(f"reservation {rid}" in ln and ln.startswith("PASS") for ln in lines)
+               for rid in ODCR_IDS)
+    assert "0 failed" in out
+    # Cost: the block's workers prepaid, the ODCR's at the on-demand rate it bills anyway.
+    report = io.StringIO()
+    assert cost.main(str(reserved["yaml"]), out=report) == 0
+    assert f"{BLOCK_NAME} runs in a Capacity Block" in report.getvalue()
+    assert f"{RESERVED_NAME} targets an On-Demand Capacity Reservation" in report.getvalue()
+
+
+@pytest.mark.parametrize("change,hours,expected", [
+    (lambda f, az: f.pop(BLOCK_ID), 1,
+     f"{BLOCK_NAME}: capacity reservation {BLOCK_ID} not found (InvalidCapacityReservationId"
+     ".NotFound) in us-east-1"),
+    (lambda f, az: f[BLOCK_ID].update(State="expired"), 1,
+     f"{BLOCK_ID} is expired, not active or scheduled"),
+    (lambda f, az: f[BLOCK_ID].update(InstanceType="p5.48xlarge"), 1,
+     f"{BLOCK_ID} reserves p5.48xlarge but the node type launches p4d.24xlarge"),
+    (lambda f, az: f[BLOCK_ID].update(AvailabilityZone="us-east-1f"), 1,
+     f"{BLOCK_ID} is in us-east-1f, where the stack has no private subnet"),
+    # Ends in 23 hours: a day's run does not fit.
+    (lambda f, az: None, 24, f"{BLOCK_ID} ends "),
+    (lambda f, az: f[BLOCK_ID].update(ReservationType="default"), 1,
+     "is not a Capacity Block but the node type is launched as capacity-block"),
+    # Through a group, one usable member is enough; none usable is refused.
+    (lambda f, az: [f[r].update(State="cancelled") for r in ODCR_IDS], 1,
+     f"{RESERVED_NAME}: {ODCR_IDS[0]} is cancelled, not active"),
+])
+def test_a_reservation_a_launch_cannot_use_is_one_line_before_anything_else(
+        change, hours, expected, reserved, aws_calls, capsys, monkeypatch):
+    change(reserved["found"], reserved["az"])
+    session = session_for(reserved)
+    monkeypatch.setattr(boto3.session, "Session", lambda **kw: session)
+    aws_calls.clear()
+    assert cli.main(["preflight", str(reserved["yaml"]), "--hours", str(hours)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and expected in captured.err, captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
+    # Nothing else was checked: no quota, bucket, key pair or profile call was made.
+    assert not {"GetServiceQuota", "HeadBucket", "PutObject", "DescribeKeyPairs",
+                "GetInstanceProfile", "DescribeImages"} & set(aws_calls), aws_calls
+
+
+def test_one_usable_reservation_of_a_group_is_enough(reserved):
+    reserved["found"][ODCR_IDS[0]].update(State="expired")
+    rc, out = run(reserved)
+    assert rc == 0, out
+    assert any(ODCR_IDS[0] in ln and "not usable by it: is expired" in ln
+               for ln in out.splitlines()), out
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--hours", "0"], "argument --hours: must be more than 0 and at most 4368, got 0"),
+    (["--hours", "soon"], "argument --hours: expected a number, got 'soon'"),
+])
+def test_bad_hours_is_one_line_no_aws_call(argv, expected, reserved, aws_calls, capsys):
+    aws_calls.clear()
+    assert cli.main(["preflight", str(reserved["yaml"]), *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1, err
+    assert aws_calls == []
