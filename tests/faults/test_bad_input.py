@@ -264,11 +264,29 @@ CASES = [
          lambda t: _stack(t, headInstanceType="p4d.24xlarge")),
     Case("stack-typo-key", "rayfleet", COST_STACK, "rayfleet:azcount: is not a rayfleet setting",
          lambda t: _stack(t, **{"rayfleet:azcount": 3})),
+    Case("stack-capacity-block-by-group", "rayfleet", COST_STACK,
+         "rayfleet:capacityReservations[0].resourceGroupArn: cannot target a Capacity Block",
+         lambda t: _stack(t, capacityReservations=[{
+             "instanceType": "p4d.24xlarge", "availabilityZone": "us-east-1b",
+             "capacityBlock": True,
+             "resourceGroupArn": "arn:aws:resource-groups:us-east-1:123456789012:group/g"}])),
+    Case("stack-reservation-of-another-type", "rayfleet", COST_STACK,
+         "rayfleet:capacityReservations[0].instanceType: 'p5.48xlarge' is not one of "
+         "rayfleet:workerInstanceTypes",
+         lambda t: _stack(t, capacityReservations=[{
+             "instanceType": "p5.48xlarge", "availabilityZone": "us-east-1b",
+             "id": "cr-0123456789abcdef0"}])),
     Case("stack-not-utf8", "rayfleet", COST_STACK, "is not UTF-8 text",
          _write("Pulumi.bad.yaml", "config:\n  rayfleet:clusterName: caf\u00e9\n"
                 .encode("latin-1"))),
     # -- the stack outputs JSON that `rayfleet render` turns into a cluster YAML
     Case("outputs-missing-file", "rayfleet", RENDER, "outputs.json: no such file"),
+    Case("outputs-reservation-without-target", "rayfleet", RENDER,
+         "node_types.workers[0].capacity_reservation: must name exactly one of id and "
+         "resource_group_arn",
+         lambda t: _outputs(t, lambda o: o["node_types"]["workers"][0].update(
+             market="reserved", capacity_reservation={"availability_zone": "us-east-1b",
+                                                      "subnet_id": "subnet-1"}))),
     Case("outputs-not-json", "rayfleet", RENDER, "not JSON",
          _write("outputs.json", "{'rayfleet': 1}")),
     Case("outputs-missing-key", "rayfleet", RENDER, "lacks private_subnet_ids",
