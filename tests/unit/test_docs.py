@@ -66,3 +66,31 @@ def test_the_node_types_page_table_is_the_catalogs():
         "docs/node-types.md's table drifted from the catalog; paste "
         "`python -c 'from rayfleet import catalog; print(catalog.worker_table(), end=\"\")'`")
     assert set(catalog.worker_types()) == set(re.findall(r"^\| `([^`]+)` \|", m.group(1), re.M))
+
+
+def test_the_reservation_examples_are_configs_the_kit_accepts():
+    """README's two lines and docs/node-types.md's example of rayfleet:capacityReservations
+    (and Pulumi.dev.yaml's commented one) are what rayfleet/config.py accepts for the example
+    stack's worker types."""
+    import yaml
+
+    from rayfleet.config import StackConfig
+
+    found = []
+    for page in ("README.md", "docs/node-types.md", "Pulumi.dev.yaml"):
+        text = (REPO / page).read_text()
+        if page.endswith(".yaml"):
+            blocks = ["\n".join(ln.replace("# ", "", 1) for ln in text.splitlines()
+                                if "capacityReservations" in ln or "- {instanceType" in ln)]
+        else:
+            blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+        for block in blocks:
+            if "capacityReservations" not in block:
+                continue
+            doc = yaml.safe_load(block)
+            doc = doc.get("config", doc)
+            values = {"rayfleet:workerInstanceTypes": ["p4d.24xlarge", "p4de.24xlarge"],
+                      "rayfleet:capacityReservations": doc["rayfleet:capacityReservations"]}
+            found.append((page, len(StackConfig.from_mapping(values).nodes
+                                    .capacity_reservations)))
+    assert found == [("README.md", 2), ("docs/node-types.md", 2), ("Pulumi.dev.yaml", 1)]
