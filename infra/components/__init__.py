@@ -84,6 +84,7 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         bucket_arn=storage.bucket.arn,
         key_prefix=cfg.storage.key_prefix,
         kms_key_arn=storage.kms_key_arn,
+        capacity_reservations=tuple(r.target for r in cfg.nodes.capacity_reservations),
     ), opts)
     # One private subnet per AZ, the reservations' AZs among them (Network made sure).
     subnet_by_az = dict(zip(network.availability_zones, network.private_subnet_ids,

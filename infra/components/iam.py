@@ -46,6 +46,9 @@ class IamArgs:
     bucket_arn: pulumi.Input[str]
     key_prefix: str  # e.g. "rayfleet/": the only part of the bucket the nodes may touch
     kms_key_arn: pulumi.Input[str] | None = None
+    # rayfleet:capacityReservations' targets (cr-... ids, resource group ARNs) the head's
+    # autoscaler launches into.
+    capacity_reservations: tuple[str, ...] = ()
 
 
 class Iam(pulumi.ComponentResource):
@@ -132,12 +135,26 @@ def _storage_policy(args: IamArgs) -> pulumi.Output[str]:
     return pulumi.Output.json_dumps({"Version": "2012-10-17", "Statement": statements})
 
 
+def _reserved_launch(args: IamArgs, ec2: str) -> list[dict]:
+    """A launch into a capacity reservation is authorized on the reservation too (RunInstances'
+    capacity-reservation resource): the stack's own reservations only. A resource group's
+    members are the group's to change, so a group target allows the account's reservations in
+    this region; none configured, no statement."""
+    if not args.capacity_reservations:
+        return []
+    groups = any(not t.startswith("cr-") for t in args.capacity_reservations)
+    resources = [f"{ec2}:*:capacity-reservation/*"] if groups else [
+        f"{ec2}:*:capacity-reservation/{t}" for t in args.capacity_reservations]
+    return [{"Sid": "LaunchIntoTheStacksReservations", "Effect": "Allow",
+             "Action": "ec2:RunInstances", "Resource": resources}]
+
+
 def _autoscaler_policy(args: IamArgs, worker_role_arn: pulumi.Output[str]) -> pulumi.Output[str]:
     """What the autoscaler on the head calls (ray/autoscaler/_private/aws/node_provider.py)."""
     ec2 = f"arn:{args.partition}:ec2:{args.region}"
     return pulumi.Output.json_dumps({
         "Version": "2012-10-17",
-        "Statement": [
+        "Statement": _reserved_launch(args, ec2) + [
             {
                 # The instance itself must carry the cluster tag in the launch request; Ray
                 # always sends it. Without it RunInstances is denied as a whole.

@@ -470,12 +470,15 @@ def reservation_options(t: WorkerNodeType) -> dict[str, Why]:
     assert cr is not None
     target = ({"CapacityReservationId": cr.id} if cr.id else
               {"CapacityReservationResourceGroupArn": cr.resource_group_arn})
+    full = ("when it is full or over, the launch fails and the autoscaler moves on to the "
+            "next node type" if cr.id else
+            "EC2 picks any reservation of the group with this type and AZ and room, and "
+            "launches plain on-demand capacity (at the same rate) when none has room")
     out = {"CapacityReservationSpecification": Why(
         {"CapacityReservationTarget": target},
-        f"Launch only into reserved capacity in {cr.availability_zone} (the template's EFA "
+        f"Launch into reserved capacity in {cr.availability_zone} (the template's EFA "
         "interfaces are in that AZ's private subnet, with no placement group: AWS already "
-        "placed the reservation); when it is full or over, the launch fails and the "
-        "autoscaler moves on to the next node type.")}
+        f"placed the reservation); {full}.")}
     if t.market == MARKET_BLOCK:
         out["InstanceMarketOptions"] = Why(
             {"MarketType": CAPACITY_BLOCK_MARKET_TYPE},

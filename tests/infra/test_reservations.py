@@ -176,3 +176,21 @@ def test_the_config_the_program_reads_is_the_stack_files():
     c = StackConfig.from_mapping({k: json.dumps(v) if isinstance(v, list) else v
                                   for k, v in reserved_config().items()})
     assert [r.target for r in c.nodes.capacity_reservations] == [BLOCK["id"], GROUP]
+
+
+def test_the_head_may_launch_into_the_stacks_reservations_only(reserved, built):
+    """RunInstances into a reservation is authorized on the reservation too; the dev stack,
+    with none, grants no such statement."""
+    def statements(b: Built) -> dict:
+        doc = json.loads(b.named(f"{D}-iam-head-autoscaler").inputs["policy"])
+        return {s["Sid"]: s for s in doc["Statement"]}
+
+    assert "LaunchIntoTheStacksReservations" not in statements(built["dev"])
+    grant = statements(reserved)["LaunchIntoTheStacksReservations"]
+    # A resource group's members can change: the account's reservations in the region.
+    assert grant["Action"] == "ec2:RunInstances"
+    assert grant["Resource"] == ["arn:aws:ec2:us-east-1:*:capacity-reservation/*"]
+    only_block = run_program({**dev_config(), "rayfleet:capacityReservations": [BLOCK]},
+                             stack="block")
+    assert statements(only_block)["LaunchIntoTheStacksReservations"]["Resource"] == [
+        f"arn:aws:ec2:us-east-1:*:capacity-reservation/{BLOCK['id']}"]
