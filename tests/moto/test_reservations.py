@@ -186,3 +186,57 @@ def test_bad_hours_is_one_line_no_aws_call(argv, expected, reserved, aws_calls, 
     err = capsys.readouterr().err
     assert expected in err and len(err.strip().splitlines()) == 1, err
     assert aws_calls == []
+
+
+def test_the_program_builds_reservation_templates_ray_launches_from(moto_account, tmp_path):
+    """infra/ itself, in moto: each reservation's template holds its target and market, and
+    Ray's own bootstrap and node provider launch a worker of each reserved node type from it,
+    in the reservation's AZ. moto records neither a launch's CapacityReservationSpecification
+    nor a capacity-block market on the instance (moto 5.2.5 keeps only "a market type was
+    given", shown as InstanceLifecycle spot), so the target is read from the template version
+    the instance came from."""
+    import copy
+
+    from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
+    from ray.autoscaler.tags import TAG_RAY_NODE_KIND, TAG_RAY_USER_NODE_TYPE
+
+    from .pulumi_moto import build_stack, ray_launch_config
+
+    block = {"instanceType": "p4d.24xlarge", "availabilityZone": "us-east-1c", "id": BLOCK_ID,
+             "capacityBlock": True}
+    odcr = {"instanceType": "p4de.24xlarge", "availabilityZone": "us-east-1b",
+            "resourceGroupArn": GROUP}
+    stack = build_stack(moto_account, tmp_path,
+                        {"rayfleet:capacityReservations": [block, odcr]})
+    o = stack.outputs
+    ec2 = moto_account.client("ec2")
+    rendered = render.render(str(stack.path), out=str(tmp_path / "c.yaml"),
+                             token_file=str(tmp_path / "token"))
+    assert lint.lint_file(str(rendered)) == []
+    cfg = ray_launch_config(rendered)
+    provider = AWSNodeProvider(cfg["provider"], cfg["cluster_name"])
+    subnet = dict(zip(o["availability_zones"], o["private_subnet_ids"], strict=True))
+    for name, r, target in ((BLOCK_NAME, block, {"CapacityReservationId": BLOCK_ID}),
+                            (RESERVED_NAME, odcr,
+                             {"CapacityReservationResourceGroupArn": GROUP})):
+        provider.create_node(copy.deepcopy(cfg["available_node_types"][name]["node_config"]),
+                             {TAG_RAY_NODE_KIND: "worker", TAG_RAY_USER_NODE_TYPE: name}, 1)
+        (i,) = [i for res in ec2.describe_instances(Filters=[
+            {"Name": f"tag:{TAG_RAY_USER_NODE_TYPE}", "Values": [name]}])["Reservations"]
+            for i in res["Instances"]]
+        tags = {t["Key"]: t["Value"] for t in i["Tags"]}
+        market = "block" if r.get("capacityBlock") else "reserved"
+        (w,) = [w for w in o["node_types"]["workers"]
+                if (w["instance_type"], w["market"]) == (r["instanceType"], market)]
+        assert tags["aws:ec2launchtemplate:id"] == w["launch_template"]["id"], name
+        assert i["SubnetId"] == subnet[r["availabilityZone"]], name
+        assert i["Placement"]["AvailabilityZone"] == r["availabilityZone"], name
+        version = ec2.describe_launch_template_versions(
+            LaunchTemplateId=w["launch_template"]["id"],
+            Versions=[tags["aws:ec2launchtemplate:version"]],
+        )["LaunchTemplateVersions"][0]["LaunchTemplateData"]
+        assert version["CapacityReservationSpecification"] == {
+            "CapacityReservationTarget": target}, name
+        assert version.get("InstanceMarketOptions", {}).get("MarketType") == (
+            "capacity-block" if r.get("capacityBlock") else None), name
+        assert "Placement" not in version or not version["Placement"].get("GroupName"), name
