@@ -214,7 +214,13 @@ class Preflight:
                          "set it: Ray would attach ray-autoscaler-v1 (full access)")
             if nc.get("KeyName") or lt.get("KeyName"):
                 keys.add(nc.get("KeyName") or lt.get("KeyName"))
-            if itype and catalog.quota_group(itype) == "P" \
+            # A reservation's workers run in capacity the account already holds (an ODCR took
+            # its On-Demand quota when it was made; a Capacity Block is bought outside it), so
+            # they add nothing to the quotas below.
+            reserved = (nc.get("CapacityReservationSpecification")
+                        or lt.get("CapacityReservationSpecification") or {}).get(
+                "CapacityReservationTarget")
+            if itype and catalog.quota_group(itype) == "P" and not reserved \
                     and name != self.cfg.get("head_node_type"):
                 market = (nc.get("InstanceMarketOptions") or lt.get("InstanceMarketOptions")
                           or {}).get("MarketType", "on-demand")

@@ -240,3 +240,24 @@ def test_the_program_builds_reservation_templates_ray_launches_from(moto_account
         assert version.get("InstanceMarketOptions", {}).get("MarketType") == (
             "capacity-block" if r.get("capacityBlock") else None), name
         assert "Placement" not in version or not version["Placement"].get("GroupName"), name
+
+
+def test_reserved_workers_need_no_more_on_demand_quota(reserved):
+    """An ODCR took its On-Demand quota when it was made and a Capacity Block is bought
+    outside it: the P quota covers only the on-demand node types (here one p4d and one p4de
+    of the cluster's four workers), not the reservations' workers."""
+    cfg = yaml.safe_load(reserved["yaml"].read_text())
+    cfg["max_workers"] = 4
+    reserved["yaml"].write_text(yaml.safe_dump(cfg))
+
+    class Quotas:
+        def get_service_quota(self, ServiceCode, QuotaCode):  # noqa: N803 (boto3's names)
+            return {"Quota": {"Value": 192.0}}
+
+    session = session_for(reserved)
+    real = session.client
+    session.client = lambda name, **kw: Quotas() if name == "service-quotas" else real(name, **kw)
+    out = io.StringIO()
+    assert preflight.main(str(reserved["yaml"]), session=session, out=out) == 0, out.getvalue()
+    assert any(ln.startswith("PASS") and "On-Demand P" in ln and "need 192" in ln
+               for ln in out.getvalue().splitlines()), out.getvalue()
