@@ -53,7 +53,7 @@ DEFAULT_HOURS = 1.0
 # a Capacity Block bought for later is scheduled until its start.
 USABLE_STATES = {"default": ("active",), "capacity-block": ("active", "scheduled")}
 RESOURCE_TYPE = "AWS::EC2::CapacityReservation"
-# A Capacity Block lasts at most 182 days; more hours than that no reservation can cover.
+# --hours' bound: half a year, past any Capacity Block (AWS sells them by the day and week).
 MAX_HOURS = 182 * 24
 
 
@@ -214,9 +214,10 @@ class Preflight:
                          "set it: Ray would attach ray-autoscaler-v1 (full access)")
             if nc.get("KeyName") or lt.get("KeyName"):
                 keys.add(nc.get("KeyName") or lt.get("KeyName"))
-            # A reservation's workers run in capacity the account already holds (an ODCR took
-            # its On-Demand quota when it was made; a Capacity Block is bought outside it), so
-            # they add nothing to the quotas below.
+            # A reservation's workers run in capacity the account already holds: an ODCR counts
+            # against the On-Demand quota from its creation, used or not, and Capacity Blocks
+            # have limits of their own (at most 256 instances across blocks), so they add
+            # nothing to the quotas below.
             reserved = (nc.get("CapacityReservationSpecification")
                         or lt.get("CapacityReservationSpecification") or {}).get(
                 "CapacityReservationTarget")
