@@ -26,6 +26,15 @@ launch succeeds. When every fitting type has failed, the order alone decides and
 autoscaler keeps retrying in that order; the training driver and `rayfleet status` read the
 same availability record to say so (rayfleet/capacity.py).
 
+The scorer is a hook of Ray's v1 autoscaler, and render starts the head's autoscaler as v1
+(``RAY_enable_autoscaler_v2=0`` on the head's and the workers' `ray start`, which is what
+`RAY_UP_enable_autoscaler_v2=0 ray up` would do). `ray up` has started v2 by default since Ray
+2.50, and v2 cannot fall over on a launch error: its scheduler lowers a node type only after an
+*allocation timeout* (``CloudResourceMonitor`` listens for ALLOCATION_TIMEOUT, not
+ALLOCATION_FAILED), so EC2's immediate InsufficientInstanceCapacity leaves the failing type on
+top. On the fake cloud, with p4d refused, v2 asked for ``ray.worker.p4d.24xlarge.spot`` 135
+times in 5 min 45 s and never tried p4de; v1 with this scorer moves on at its next update.
+
 Ray loads it by name from ``RAY_AUTOSCALER_UTILIZATION_SCORER`` in the environment of the head's
 `ray start`; render copies this file alone into a folder of its own on the head and puts that
 folder on the same line's PYTHONPATH, so nothing else of the agents' folder shadows a package in
@@ -38,6 +47,9 @@ import os
 
 # The environment variables render sets on the head's `ray start` line.
 ORDER_ENV = "RAYFLEET_NODE_TYPE_ORDER"
+# Ray's switch between its autoscalers; render sets it to 0 (v1, which loads scorers) on every
+# node's `ray start`, after `ray up`'s own `export RAY_enable_autoscaler_v2=1`.
+AUTOSCALER_V2_ENV = "RAY_enable_autoscaler_v2"
 # Ray's own name for the scorer's module path (ray.autoscaler._private.constants).
 SCORER_ENV = "RAY_AUTOSCALER_UTILIZATION_SCORER"
 # The module name this file has on the head (render copies it under this name).

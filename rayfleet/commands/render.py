@@ -439,7 +439,9 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
            "reached by an SSM tunnel (rule 22); every port pinned to what the security group "
            "opens" + INGRESS_WHY[ingress] + "; the autoscaler scores worker types with the "
            "kit's scorer (rayfleet/agents/fallover.py): the stack's order, and past a type EC2 "
-           "just refused (no capacity) to the next. Then the head's agents: each job's logs "
+           "just refused (no capacity) to the next; the scorer is a hook of Ray's v1 "
+           "autoscaler, which every node's start selects (Ray 2.60's v2 keeps retrying a type "
+           "EC2 refuses). Then the head's agents: each job's logs "
            "copied "
            "to the bucket as it runs "
            "and when it ends (`rayfleet logs`)"
@@ -452,7 +454,7 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
            + "."),
         "worker_start_ray_commands": Why([
             f"{RAY_BIN} stop; {STOP_AGENTS}",
-            f"ulimit -n {raystart.NOFILE}; {auth_env}{serve_env}; "
+            f"ulimit -n {raystart.NOFILE}; {auth_env}{serve_env}; {AUTOSCALER_V1} "
             + ray_start(head=False, address=f"$RAY_HEAD_IP:{port('gcs')}"),
             agent_command("spot", f"--address=$RAY_HEAD_IP:{port('gcs')}", auth_env),
         ], "Same token, pinned ports and Serve ingress on every worker; the spot agent watches "
@@ -514,8 +516,15 @@ def scorer_env(o: StackOutputs) -> str:
     """The environment of the head's `ray start`: Ray's autoscaler loads the kit's scorer, which
     ranks the worker node types in the stack's order (rayfleet/agents/fallover.py)."""
     order = ",".join(t.ray_name for t in o.node_types.workers)
-    return (f"PYTHONPATH={REMOTE_SCORER.replace('~', '$HOME', 1)} "
+    return (f"{AUTOSCALER_V1} PYTHONPATH={REMOTE_SCORER.replace('~', '$HOME', 1)} "
             f"{fallover.SCORER_ENV}={fallover.SCORER} {fallover.ORDER_ENV}={order}")
+
+
+# Ray's v1 autoscaler, the one that loads the scorer: `ray up` exports v2's switch on before the
+# head's start commands, and v2 keeps asking for a type EC2 just refused (fallover.py says how
+# that was measured). Every node's `ray start` gets the same switch, as `RAY_UP_enable_autoscaler_
+# v2=0 ray up` would set it.
+AUTOSCALER_V1 = f"{fallover.AUTOSCALER_V2_ENV}=0"
 
 
 def ingress_commands(ingress: str) -> str:

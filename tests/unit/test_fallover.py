@@ -135,6 +135,10 @@ def test_render_puts_the_scorer_and_the_stacks_order_on_the_heads_start_line():
     # The stack's order, which render keeps for the YAML's node types too.
     assert env[fallover.ORDER_ENV].split(",") == workers
     assert workers[:2] == ["ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand"]
-    # Workers start Ray without it: only the head's autoscaler scores.
-    assert not any(fallover.SCORER_ENV in c for c in cfg["worker_start_ray_commands"])
+    # Ray's v1 autoscaler, the one that loads scorers, on every node (`ray up` exports v2's
+    # switch on before these lines); workers start Ray without the scorer.
+    assert env[fallover.AUTOSCALER_V2_ENV] == "0"
+    (worker,) = [c for c in cfg["worker_start_ray_commands"] if " start --address" in c]
+    assert f" {fallover.AUTOSCALER_V2_ENV}=0 " in worker
+    assert fallover.SCORER_ENV not in worker
     json.dumps(yaml.safe_load(yaml.safe_dump(cfg)))

@@ -306,7 +306,8 @@ def test_setup_installs_exactly_the_node_environment(tmp_path, outputs):
     scorer = f" {render.scorer_env(parse(json.dumps(outputs)))} "
     assert scorer in ray_start(cfg, "head")
     assert ray_start(onprem, "head") == ray_start(cfg, "head").replace(scorer, " ")
-    assert ray_start(onprem, "worker") == ray_start(cfg, "worker")
+    assert ray_start(onprem, "worker") == ray_start(cfg, "worker").replace(
+        f" {render.AUTOSCALER_V1} ", " ")
 
 
 def _pyproject() -> dict:
