@@ -100,6 +100,13 @@ SCHEMA: tuple[ConfigKey, ...] = (
     ConfigKey("workerAz", "string", "",
               "AZ for the GPU workers (every type) and their cluster placement group (e.g. "
               "us-east-1b); empty means the first available AZ."),
+    ConfigKey("workerFallbackAzs", "array", [],
+              "Other AZs of region the GPU workers may launch in when workerAz has no "
+              "capacity, in order (e.g. [us-east-1c]): each gets its own cluster placement "
+              "group and per worker type a spot and an on-demand launch template and Ray node "
+              "type, after that type's in workerAz. EFA does not cross AZs: a multi-node job "
+              "whose workers land in two AZs runs NCCL without EFA between them. Empty "
+              "(default) keeps every worker in workerAz."),
     ConfigKey("vpcCidr", "string", "10.42.0.0/16",
               "Private IPv4 CIDR of the VPC, /16 to /22."),
     ConfigKey("natGateways", "string", "single",
@@ -230,13 +237,16 @@ class CapacityReservation:
 
 @dataclass(frozen=True)
 class WorkerSplit:
-    """One (worker type, market) of the cluster: a launch template and a Ray node type."""
+    """One (worker type, market, AZ) of the cluster: a launch template and a Ray node type."""
 
     spec: InstanceSpec
     market: str          # "spot" | "ondemand" | "block" | "reserved"
     min_workers: int
     max_workers: int
     reservation: CapacityReservation | None = None   # for "block" and "reserved"
+    # One of rayfleet:workerFallbackAzs for a spot or on-demand split there; None: the
+    # workers' AZ (rayfleet:workerAz, or the first available one), or the reservation's.
+    fallback_az: str | None = None
 
 
 @dataclass(frozen=True)
@@ -251,6 +261,9 @@ class NodesConfig:
     ami_id: str | None
     ray_in_docker: bool
     capacity_reservations: tuple[CapacityReservation, ...] = ()
+    # rayfleet:workerFallbackAzs, in order: where spot and on-demand workers go when the
+    # workers' AZ has no capacity.
+    worker_fallback_azs: tuple[str, ...] = ()
 
     @property
     def head(self) -> InstanceSpec:
@@ -292,14 +305,18 @@ class NodesConfig:
                             key=lambda r: not r.capacity_block))
 
     def worker_splits(self) -> tuple[WorkerSplit, ...]:
-        """Every (type, market) in the stack's order, which is the order of preference: per
-        type (rayfleet:workerInstanceTypes' order) its reservations, then its spot, then its
-        on-demand.
+        """Every (type, market, AZ) in the stack's order, which is the order of preference:
+        per type (rayfleet:workerInstanceTypes' order) its reservations, then its spot, then
+        its on-demand in the workers' AZ, then for each of rayfleet:workerFallbackAzs in order
+        its spot and on-demand there; then the next type. Type-major: a type with capacity in
+        any AZ comes before the next type, as the issue asks (p4d in every AZ, then p4de).
 
         A reservation's node type keeps no minimum (rayfleet:minWorkers stays on the preferred
         type's spot and on-demand, as without reservations) and may grow to maxWorkers: how
         many instances a reservation holds is AWS's to say (`rayfleet preflight` shows it),
-        and the cluster's max_workers bounds every type together anyway."""
+        and the cluster's max_workers bounds every type together anyway. A fallback AZ's
+        spot or on-demand keeps no minimum either (the minimum stays in the workers' AZ, with
+        its placement group) and has its market's maximum."""
         bounds = {"spot": (self.spot_min, self.spot_max),
                   "ondemand": (self.on_demand_min, self.on_demand_max)}
         out: list[WorkerSplit] = []
@@ -308,6 +325,8 @@ class NodesConfig:
                     for r in self.reservations_of(spec.name)]
             out += [WorkerSplit(spec, market, bounds[market][0] if i == 0 else 0,
                                 bounds[market][1]) for market in MARKETS]
+            out += [WorkerSplit(spec, market, 0, bounds[market][1], fallback_az=az)
+                    for az in self.worker_fallback_azs for market in MARKETS]
         return tuple(out)
 
     @property
@@ -357,7 +376,9 @@ class StackConfig:
         raw = _collect(mapping, namespace)
         v = {k.name: _coerce(k, raw[k.name]) if k.name in raw else k.default for k in SCHEMA}
         region = _region(v["region"])
-        nodes = _nodes(v, _worker_types(v["workerInstanceTypes"], region), region)
+        worker_az = _worker_az(v["workerAz"], region)
+        nodes = _nodes(v, _worker_types(v["workerInstanceTypes"], region), region,
+                       _worker_fallback_azs(v["workerFallbackAzs"], region, worker_az))
         budget = _budget(v)
         return cls(
             cluster_name=_cluster_name(v["clusterName"]),
@@ -368,7 +389,7 @@ class StackConfig:
                 nat_gateways=_choice("natGateways", v["natGateways"], ("single", "per-az")),
                 flow_log_retention_days=_choice(
                     "flowLogRetentionDays", v["flowLogRetentionDays"], LOG_RETENTION_DAYS),
-                worker_az=_worker_az(v["workerAz"], region),
+                worker_az=worker_az,
             ),
             access=AccessConfig(operator_cidrs=_operator_cidrs(v["operatorCidrs"])),
             nodes=nodes,
@@ -625,6 +646,28 @@ def _worker_az(value: str, region: str) -> str | None:
                                       f"(expected {region}a, {region}b, ...){hint}")
 
 
+def _worker_fallback_azs(values: list[str], region: str,
+                         worker_az: str | None) -> tuple[str, ...]:
+    """rayfleet:workerFallbackAzs: AZs of the region, each once, none the workers' own. An
+    empty rayfleet:workerAz resolves to the region's first available AZ only under `pulumi
+    up`, so the program (infra/components/network.py) refuses a fallback AZ equal to that."""
+    name = _q("workerFallbackAzs")
+    out: list[str] = []
+    for value in values:
+        if not re.fullmatch(re.escape(region) + r"[a-z]", value):
+            hint = _suggest(region + value[-1]) if re.fullmatch(r"[a-z]", value[-1:]) else ""
+            raise ConfigError(name, f"{value!r} is not an availability zone of rayfleet:region "
+                                    f"{region} (expected a list such as [{region}c]){hint}")
+        if value == worker_az:
+            raise ConfigError(name, f"lists {value}, which is rayfleet:workerAz; name other AZs "
+                                    "of the region, in the order to try them")
+        if value in out:
+            raise ConfigError(name, f"lists {value} twice; name each AZ once, in the order to "
+                                    "try them")
+        out.append(value)
+    return tuple(out)
+
+
 def _network(name: str, value: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     try:
         return ipaddress.ip_network(value, strict=True)
@@ -679,7 +722,8 @@ def _operator_cidrs(values: list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _nodes(v: Mapping[str, Any], worker_types: tuple[str, ...], region: str) -> NodesConfig:
+def _nodes(v: Mapping[str, Any], worker_types: tuple[str, ...], region: str,
+           fallback_azs: tuple[str, ...] = ()) -> NodesConfig:
     head = v["headInstanceType"]
     # The catalog's head types, in a few words: its families and its smallest to largest size.
     families, sizes = catalog.data()["head_families"], list(catalog.data()["head_sizes"])
@@ -720,6 +764,7 @@ def _nodes(v: Mapping[str, Any], worker_types: tuple[str, ...], region: str) -> 
         ray_in_docker=v["rayInDocker"],
         capacity_reservations=_capacity_reservations(v["capacityReservations"], worker_types,
                                                      region),
+        worker_fallback_azs=fallback_azs,
     )
 
 

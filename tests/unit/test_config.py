@@ -210,6 +210,32 @@ def test_reservations_come_first_in_their_types_order_block_before_odcr():
     assert n.reserved_azs == ("us-east-1b", "us-east-1c")
 
 
+def test_fallback_azs_follow_each_type_in_the_workers_az_type_major():
+    n = cfg(workerInstanceTypes=["p4d.24xlarge", "p4de.24xlarge"], workerAz="us-east-1b",
+            workerFallbackAzs=["us-east-1c", "us-east-1a"], minWorkers=1, maxWorkers=4,
+            onDemandWorkers=1, capacityReservations=[BLOCK]).nodes
+    assert n.worker_fallback_azs == ("us-east-1c", "us-east-1a")
+    # A type's reservations, spot and on-demand in the workers' AZ, then its spot and
+    # on-demand in each fallback AZ in order, then the next type. The minimum stays in the
+    # workers' AZ; a fallback entry has its market's maximum (maxWorkers bounds them all).
+    assert [(w.spec.name, w.market, w.fallback_az, w.min_workers, w.max_workers)
+            for w in n.worker_splits()] == [
+        ("p4d.24xlarge", "block", None, 0, 4),
+        ("p4d.24xlarge", "spot", None, 0, 3), ("p4d.24xlarge", "ondemand", None, 1, 1),
+        ("p4d.24xlarge", "spot", "us-east-1c", 0, 3),
+        ("p4d.24xlarge", "ondemand", "us-east-1c", 0, 1),
+        ("p4d.24xlarge", "spot", "us-east-1a", 0, 3),
+        ("p4d.24xlarge", "ondemand", "us-east-1a", 0, 1),
+        ("p4de.24xlarge", "spot", None, 0, 3), ("p4de.24xlarge", "ondemand", None, 0, 1),
+        ("p4de.24xlarge", "spot", "us-east-1c", 0, 3),
+        ("p4de.24xlarge", "ondemand", "us-east-1c", 0, 1),
+        ("p4de.24xlarge", "spot", "us-east-1a", 0, 3),
+        ("p4de.24xlarge", "ondemand", "us-east-1a", 0, 1)]
+    # As `pulumi config set --path` hands a list over; empty by default.
+    assert cfg(workerFallbackAzs='["us-east-1c"]').nodes.worker_fallback_azs == ("us-east-1c",)
+    assert cfg().nodes.worker_fallback_azs == ()
+
+
 def test_reservations_as_pulumi_config_hands_them_over():
     # `pulumi config set --path` stores a structured value; the program gets it as JSON text.
     import json
@@ -317,6 +343,19 @@ BAD = [
     ({"rayfleet:region": {"secure": "AAAbase64"}}, "rayfleet:region", ["not a secret"]),
     ({"aws:region": "eu-west-1"}, "aws:region", ["rayfleet:region (us-east-1)"]),
     ({"aws:profile": "prod"}, "aws:profile", ["AWS_PROFILE"]),
+    # rayfleet:workerFallbackAzs: AZs of the region, each once, none the workers' own.
+    ({"rayfleet:workerFallbackAzs": ["us-east1c"]}, "rayfleet:workerFallbackAzs",
+     ['did you mean "us-east-1c"', "expected a list such as [us-east-1c]"]),
+    ({"rayfleet:workerFallbackAzs": ["eu-west-1c"]}, "rayfleet:workerFallbackAzs",
+     ["rayfleet:region us-east-1", 'did you mean "us-east-1c"']),
+    ({"rayfleet:workerAz": "us-east-1b", "rayfleet:workerFallbackAzs": ["us-east-1b"]},
+     "rayfleet:workerFallbackAzs", ["us-east-1b, which is rayfleet:workerAz"]),
+    ({"rayfleet:workerFallbackAzs": ["us-east-1c", "us-east-1c"]},
+     "rayfleet:workerFallbackAzs", ["lists us-east-1c twice"]),
+    ({"rayfleet:workerFallbackAzs": [3]}, "rayfleet:workerFallbackAzs",
+     ["expected a list of strings"]),
+    ({"rayfleet:workerFallbackAZs": ["us-east-1c"]}, "rayfleet:workerFallbackAZs",
+     ['did you mean "rayfleet:workerFallbackAzs"']),
     # rayfleet:capacityReservations: each mistake names the entry's key.
     ({"rayfleet:capacityReservations": "cr-0123456789abcdef0"}, "rayfleet:capacityReservations",
      ["expected a list of objects"]),
