@@ -36,9 +36,14 @@ TAG_HOP_LIMIT_REASON = "rayfleet:imds-hop-limit-reason"
 # A reservation's launch template: the reservation id (cr-...) or resource group ARN it was
 # built for, so the policy pack can name a template that lost its target (rule 31).
 TAG_CAPACITY_RESERVATION = "rayfleet:capacity-reservation"
+# The AZ a GPU worker launch template and a cluster placement group were built for (the
+# workers' AZ or one of rayfleet:workerFallbackAzs): a cluster placement group has no AZ of its
+# own until its first instance, so the policy pack reads this to hold a template's EFA
+# interfaces and its group to one AZ (rule 32).
+TAG_AVAILABILITY_ZONE = "rayfleet:availability-zone"
 
 TAG_KEYS = (TAG_CLUSTER, TAG_STACK, TAG_MANAGED_BY, TAG_NODE_KIND, TAG_NODE_ROLE, TAG_TIER,
-            TAG_HOP_LIMIT_REASON, TAG_CAPACITY_RESERVATION)
+            TAG_HOP_LIMIT_REASON, TAG_CAPACITY_RESERVATION, TAG_AVAILABILITY_ZONE)
 
 
 # ----------------------------------------------------------------------------- IMDS

@@ -108,6 +108,9 @@ _RULES = (
     Rule(31, "Reserved capacity: a template targets exactly its configured reservation, and a "
              "Capacity Block is never spot",
          "", ("pack", "lint")),
+    Rule(32, "A GPU worker template's EFA interfaces and placement group are in the AZ it was "
+             "built for",
+         "", ("pack",)),
 )
 
 RULES: Mapping[int, Rule] = {r.number: r for r in _RULES}

@@ -20,7 +20,11 @@ JSON::
       workers:                           # the order of preference: rayfleet:workerInstanceTypes'
         - {instance_type, market,        #   order; per type its Capacity Block ("block"), its
            vcpus, gpus, accelerator_type, #  reservation ("reserved"), its "spot", its "ondemand"
-           efa_interfaces, min_workers, max_workers, launch_template: {id},
+           efa_interfaces, min_workers,  #  in the workers' AZ, then "spot" and "ondemand" in
+           max_workers,                  #  each of rayfleet:workerFallbackAzs in turn
+           launch_template: {id},
+           availability_zone,            # where it launches (optional: absent before fallback
+                                         #   AZs, read as the workers' AZ or the reservation's)
            capacity_reservation:         # only on "block" and "reserved" node types
              {availability_zone, subnet_id, id | resource_group_arn}}
     max_workers: int                     # rayfleet:maxWorkers: every worker type together
@@ -49,6 +53,14 @@ Reserved capacity (``block`` and ``reserved`` node types, with their ``capacity_
 did not raise it: a render of the same schema without them refuses those markets in one line
 ("is not a market"), so it cannot misread them, and a stack without reservations exports
 exactly what it did before.
+
+Fallback AZs (spot and on-demand entries whose ``availability_zone`` is not the workers' AZ,
+``availability_zones[0]``) did not raise it either: they repeat a (type, market) of the
+workers' AZ, and a schema-2 render without them refuses a repeated (type, market) in one line
+("p4d.24xlarge spot appears twice"), so it never writes two node types under one name. A
+stack without fallback AZs adds only ``availability_zone``, a key such a render ignores. This
+version names a fallback entry's Ray node type after its AZ (:func:`ray_worker_name`) and
+refuses a repeated (type, market, AZ).
 """
 
 from __future__ import annotations
@@ -111,16 +123,34 @@ class WorkerNodeType:
     # "block" and "reserved" only; absent from the others' output, as before reservations.
     capacity_reservation: CapacityReservationTarget | None = field(
         default=None, metadata={"omit_if_none": True})
+    # The AZ its workers launch in (its template's subnet); None only in an output made before
+    # fallback AZs, where it is the workers' AZ (or the reservation's).
+    availability_zone: str | None = field(default=None, metadata={"omit_if_none": True})
+    # The workers' AZ (availability_zones[0]), which tells a fallback entry from the others;
+    # the output holds it once, at the top, so it is not exported here.
+    workers_az: str | None = field(default=None, compare=False,
+                                   metadata={"exported": False})
+
+    @property
+    def fallback_az(self) -> str | None:
+        """The AZ of rayfleet:workerFallbackAzs this spot or on-demand entry launches in;
+        None in the workers' AZ and for a reservation (in its own AZ)."""
+        if self.capacity_reservation is not None or not self.availability_zone:
+            return None
+        return None if self.availability_zone == self.workers_az else self.availability_zone
 
     @property
     def ray_name(self) -> str:
-        """The Ray node type's name in the cluster YAML, e.g. ``ray.worker.p5.48xlarge.spot``:
-        one per (type, market), so a later scorer or `ray status` line names both."""
-        return ray_worker_name(self.instance_type, self.market)
+        """The Ray node type's name in the cluster YAML, e.g. ``ray.worker.p5.48xlarge.spot``
+        (``...spot.us-east-1c`` in a fallback AZ): one per (type, market, AZ), so the scorer
+        and a `ray status` line name all three."""
+        return ray_worker_name(self.instance_type, self.market, self.fallback_az)
 
 
-def ray_worker_name(instance_type: str, market: str) -> str:
-    return f"ray.worker.{instance_type}.{market}"
+def ray_worker_name(instance_type: str, market: str, fallback_az: str | None = None) -> str:
+    """``ray.worker.<type>.<market>``, and ``.<az>`` after it in a fallback AZ: the workers'
+    AZ keeps the name it had before fallback AZs."""
+    return f"ray.worker.{instance_type}.{market}" + (f".{fallback_az}" if fallback_az else "")
 
 
 H = TypeVar("H")
@@ -195,7 +225,8 @@ class StackOutputs:
 def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if not (f.metadata.get("omit_if_none") and getattr(value, f.name) is None)}
+                if f.metadata.get("exported", True)
+                and not (f.metadata.get("omit_if_none") and getattr(value, f.name) is None)}
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -285,7 +316,8 @@ def _check(o: dict[str, Any], source: str) -> None:
                           f"{head!r} is not a known head type{did_you_mean(head, heads)}")
     _count(source, "node_types.head.vcpus", nt["head"]["vcpus"], 1)
     known = catalog.worker_types()
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[str, str, str | None]] = set()
+    zones = o["availability_zones"]
     for i, w in enumerate(nt["workers"]):
         kind = f"workers[{i}]"
         t = w["instance_type"]
@@ -296,10 +328,13 @@ def _check(o: dict[str, Any], source: str) -> None:
             raise ConfigError(f"{source}: node_types.{kind}.market",
                               f"{w['market']!r} is not a market", WORKER_MARKETS, w["market"])
         _check_reservation(source, kind, w)
-        if (t, w["market"]) in seen:
+        az = _check_az(source, kind, w, zones)
+        fallback = az if az != zones[0] and w["market"] not in RESERVATION_MARKETS else None
+        if (t, w["market"], fallback) in seen:
+            where = f" in {fallback}" if fallback else ""
             raise ConfigError(f"{source}: node_types.{kind}",
-                              f"{t} {w['market']} appears twice; {_RERUN}")
-        seen.add((t, w["market"]))
+                              f"{t} {w['market']}{where} appears twice; {_RERUN}")
+        seen.add((t, w["market"], fallback))
         lo, hi = w["min_workers"], w["max_workers"]
         if not (_whole(lo) and _whole(hi) and 0 <= lo <= hi):
             raise ConfigError(f"{source}: node_types.{kind}",
@@ -336,6 +371,22 @@ def _check_reservation(source: str, kind: str, w: dict[str, Any]) -> None:
         raise ConfigError(key, f"a Capacity Block is launched into by its id; {_RERUN}")
 
 
+def _check_az(source: str, kind: str, w: dict[str, Any], zones: list[Any]) -> Any:
+    """A worker node type's AZ, one of the stack's (a reservation's its reservation's); an
+    output made before fallback AZs names none: the workers' AZ, or the reservation's."""
+    cr = w.get("capacity_reservation")
+    own = cr.get("availability_zone") if isinstance(cr, dict) else zones[0]
+    az = w.get("availability_zone", own)
+    if az not in zones:
+        raise ConfigError(f"{source}: node_types.{kind}.availability_zone",
+                          f"{az!r} is not one of the stack's availability_zones "
+                          f"({', '.join(map(str, zones))}); {_RERUN}")
+    if isinstance(cr, dict) and az != own:
+        raise ConfigError(f"{source}: node_types.{kind}.availability_zone",
+                          f"is {az} but its capacity reservation is in {own}; {_RERUN}")
+    return az
+
+
 def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -357,7 +408,9 @@ def _build(o: dict[str, Any]) -> StackOutputs:
                               TemplateId(w["launch_template"]["id"]),
                               CapacityReservationTarget(
                                   cr["availability_zone"], cr["subnet_id"], cr.get("id"),
-                                  cr.get("resource_group_arn")) if cr else None)
+                                  cr.get("resource_group_arn")) if cr else None,
+                              availability_zone=w.get("availability_zone"),
+                              workers_az=o["availability_zones"][0])
 
     def arns(d: dict[str, Any]) -> ByRole[Arn]:
         return ByRole(Arn(d["head"]["arn"]), Arn(d["worker"]["arn"]))

@@ -61,6 +61,7 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         flow_log_retention_days=cfg.network.flow_log_retention_days,
         worker_az=cfg.network.worker_az,
         reserved_azs=cfg.nodes.reserved_azs,
+        fallback_azs=cfg.nodes.worker_fallback_azs,
     ), opts)
     security = Security(f"{c}-security", SecurityArgs(
         cluster_name=c,
@@ -86,9 +87,11 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         kms_key_arn=storage.kms_key_arn,
         capacity_reservations=tuple(r.target for r in cfg.nodes.capacity_reservations),
     ), opts)
-    # One private subnet per AZ, the reservations' AZs among them (Network made sure).
+    # One private subnet per AZ, the fallback and reservations' AZs among them (Network made
+    # sure); the workers' AZ first.
     subnet_by_az = dict(zip(network.availability_zones, network.private_subnet_ids,
                             strict=True))
+    worker_az = network.availability_zones[0]
     nodes = GpuNodes(f"{c}-nodes", GpuNodesArgs(
         cluster_name=c,
         stack=stack,
@@ -105,6 +108,8 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         ami_id=cfg.nodes.ami_id,
         reservations=cfg.nodes.capacity_reservations,
         subnet_by_az=subnet_by_az,
+        worker_az=worker_az,
+        fallback_azs=cfg.nodes.worker_fallback_azs,
     ), opts)
     budget = None
     if cfg.budget.enabled:
@@ -113,9 +118,10 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         ), opts)
 
     head = cfg.nodes.head
-    # One worker node type per (allowed type, market), in the stack's order (the order of
-    # preference: per type its reservations, spot, on-demand), each with the template built
-    # for it; a reservation's also says what it targets, in which AZ and subnet.
+    # One worker node type per (allowed type, market, AZ), in the stack's order (the order of
+    # preference: per type its reservations, spot, on-demand, then spot and on-demand in each
+    # fallback AZ), each with the template built for it and the AZ it launches in; a
+    # reservation's also says what it targets, in which AZ and subnet.
     def reserved(r):
         if r is None:
             return None
@@ -123,12 +129,20 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
             availability_zone=r.availability_zone, subnet_id=subnet_by_az[r.availability_zone],
             id=r.id, resource_group_arn=r.resource_group_arn)
 
+    def template(w):
+        if w.fallback_az:
+            return nodes.fallback_workers[(w.spec.name, w.market, w.fallback_az)]
+        return nodes.workers[(w.spec.name, w.market)]
+
     workers = [contract.WorkerNodeType(
         instance_type=w.spec.name, market=w.market, vcpus=w.spec.vcpus, gpus=w.spec.gpus,
         accelerator_type=w.spec.accelerator_type, efa_interfaces=w.spec.efa_interfaces,
         min_workers=w.min_workers, max_workers=w.max_workers,
-        launch_template=contract.TemplateId(nodes.workers[(w.spec.name, w.market)].id),
-        capacity_reservation=reserved(w.reservation))
+        launch_template=contract.TemplateId(template(w).id),
+        capacity_reservation=reserved(w.reservation),
+        availability_zone=(w.reservation.availability_zone if w.reservation
+                           else w.fallback_az or worker_az),
+        workers_az=worker_az)
         for w in cfg.nodes.worker_splits()]
 
     return {"rayfleet": contract.StackOutputs(
@@ -136,7 +150,7 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         cluster_name=c,
         region=cfg.region,
         availability_zones=network.availability_zones,
-        worker_availability_zone=network.availability_zones[0],
+        worker_availability_zone=worker_az,
         vpc_id=network.vpc.id,
         private_subnet_ids=network.private_subnet_ids,
         worker_subnet_id=network.worker_subnet.id,

@@ -14,6 +14,15 @@ reservation (its id or resource group), its interfaces in the private subnet of 
 reservation's AZ and without the placement group: a reservation is capacity in one AZ that
 AWS already holds, and a cluster placement group in another AZ, or one the reserved instances
 do not fit, would only make the launch fail.
+
+Fallback AZs (rayfleet:workerFallbackAzs) get, each, a cluster placement group of their own
+and per worker type one more spot and one more on-demand template, their EFA interfaces in
+that AZ's private subnet and their placement that AZ's group: Ray rotates a node config's
+SubnetIds on a launch error only when it names no NetworkInterfaces, so a template with EFA
+interfaces stays in its one AZ, and the autoscaler reaches another AZ only through another
+node type. A cluster placement group lives in one AZ, hence one per AZ. Every worker template
+and placement group but a reservation's is tagged with its AZ, which the policy pack holds
+its interfaces and group to (rule 32).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from rayfleet.facts import (
     CAPACITY_BLOCK_MARKET_TYPE,
     MARKETS,
     RAY_CLUSTER_TAG,
+    TAG_AVAILABILITY_ZONE,
     TAG_CAPACITY_RESERVATION,
     TAG_CLUSTER,
     TAG_NODE_KIND,
@@ -63,6 +73,10 @@ class GpuNodesArgs:
     # rayfleet:capacityReservations, and the private subnet of each AZ they are in.
     reservations: tuple[CapacityReservation, ...] = ()
     subnet_by_az: Mapping[str, pulumi.Input[str]] = field(default_factory=dict)
+    # The workers' AZ (worker_subnet_id's, resolved by Network) and rayfleet:workerFallbackAzs,
+    # each of which subnet_by_az gives a private subnet.
+    worker_az: str | None = None
+    fallback_azs: tuple[str, ...] = ()
 
 
 def user_data(cluster_name: str, node_kind: str) -> str:
@@ -86,15 +100,18 @@ echo 'set -a; . /etc/rayfleet/node.env; set +a' > /etc/profile.d/rayfleet.sh
     return base64.b64encode(script.encode()).decode()
 
 
-def template_suffix(instance_type: str, market: str) -> str:
-    """The worker template's name after the component's: ``worker-p5-48xlarge-spot``."""
-    return f"worker-{instance_type.replace('.', '-')}-{market}"
+def template_suffix(instance_type: str, market: str, az: str | None = None) -> str:
+    """The worker template's name after the component's: ``worker-p5-48xlarge-spot``, and
+    in a fallback AZ ``worker-p5-48xlarge-spot-us-east-1c``."""
+    return f"worker-{instance_type.replace('.', '-')}-{market}" + (f"-{az}" if az else "")
 
 
 class GpuNodes(pulumi.ComponentResource):
     """Cluster placement group and launch templates: the head, and per allowed worker type one
     template per reservation of it, one spot and one on-demand (``self.workers[(type,
-    market)]``, in the stack's order)."""
+    market)]``, in the stack's order); per fallback AZ a placement group
+    (``self.fallback_placement_groups[az]``) and per type one spot and one on-demand template
+    (``self.fallback_workers[(type, market, az)]``)."""
 
     def __init__(self, name: str, args: GpuNodesArgs,
                  opts: pulumi.ResourceOptions | None = None):
@@ -113,9 +130,17 @@ class GpuNodes(pulumi.ComponentResource):
         self.placement_group = aws.ec2.PlacementGroup(
             f"{name}-workers",
             strategy="cluster",
-            tags={"Name": f"{args.cluster_name}-workers"},
+            tags={"Name": f"{args.cluster_name}-workers", **_az_tag(args.worker_az)},
             opts=child,
         )
+        # A fallback AZ's workers get a group of their own there: a cluster group is one AZ's.
+        self.fallback_placement_groups: dict[str, aws.ec2.PlacementGroup] = {
+            az: aws.ec2.PlacementGroup(
+                f"{name}-workers-{az}",
+                strategy="cluster",
+                tags={"Name": f"{args.cluster_name}-workers-{az}", **_az_tag(az)},
+                opts=child,
+            ) for az in args.fallback_azs}
 
         self.head = aws.ec2.LaunchTemplate(
             f"{name}-head",
@@ -140,25 +165,40 @@ class GpuNodes(pulumi.ComponentResource):
             for market in MARKETS:
                 self.workers[(worker.name, market)] = self._worker(
                     name, args, worker, market, root_device, child)
+        self.fallback_workers: dict[tuple[str, str, str], aws.ec2.LaunchTemplate] = {
+            (worker.name, market, az): self._worker(name, args, worker, market, root_device,
+                                                    child, az)
+            for worker in args.workers for az in args.fallback_azs for market in MARKETS}
 
         self.register_outputs({
             "ami_id": self.ami_id,
             "placement_group": self.placement_group.name,
+            "fallback_placement_groups": {az: pg.name for az, pg in
+                                          self.fallback_placement_groups.items()},
             "head_launch_template_id": self.head.id,
-            "worker_launch_template_ids": [lt.id for lt in self.workers.values()],
+            "worker_launch_template_ids": [lt.id for lt in [*self.workers.values(),
+                                                            *self.fallback_workers.values()]],
         })
 
     def _worker(self, name: str, args: GpuNodesArgs, worker: InstanceSpec, market: str,
-                root_device: str, child: pulumi.ResourceOptions) -> aws.ec2.LaunchTemplate:
+                root_device: str, child: pulumi.ResourceOptions,
+                fallback_az: str | None = None) -> aws.ec2.LaunchTemplate:
+        """A spot or on-demand template: in the workers' AZ, or in ``fallback_az`` (that AZ's
+        private subnet and placement group)."""
         spot = market == "spot"
+        where = f", fallback AZ {fallback_az}" if fallback_az else ""
+        group = (self.fallback_placement_groups[fallback_az] if fallback_az
+                 else self.placement_group)
+        common = self._common(args, "worker", args.worker_instance_profile_arn)
+        common["tags"] = {**common["tags"], **_az_tag(fallback_az or args.worker_az)}
         return aws.ec2.LaunchTemplate(
-            f"{name}-{template_suffix(worker.name, market)}",
-            description=(f"Ray {worker.name} worker ({'spot' if spot else 'on-demand'}) "
+            f"{name}-{template_suffix(worker.name, market, fallback_az)}",
+            description=(f"Ray {worker.name} worker ({'spot' if spot else 'on-demand'}{where}) "
                          f"of {args.cluster_name}"),
             instance_type=worker.name,
-            network_interfaces=_efa_interfaces(args, worker),
-            placement=aws.ec2.LaunchTemplatePlacementArgs(
-                group_name=self.placement_group.name),
+            network_interfaces=_efa_interfaces(
+                args, worker, args.subnet_by_az[fallback_az] if fallback_az else None),
+            placement=aws.ec2.LaunchTemplatePlacementArgs(group_name=group.name),
             instance_market_options=aws.ec2.LaunchTemplateInstanceMarketOptionsArgs(
                 market_type="spot",
                 spot_options=aws.ec2.LaunchTemplateInstanceMarketOptionsSpotOptionsArgs(
@@ -174,7 +214,7 @@ class GpuNodes(pulumi.ComponentResource):
             # DLAMI mounts at /opt/dlami/nvme.
             block_device_mappings=[_root(root_device, args.worker_root_volume_gb, 6000, 500)],
             tag_specifications=_tag_specs(args, "worker", spot=spot, efa=True),
-            **self._common(args, "worker", args.worker_instance_profile_arn),
+            **common,
             opts=child,
         )
 
@@ -254,6 +294,11 @@ class GpuNodes(pulumi.ComponentResource):
         }
 
 
+def _az_tag(az: str | None) -> dict[str, str]:
+    """The AZ a worker template or placement group was built for, as a tag (rule 32)."""
+    return {TAG_AVAILABILITY_ZONE: az} if az else {}
+
+
 def _root(device: str, size_gb: int, iops: int, throughput: int):
     return aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
         device_name=device,
@@ -275,7 +320,7 @@ def _efa_interfaces(args: GpuNodesArgs, worker: InstanceSpec,
     """One EFA per network card (p4d: 4, p5 and p5e: 32, p5en: 16). Card 0 carries the primary
     interface (device 0), the others device index 1, as AWS documents for multi-card instances
     (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html). In the
-    workers' subnet unless ``subnet_id`` (a reservation's AZ) says otherwise."""
+    workers' subnet unless ``subnet_id`` (a reservation's or a fallback AZ's) says otherwise."""
     return [
         aws.ec2.LaunchTemplateNetworkInterfaceArgs(
             network_card_index=card,

@@ -32,6 +32,9 @@ class NetworkArgs:
     worker_az: str | None = None  # None: the first available AZ
     # AZs of rayfleet:capacityReservations: each needs a private subnet (its template's).
     reserved_azs: tuple[str, ...] = ()
+    # rayfleet:workerFallbackAzs: each needs a private subnet too (its templates' EFA
+    # interfaces), found the same way as a reservation's.
+    fallback_azs: tuple[str, ...] = ()
 
 
 class Network(pulumi.ComponentResource):
@@ -156,11 +159,13 @@ class Network(pulumi.ComponentResource):
 
     def _zones(self, args: NetworkArgs) -> list[str]:
         """The AZs to use, the workers' AZ first (its private subnet hosts the A100s), and
-        every reservation's AZ among them (its template's interfaces live in that AZ's private
-        subnet): a reserved AZ the first ``azCount`` leave out takes the place of the last
-        one no reservation needs, so adding a reservation moves as few subnets as it can.
-        Raised before any resource of the network: a reservation in an AZ the region does
-        not offer, or more AZs needed than rayfleet:azCount."""
+        every other AZ a worker template needs among them (each of rayfleet:workerFallbackAzs
+        and each reservation's: its templates' interfaces live in that AZ's private subnet):
+        a needed AZ the first ``azCount`` leave out takes the place of the last one nothing
+        needs, so adding one moves as few subnets as it can. Raised before any resource of the
+        network: a needed AZ the region does not offer, a fallback AZ that is the workers'
+        own (an empty rayfleet:workerAz resolves only here), or more AZs needed than
+        rayfleet:azCount."""
         wanted = len(args.private_subnet_cidrs)
         zones = aws.get_availability_zones(
             state="available",
@@ -181,20 +186,31 @@ class Network(pulumi.ComponentResource):
                               f"is {wanted} but {args.region} has {len(zones)} available AZs "
                               f"({', '.join(zones)})")
         chosen = zones[:wanted]
-        needed = [zones[0], *args.reserved_azs]
-        for az in args.reserved_azs:
+        # Each AZ a worker template needs, with the key that asks for it and how it says so.
+        extra = [(az, "rayfleet:workerFallbackAzs", "lists") for az in args.fallback_azs] + \
+                [(az, "rayfleet:capacityReservations", "a reservation is in")
+                 for az in args.reserved_azs]
+        needed = [zones[0], *(az for az, _, _ in extra)]
+        for az, key, says in extra:
             if az not in zones:
-                raise ConfigError("rayfleet:capacityReservations",
-                                  f"a reservation is in {az}, not an available AZ of "
-                                  f"{args.region}", allowed=zones, value=az)
+                raise ConfigError(key, f"{says} {az}, not an available AZ of {args.region}",
+                                  allowed=zones, value=az)
+            if key == "rayfleet:workerFallbackAzs" and az == zones[0]:
+                raise ConfigError(key, f"lists {az}, the workers' own AZ (rayfleet:workerAz "
+                                       "empty: the region's first available AZ); set "
+                                       "rayfleet:workerAz, or name other AZs")
             if az in chosen:
                 continue
             spare = [i for i, z in enumerate(chosen) if z not in needed]
             if not spare:
+                count = len(set(needed))
+                who = " and ".join(["the workers' AZ"]
+                                   + ["their fallback AZs"] * bool(args.fallback_azs)
+                                   + ["the reservations'"] * bool(args.reserved_azs))
                 raise ConfigError("rayfleet:azCount",
-                                  f"is {wanted} but the workers' AZ and the reservations' need "
-                                  f"{len(set(needed))} ({', '.join(dict.fromkeys(needed))}); "
-                                  f"raise rayfleet:azCount to {len(set(needed))}")
+                                  f"is {wanted} but {who} need {count} "
+                                  f"({', '.join(dict.fromkeys(needed))}); raise "
+                                  f"rayfleet:azCount to {count}")
             chosen[spare[-1]] = az
         return chosen
 

@@ -13,10 +13,11 @@ produced yet (an ARN, an id) is unknown: references between resources are follow
 Pulumi's property dependencies, and a check that needs an unknown value is reported by
 CrossGuard as not runnable in that preview instead of guessing.
 
-Rules 4 and 31 read the stack's config too (operatorCidrs, capacityReservations), handed in
-by the pack as keyword arguments. Rules 3, 21, 22, 23 and 25 concern the cluster YAML and the
-nodes' runtime, not the resource graph: ``rayfleet lint`` checks those; rule 24 is the stack
-configuration's.
+Rule 32 reads the AZ each worker template and placement group was built for from their
+``rayfleet:availability-zone`` tag. Rules 4 and 31 read the stack's config too (operatorCidrs,
+capacityReservations), handed in by the pack as keyword arguments. Rules 3, 21, 22, 23 and 25
+concern the cluster YAML and the nodes' runtime, not the resource graph: ``rayfleet lint``
+checks those; rule 24 is the stack configuration's.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from rayfleet.facts import (
     RAY_PORTS_BY_NAME,
     INGRESS_PORTS,
     SECRET_PATTERNS,
+    TAG_AVAILABILITY_ZONE,
     TAG_CAPACITY_RESERVATION,
     TAG_HOP_LIMIT_REASON,
     TAG_NODE_ROLE,
@@ -103,6 +105,7 @@ FLOW_LOG = "aws:ec2/flowLog:FlowLog"
 LOG_GROUP = "aws:cloudwatch/logGroup:LogGroup"
 LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
 INSTANCE = "aws:ec2/instance:Instance"
+PLACEMENT_GROUP = "aws:ec2/placementGroup:PlacementGroup"
 VOLUME = "aws:ebs/volume:Volume"
 BUCKETS = ("aws:s3/bucket:Bucket", "aws:s3/bucketV2:BucketV2")
 PUBLIC_ACCESS_BLOCK = "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock"
@@ -937,6 +940,63 @@ def rule_31_reserved_capacity(resources: Sequence[Resource],
                      f"{TAG_CAPACITY_RESERVATION}={target}): the cluster would never use it")
 
 
+def _referenced(lt: Resource, key: str, value: Any, candidates: Sequence[Resource]
+                ) -> list[Resource]:
+    """The candidates ``value`` (a property of ``lt`` under ``key``) refers to: by id, name or
+    ARN when known, else through the property's dependencies (a preview)."""
+    if value is not None and value is not UNKNOWN:
+        return [c for c in candidates if str(value) in c.refs]
+    return [c for c in candidates if c.urn and c.urn in lt.deps.get(key, ())]
+
+
+def rule_32_worker_template_in_its_az(resources: Sequence[Resource],
+                                      **_: Any) -> Iterator[Violation]:
+    """Each launch template tagged with the AZ it was built for (the workers' or a fallback
+    AZ's) has every EFA interface in a subnet of this stack in that AZ, and its placement
+    group is the one tagged for that AZ; a template placed in a group without saying its AZ
+    is named as well (a reservation's template has neither)."""
+    subnets = _all(resources, SUBNET)
+    groups = _all(resources, PLACEMENT_GROUP)
+    for lt in _all(resources, LAUNCH_TEMPLATE):
+        az = (_known(lt.inputs, "tags") or {}).get(TAG_AVAILABILITY_ZONE)
+        placement = _value(lt.inputs, "placement")
+        group_name = (UNKNOWN if placement is UNKNOWN else
+                      _value(placement, "groupName") if isinstance(placement, Mapping)
+                      else None)
+        if not az:
+            if group_name is not None:
+                yield _v(32, lt, f"is placed in a cluster placement group but has no "
+                                 f"{TAG_AVAILABILITY_ZONE} tag saying which AZ it was built for")
+            continue
+        nics = _value(lt.inputs, "networkInterfaces")
+        # In a first preview the interfaces are unknown as a whole: their subnets are then
+        # those the property depends on.
+        for i, nic in enumerate([UNKNOWN] if nics is UNKNOWN else _list(nics)):
+            subnet = _value(nic, "subnetId") if isinstance(nic, Mapping) else UNKNOWN
+            found = _referenced(lt, "networkInterfaces", subnet, subnets)
+            zones = {str(s.inputs.get("availabilityZone")) for s in found}
+            which = "its EFA interfaces" if nic is UNKNOWN else f"EFA interface {i}"
+            if not found:
+                yield _v(32, lt, f"puts {which} in subnet {subnet if nic is not UNKNOWN else ''}"
+                                 f", not a subnet of this stack (built for {az})")
+            elif zones != {az}:
+                yield _v(32, lt, f"puts {which} in a subnet of {', '.join(sorted(zones))} but "
+                                 f"was built for {az}: EFA stays in its subnet's AZ")
+        if group_name is None:
+            yield _v(32, lt, f"was built for {az} but names no placement group: its workers "
+                             "would not be placed close together for EFA")
+            continue
+        found = _referenced(lt, "placement", group_name, groups)
+        zones = {str((_known(g.inputs, "tags") or {}).get(TAG_AVAILABILITY_ZONE)) for g in found}
+        if not found:
+            yield _v(32, lt, f"is placed in {'' if group_name is UNKNOWN else group_name}, "
+                             "not a placement group of this stack")
+        elif zones != {az}:
+            yield _v(32, lt, f"was built for {az} but its placement group is the one of "
+                             f"{', '.join(sorted(zones))}: a cluster placement group lives in "
+                             "one AZ")
+
+
 CHECKS: Mapping[int, Callable[..., Iterator[Violation]]] = {
     1: rule_1_no_world_ray_ports, 2: rule_2_no_world_ssh, 4: rule_4_ray_ports_from_cluster_only,
     5: rule_5_default_sg_denies_all, 6: rule_6_descriptions, 7: rule_7_private_nodes,
@@ -948,5 +1008,5 @@ CHECKS: Mapping[int, Callable[..., Iterator[Violation]]] = {
     20: rule_20_no_secrets_in_user_data, 26: rule_26_listed_describe_actions,
     27: rule_27_bucket_access_logged, 28: rule_28_log_groups_cmk,
     29: rule_29_explicit_key_policy, 30: rule_30_ingress_ports_from_cluster,
-    31: rule_31_reserved_capacity,
+    31: rule_31_reserved_capacity, 32: rule_32_worker_template_in_its_az,
 }

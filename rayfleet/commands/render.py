@@ -6,9 +6,11 @@ copied from them, none hand-typed (docs/house.md, convention 3), so Ray's bootst
 group, subnets and an instance profile on every node type and creates none of its permissive
 defaults (rule 3). The result is written to ``cluster-configs/generated/<stack>.yaml``.
 
-Workers: one Ray node type per (allowed GPU type, market) of the stack, in the stack's order
-(``rayfleet:workerInstanceTypes``, each type's Capacity Block, reservation, spot, on-demand),
-named ``ray.worker.<instance type>.<block|reserved|spot|ondemand>``, each on its own launch
+Workers: one Ray node type per (allowed GPU type, market, AZ) of the stack, in the stack's
+order (``rayfleet:workerInstanceTypes``, each type's Capacity Block, reservation, spot,
+on-demand, then spot and on-demand in each of ``rayfleet:workerFallbackAzs``), named
+``ray.worker.<instance type>.<block|reserved|spot|ondemand>`` (``.<az>`` after it in a
+fallback AZ), each on its own launch
 template (a reserved one also names its reservation in the node config), its resources
 the stack's (GPUs, ``accelerator_type:<A100|H100|H200>``). The launch templates carry the
 type's EFA network interfaces, each with its subnet and security groups. Ray's bootstrap
@@ -277,6 +279,14 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
     # version of the kit would deploy today.
     def worker(t: WorkerNodeType) -> dict:
         spot = t.market == "spot"
+        # A fallback AZ's node type says so where it differs: its template's AZ.
+        fallback = ("" if t.fallback_az is None else
+                    f" This node type is {t.instance_type} in fallback AZ {t.fallback_az} "
+                    "(rayfleet:workerFallbackAzs): its template's EFA interfaces are in that "
+                    "AZ's private subnet and its placement group is that AZ's own, as Ray "
+                    "moves a node type with EFA interfaces to no other subnet; EFA does not "
+                    "cross AZs, so a job with workers here and in another AZ runs NCCL "
+                    "without EFA between them.")
         node_config: dict[str, Any] = {
             "InstanceType": t.instance_type,
             "LaunchTemplate": Why(
@@ -284,7 +294,8 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                 "The launch template brings the AMI, IMDSv2, encrypted roots, the placement "
                 "group and the EFA interfaces with their subnet and security groups; Ray's "
                 "bootstrap copies those up, and raises ValueError if SubnetIds or "
-                "SecurityGroupIds are also set here, so they are left out on purpose."),
+                "SecurityGroupIds are also set here, so they are left out on purpose."
+                + fallback),
             "IamInstanceProfile": Why(
                 {"Arn": profiles.worker.arn},
                 "Set explicitly so Ray never attaches its default ray-autoscaler-v1 role "
@@ -393,7 +404,7 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
             # The stack's order, the order of preference (rayfleet:workerInstanceTypes, most
             # preferred first); per type its reserved capacity (a Capacity Block, then an
             # ODCR: already paid for), then spot, then on-demand (keeps onDemandWorkers
-            # launchable).
+            # launchable), then spot and on-demand in each fallback AZ.
             **{t.ray_name: worker(t) for t in nt.workers},
         },
         "head_node_type": "ray.head.default",

@@ -25,6 +25,7 @@ from infra.policy_pack import pack
 from infra.policy_pack.checks import CHECKS, Resource
 from pulumi_policy.proxy import UNKNOWN_STRING_VALUE
 
+from rayfleet.facts import TAG_AVAILABILITY_ZONE
 from rayfleet.rules import RULES
 
 from .conftest import MAXIMAL, dev_config
@@ -402,6 +403,23 @@ MUTATIONS: dict[int, dict[str, Mutation]] = {
             b, f"{D}-nodes-worker-p4de-24xlarge-ondemand",
             lambda i: i.update(capacityReservationSpecification={
                 "capacityReservationTarget": {"capacityReservationId": "cr-0123456789abcdef0"}})),
+    },
+    32: {
+        # The fallback stack's own mutations (a fallback template aimed at the workers' AZ)
+        # are in test_fallback_azs.py; the dev stack keeps every worker in us-east-1b.
+        "spot template's EFA interfaces moved to another AZ's private subnet": lambda b: edit(
+            b, f"{D}-nodes-worker-p4d-24xlarge-spot",
+            lambda i: [n.update(subnetId=_pick(b, f"{D}-network-private-a", policy.SUBNET)
+                                .outputs["id"]) for n in i["networkInterfaces"]]),
+        "on-demand template tagged for an AZ its subnet and group are not in": lambda b: edit(
+            b, f"{D}-nodes-worker-p4de-24xlarge-ondemand",
+            lambda i: i["tags"].update({TAG_AVAILABILITY_ZONE: "us-east-1c"})),
+        "spot template placed in a group this stack does not have": lambda b: edit(
+            b, f"{D}-nodes-worker-p4de-24xlarge-spot",
+            lambda i: i.update(placement={"groupName": "another-teams-group"})),
+        "spot template's AZ tag dropped, its placement group kept": lambda b: edit(
+            b, f"{D}-nodes-worker-p4d-24xlarge-spot",
+            lambda i: i["tags"].pop(TAG_AVAILABILITY_ZONE)),
     },
     30: {
         "direct-ingress rule widened to Ray's unpinned 30000-31000": lambda b: edit(

@@ -83,6 +83,13 @@ def test_render_trusts_the_stacks_node_types(outputs):
      "node_types.workers[0].capacity_reservation: is set on a spot node type"),
     (lambda o: o["node_types"]["workers"].append(dict(o["node_types"]["workers"][0])),
      "node_types.workers[4]: p4d.24xlarge spot appears twice"),
+    # Fallback AZs: an entry's AZ is one of the stack's, and (type, market, AZ) is unique.
+    (lambda o: o["node_types"]["workers"][0].update(availability_zone="us-east-1f"),
+     "node_types.workers[0].availability_zone: 'us-east-1f' is not one of the stack's "
+     "availability_zones"),
+    (lambda o: o["node_types"]["workers"].extend(
+        [dict(o["node_types"]["workers"][0], availability_zone="us-east-1c")] * 2),
+     "node_types.workers[5]: p4d.24xlarge spot in us-east-1c appears twice"),
     (lambda o: o["node_types"].update(workers=[]), "lacks node_types.workers"),
     (lambda o: o.pop("max_workers"), "lacks max_workers"),
     # A schema-1 output (one worker type, two markets): refused in one line, what to do.
@@ -121,3 +128,52 @@ def test_the_docstring_and_the_required_keys_follow_the_dataclass(outputs):
     assert set(stack.REQUIRED_KEYS) <= every
     for key in every:
         assert re.search(rf"\b{key.rsplit('.', 1)[-1]}\b", stack.__doc__), key
+
+
+def fallback_outputs(outputs: dict) -> dict:
+    """The example output as a stack with fallback AZ us-east-1c exports it: after each
+    type's entries in us-east-1b, the same two in us-east-1c, on templates of their own."""
+    o = copy.deepcopy(outputs)
+    workers = o["rayfleet"]["node_types"]["workers"]
+    out = []
+    for i in range(0, len(workers), 2):
+        here = [dict(w, availability_zone="us-east-1b") for w in workers[i:i + 2]]
+        there = [dict(w, availability_zone="us-east-1c", min_workers=0,
+                      launch_template={"id": w["launch_template"]["id"] + "c"})
+                 for w in workers[i:i + 2]]
+        out += here + there
+    o["rayfleet"]["node_types"]["workers"] = out
+    return o
+
+
+def test_a_fallback_entry_names_its_node_type_after_its_az(outputs):
+    parsed = stack.parse(json.dumps(fallback_outputs(outputs)))
+    assert [w.ray_name for w in parsed.node_types.workers] == [
+        "ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand",
+        "ray.worker.p4d.24xlarge.spot.us-east-1c", "ray.worker.p4d.24xlarge.ondemand.us-east-1c",
+        "ray.worker.p4de.24xlarge.spot", "ray.worker.p4de.24xlarge.ondemand",
+        "ray.worker.p4de.24xlarge.spot.us-east-1c",
+        "ray.worker.p4de.24xlarge.ondemand.us-east-1c"]
+    assert parsed.to_dict() == fallback_outputs(outputs)["rayfleet"]
+    # The example stack's own output names no AZ per entry (made before fallback AZs): every
+    # entry is read as the workers' AZ, under the name it always had.
+    assert [w.fallback_az for w in stack.parse(json.dumps(outputs)).node_types.workers] == \
+        [None] * 4
+
+
+def test_an_older_render_refuses_a_fallback_output_rather_than_misread_it(outputs, tmp_path,
+                                                                          capsys):
+    """Schema 2 was kept (stack.py's docstring says why): a render from before fallback AZs
+    ignores availability_zone, so it sees each fallback entry as a repeat of the workers'
+    AZ's (type, market), which it refuses in one line; never two node types under one
+    name. Dropping the key shows this render what such a render sees."""
+    older_view = fallback_outputs(outputs)
+    for w in older_view["rayfleet"]["node_types"]["workers"]:
+        del w["availability_zone"]
+    src = tmp_path / "o.json"
+    src.write_text(json.dumps(older_view))
+    assert cli.main(["render", str(src), "-o", str(tmp_path / "x.yaml"),
+                     "--token-file", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert "node_types.workers[2]: p4d.24xlarge spot appears twice" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "x.yaml").exists()
