@@ -94,3 +94,25 @@ def test_the_reservation_examples_are_configs_the_kit_accepts():
             found.append((page, len(StackConfig.from_mapping(values).nodes
                                     .capacity_reservations)))
     assert found == [("README.md", 2), ("docs/node-types.md", 2), ("Pulumi.dev.yaml", 1)]
+
+
+def test_the_fallback_az_examples_are_configs_the_kit_accepts():
+    """docs/node-types.md's example of rayfleet:workerFallbackAzs and Pulumi.dev.yaml's
+    commented one are what rayfleet/config.py accepts with the example stack's workerAz."""
+    import yaml
+
+    from rayfleet.config import StackConfig
+
+    dev = (REPO / "Pulumi.dev.yaml").read_text()
+    (line,) = [ln for ln in dev.splitlines() if "workerFallbackAzs:" in ln]
+    blocks = [line.replace("# ", "", 1)] + [
+        b for b in re.findall(r"```yaml\n(.*?)```", (REPO / "docs/node-types.md").read_text(),
+                              re.S) if "workerFallbackAzs" in b]
+    assert len(blocks) == 2
+    worker_az = yaml.safe_load(dev)["config"]["rayfleet:workerAz"]
+    for block in blocks:
+        doc = yaml.safe_load(block)
+        doc = doc.get("config", doc)
+        values = {"rayfleet:workerAz": doc.get("rayfleet:workerAz", worker_az),
+                  "rayfleet:workerFallbackAzs": doc["rayfleet:workerFallbackAzs"]}
+        assert StackConfig.from_mapping(values).nodes.worker_fallback_azs == ("us-east-1c",)
