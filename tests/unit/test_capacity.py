@@ -135,17 +135,16 @@ def test_rayfleet_status_without_the_token_is_one_line(dashboard, monkeypatch, c
 
 
 def test_the_driver_stops_waiting_when_every_fitting_type_fails():
-    launchable = [{"Launchable": n, "Resources": {"CPU": 96, "GPU": 8,
-                                                  "accelerator_type:A100": 1}} for n in ORDER]
-    launchable.append({"Launchable": "ray.worker.cpu", "Resources": {"CPU": 16}})
+    types = {n: {"CPU": 96, "GPU": 8, "accelerator_type:A100": 1} for n in ORDER}
+    types["ray.worker.cpu"] = {"CPU": 16}
     opts = driver.TrainOptions.parse(["--smoke-test", "--resources-per-worker",
                                       '{"accelerator_type:A100": 0.5}'])
     # The CPU type cannot hold an A100 worker: it is no candidate.
-    assert driver.fitting_types(opts, launchable) == ORDER
+    assert driver.fitting_types(opts, types) == ORDER
     reports = iter([ray_report(ORDER[:1]), ray_report(ORDER[:2]), ray_report(ORDER)])
     fired = threading.Event()
     watch = driver.LaunchWatch(ORDER, lambda: next(reports), poll_s=0.01,
-                               interrupt=fired.set)
+                               on_fail=lambda line: fired.set())
     with watch:
         assert fired.wait(10)
     assert watch.line == capacity.failing_line(
@@ -153,7 +152,31 @@ def test_the_driver_stops_waiting_when_every_fitting_type_fails():
     assert watch.line.startswith("no allowed worker type can launch (ray.worker.p4d.24xlarge."
                                  "spot: InsufficientInstanceCapacity: We currently")
     # A run whose bundle no launchable type fits has nothing to watch.
-    idle = driver.LaunchWatch([], lambda: io.StringIO().getvalue(), interrupt=fired.clear)
+    idle = driver.LaunchWatch([], lambda: io.StringIO().getvalue(),
+                              on_fail=lambda line: fired.clear())
     with idle:
         pass
     assert idle.line is None
+
+
+def test_the_driver_ends_with_one_line_and_exit_2(tmp_path):
+    """The watcher's own ending (not the main thread's: Ray Train V2 owns SIGINT in the driver
+    and exits 1 without a word): the line run_main would print, exit 2, nothing else."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    (tmp_path / "report.json").write_text(ray_report(ORDER))
+    probe = ("import pathlib, time\n"
+             "from workloads.train import driver\n"
+             f"r = pathlib.Path({str(tmp_path / 'report.json')!r}).read_text()\n"
+             f"with driver.LaunchWatch({ORDER!r}, lambda: r, poll_s=0.01):\n"
+             "    time.sleep(30)\n"
+             "print('not reached')\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stdout == ""
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("workloads.train: error: no allowed worker type can launch (")

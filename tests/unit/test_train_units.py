@@ -94,18 +94,31 @@ def test_a_resource_only_the_autoscaler_can_add_waits_for_it(tmp_path):
     types, read the way the driver reads them on the head)."""
     import shutil
 
-    from workloads.train.driver import launchable_nodes
+    from workloads.train.driver import (
+        autoscaler_config,
+        fitting_types,
+        launchable_nodes,
+        worker_types,
+    )
 
     cfg = tmp_path / "ray_bootstrap_config.yaml"
     shutil.copy(REPO / "cluster-configs" / "aws-a100.example.yaml", cfg)
-    extra = launchable_nodes(str(cfg))
+    autoscaling = autoscaler_config(str(cfg))
+    extra = launchable_nodes(autoscaling)
+    # max_workers (2) is spent on the preferred type's two node types...
     assert sorted(n["Launchable"] for n in extra) == ["ray.worker.p4d.24xlarge.ondemand",
                                                       "ray.worker.p4d.24xlarge.spot"]
     args, _ = args_of("--resources-per-worker", '{"accelerator_type:A100": 0.5}')
     check_resources(args, [CPU_NODE] + extra, {"CPU": 4.0 + 192, "accelerator_type:A100": 2})
+    # ...but every A100 type may still launch in their place when EC2 refuses p4d: all of them
+    # are what the run waits on (a rehearsal run failed fast while p4de was starting, when
+    # these were taken from the capped list).
+    assert fitting_types(args, worker_types(autoscaling)) == [
+        "ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand",
+        "ray.worker.p4de.24xlarge.spot", "ray.worker.p4de.24xlarge.ondemand"]
     with pytest.raises(ClusterError, match="accelerator_type:A100"):
-        check_resources(args, [CPU_NODE] + launchable_nodes(str(tmp_path / "none.yaml")),
-                        {"CPU": 4.0})
+        check_resources(args, [CPU_NODE] + launchable_nodes(
+            autoscaler_config(str(tmp_path / "none.yaml"))), {"CPU": 4.0})
 
 
 def test_memory_estimate_shrinks_with_sharding():

@@ -492,54 +492,75 @@ AUTOSCALER_CONFIG = "~/ray_bootstrap_config.yaml"
 AUTOSCALE_START_TIMEOUT_S = 900
 
 
-def launchable_nodes(path: str = AUTOSCALER_CONFIG) -> list[dict]:
-    """The workers the cluster's autoscaler may still start, as ``ray.nodes()`` entries: one
-    per allowed instance of each worker type of the head's autoscaling config (none on a
-    cluster that does not autoscale). A job asking for what only such a node has must wait
-    for the autoscaler, not fail."""
+def autoscaler_config(path: str = AUTOSCALER_CONFIG) -> dict:
+    """The head's autoscaling config ({} on a cluster that does not autoscale)."""
     from pathlib import Path
 
     import yaml
 
     try:
-        cfg = yaml.safe_load(Path(path).expanduser().read_text())
+        return yaml.safe_load(Path(path).expanduser().read_text()) or {}
     except (OSError, yaml.YAMLError):
-        return []
-    types = (cfg or {}).get("available_node_types") or {}
-    left = int((cfg or {}).get("max_workers") or 0)
+        return {}
+
+
+def worker_types(cfg: dict) -> dict[str, dict]:
+    """The autoscaler's worker node types that may launch at all, in the YAML's order, by name
+    -> their declared resources."""
+    return {name: dict(t.get("resources") or {})
+            for name, t in (cfg.get("available_node_types") or {}).items()
+            if name != cfg.get("head_node_type") and int(t.get("max_workers", 0) or 0) > 0}
+
+
+def launchable_nodes(cfg: dict) -> list[dict]:
+    """The workers the cluster's autoscaler may still start, as ``ray.nodes()`` entries: one
+    per allowed instance of each worker type of the head's autoscaling config, within the
+    cluster's max_workers (none on a cluster that does not autoscale). A job asking for what
+    only such a node has must wait for the autoscaler, not fail."""
+    types = cfg.get("available_node_types") or {}
+    left = int(cfg.get("max_workers") or 0)
     out = []
-    for name, t in types.items():
-        if name == cfg.get("head_node_type"):
-            continue
-        for _ in range(min(int(t.get("max_workers", 0) or 0), left)):
-            out.append({"Alive": True, "Resources": dict(t.get("resources") or {}),
-                        "Launchable": name})
+    for name, resources in worker_types(cfg).items():
+        for _ in range(min(int(types[name].get("max_workers", 0) or 0), left)):
+            out.append({"Alive": True, "Resources": dict(resources), "Launchable": name})
             left -= 1
     return out
 
 
-def fitting_types(opts: TrainOptions, launchable: list[dict]) -> list[str]:
-    """The autoscaler's node types that could hold one of this run's workers, in the cluster
-    YAML's order."""
+def fitting_types(opts: TrainOptions, types: dict[str, dict]) -> list[str]:
+    """The autoscaler's node types (:func:`worker_types`) that could hold one of this run's
+    workers, in the cluster YAML's order: every one of them, not only those the cluster's
+    max_workers leaves room for in :func:`launchable_nodes` (p4de is a fallback for p4d even
+    when max_workers is spent on p4d's spot and on-demand types)."""
     bundle = worker_bundle(opts)
-    return list(dict.fromkeys(
-        n["Launchable"] for n in launchable
-        if all(n["Resources"].get(k, 0) >= v for k, v in bundle.items() if v > 0)))
+    return [name for name, res in types.items()
+            if all(res.get(k, 0) >= v for k, v in bundle.items() if v > 0)]
+
+
+def _stop_run(line: str) -> None:
+    """End the driver with ``line``, as run_main ends it on a ClusterError (one line, exit 2).
+
+    Not through the main thread: Ray Train V2 owns the driver's SIGINT (its handler aborts the
+    run and the process exits 1, saying nothing of why). Nothing of the run exists yet to save:
+    no worker was ever placed, so no checkpoint is being written; Ray ends the job's actors
+    with its driver."""
+    print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(ClusterError.exit_code)
 
 
 class LaunchWatch:
     """While the run waits for nodes the autoscaler must launch, read the autoscaler's report
     (the GCS KV, rayfleet/capacity.py) every ``poll_s``; when every node type that could hold
     a worker has failed its last launch (EC2: no capacity, quota, ...), and none is running or
-    launching, say so in one line and interrupt the run, instead of Ray Train waiting out its
-    placement timeout (15 min) while the autoscaler retries."""
+    launching, end the run with that in one line (``on_fail``), instead of Ray Train waiting
+    out its placement timeout (15 min) while the autoscaler retries."""
 
-    def __init__(self, candidates: list[str], read, poll_s: float = 5.0, interrupt=None):
-        import _thread
+    def __init__(self, candidates: list[str], read, poll_s: float = 5.0, on_fail=_stop_run):
         import threading
 
         self.candidates, self.read, self.poll_s = candidates, read, poll_s
-        self.interrupt = interrupt or _thread.interrupt_main
+        self.on_fail = on_fail
         self.line: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rayfleet-launch-watch",
@@ -565,7 +586,7 @@ class LaunchWatch:
                 continue
             if line and not self._stop.is_set():
                 self.line = line
-                self.interrupt()
+                self.on_fail(line)
                 return
 
 
@@ -734,7 +755,8 @@ def _main(argv: list[str] | None) -> int:
     ray.init(logging_level="ERROR", log_to_driver=True, runtime_env=cluster_address_env())
     startup.mark("ray_connected")
     nodes, total = ray.nodes(), ray.cluster_resources()
-    launchable = launchable_nodes()
+    autoscaling = autoscaler_config()
+    launchable = launchable_nodes(autoscaling)
     capacity = dict(total)
     for n in launchable:
         for k, v in n["Resources"].items():
@@ -787,15 +809,11 @@ def _main(argv: list[str] | None) -> int:
     runs.record_run(storage, name, identity)
     started = time.time()
     startup.mark("fit_called")
-    watch = LaunchWatch(fitting_types(opts, launchable) if launchable else [],
+    watch = LaunchWatch(fitting_types(opts, worker_types(autoscaling)) if launchable else [],
                         autoscaler_report)
     try:
         with watch:
             result = trainer.fit()
-    except KeyboardInterrupt:
-        if watch.line:
-            raise ClusterError(watch.line) from None
-        raise
     except Exception as e:
         cause = failures.explain(e, storage=storage, name=name, workers=world,
                                  bundle=worker_bundle(opts), nodes_at_start=nodes) \
