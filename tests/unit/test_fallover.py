@@ -33,11 +33,11 @@ CAPACITY = ("InsufficientInstanceCapacity", "We currently do not have sufficient
             "the Availability Zone you requested (us-east-1b).")
 
 
-def _pick(scorer, tracker) -> str:
+def _pick(scorer, tracker, node_types: dict | None = None) -> str:
     from ray.autoscaler._private.resource_demand_scheduler import get_nodes_for
 
     added, left = get_nodes_for(
-        NODE_TYPES, {"ray.head.default": 1}, "ray.head.default", 1, DEMAND,
+        node_types or NODE_TYPES, {"ray.head.default": 1}, "ray.head.default", 1, DEMAND,
         utilization_scorer=functools.partial(scorer,
                                              node_availability_summary=tracker.summary()))
     assert not left and sum(added.values()) == 1, (added, left)
@@ -121,10 +121,35 @@ def test_the_head_loads_the_copy_render_ships(tmp_path):
     assert proc.stdout.split() == [fallover.MODULE, "score"]
 
 
-def test_render_puts_the_scorer_and_the_stacks_order_on_the_heads_start_line():
+def example_outputs(fallback_az: str | None = None) -> dict:
+    """The example stack's output; with ``fallback_az``, as that stack with
+    rayfleet:workerFallbackAzs: [fallback_az] exports it (each type's spot and on-demand in
+    its workers' AZ, then the same two in the fallback AZ, then the next type)."""
+    o = json.loads((REPO / "cluster-configs" / "examples" / "dev-outputs.json").read_text())
+    if fallback_az:
+        workers = o["rayfleet"]["node_types"]["workers"]
+        o["rayfleet"]["node_types"]["workers"] = [
+            dict(w, availability_zone=az, **({"min_workers": 0} if az == fallback_az else {}))
+            for i in range(0, len(workers), 2)
+            for az in (o["rayfleet"]["availability_zones"][0], fallback_az)
+            for w in workers[i:i + 2]]
+    return o
+
+
+FALLBACK_ORDER = [
+    "ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand",
+    "ray.worker.p4d.24xlarge.spot.us-east-1c", "ray.worker.p4d.24xlarge.ondemand.us-east-1c",
+    "ray.worker.p4de.24xlarge.spot", "ray.worker.p4de.24xlarge.ondemand",
+    "ray.worker.p4de.24xlarge.spot.us-east-1c", "ray.worker.p4de.24xlarge.ondemand.us-east-1c"]
+
+
+@pytest.mark.parametrize("fallback_az,order", [(None, ORDER), ("us-east-1c", FALLBACK_ORDER)],
+                         ids=["one-az", "fallback-az"])
+def test_render_puts_the_scorer_and_the_stacks_order_on_the_heads_start_line(fallback_az,
+                                                                             order):
     from rayfleet.stack import parse
 
-    outputs = parse((REPO / "cluster-configs" / "examples" / "dev-outputs.json").read_text())
+    outputs = parse(json.dumps(example_outputs(fallback_az)))
     cfg = render.plain(render.build_config(outputs, "~/.rayfleet/token"))
     workers = [t for t in cfg["available_node_types"] if t != cfg["head_node_type"]]
     (start,) = [c for c in cfg["head_start_ray_commands"] if " start --head" in c]
@@ -134,7 +159,8 @@ def test_render_puts_the_scorer_and_the_stacks_order_on_the_heads_start_line():
     assert env["PYTHONPATH"] == "$HOME/rayfleet-agents/autoscaler"
     # The stack's order, which render keeps for the YAML's node types too.
     assert env[fallover.ORDER_ENV].split(",") == workers
-    assert workers[:2] == ["ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand"]
+    # Type-major: p4d in the workers' AZ, p4d in the fallback AZ, then p4de.
+    assert workers == order
     # Ray's v1 autoscaler, the one that loads scorers, on every node (`ray up` exports v2's
     # switch on before these lines); workers start Ray without the scorer.
     assert env[fallover.AUTOSCALER_V2_ENV] == "0"
@@ -142,3 +168,22 @@ def test_render_puts_the_scorer_and_the_stacks_order_on_the_heads_start_line():
     assert f" {fallover.AUTOSCALER_V2_ENV}=0 " in worker
     assert fallover.SCORER_ENV not in worker
     json.dumps(yaml.safe_load(yaml.safe_dump(cfg)))
+
+
+def test_with_a_fallback_az_a_type_is_tried_in_every_az_before_the_next(tracker, monkeypatch):
+    """The rendered fallback stack's node types through Ray's own choice and the scorer: each
+    EC2 refusal moves the launch on in the stack's order, so p4d is tried in us-east-1c before
+    any p4de."""
+    from rayfleet.stack import parse
+
+    cfg = render.plain(render.build_config(parse(json.dumps(example_outputs("us-east-1c"))),
+                                           "t"))
+    monkeypatch.setenv(fallover.ORDER_ENV, ",".join(FALLBACK_ORDER))
+    types = {"ray.head.default": NODE_TYPES["ray.head.default"],
+             **{n: {"resources": t["resources"], "max_workers": t["max_workers"]}
+                for n, t in cfg["available_node_types"].items() if n != "ray.head.default"}}
+    picks = []
+    for _ in FALLBACK_ORDER:
+        picks.append(_pick(fallover.score, tracker, types))
+        _fail(tracker, picks[-1])
+    assert picks == FALLBACK_ORDER
