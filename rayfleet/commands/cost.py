@@ -15,6 +15,10 @@ worker runs in it or not (the idle ones are not in these totals; `rayfleet prefl
 how many it holds). A node type in a Capacity Block adds no hourly compute: the block was paid
 for in full when bought, and its fee is not in the catalog, so it is named, never guessed.
 A ceiling fills the dearest node types first, so prepaid capacity never lowers it.
+
+A fallback AZ's node types (rayfleet:workerFallbackAzs) are priced as their type and market;
+they are more rows of the same type, and a ceiling still counts at most the cluster's
+max_workers workers across every row, so no worker is counted once per AZ.
 """
 
 from __future__ import annotations

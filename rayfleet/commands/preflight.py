@@ -8,10 +8,12 @@ are the network source, their interfaces carry subnet and groups), AMIs, instanc
 key pairs exist, EC2 service quotas for P instances (on-demand and spot; every GPU worker type
 of the catalog is a P type) cover the most vCPUs the worker types can run together (each up to
 its max_workers, all within the cluster's max_workers, largest first), and the bucket is
-reachable and writable. Each worker type is checked on its own: offered in the workers' AZ
-(its launch template's subnet), its template present. Prints a table of PASS / FAIL / UNKNOWN with
-the fix; exits 1 if anything FAILs. UNKNOWN (e.g. a service the credentials cannot query) is
-reported, never a crash.
+reachable and writable. Each worker type is checked on its own: offered in every AZ it may
+launch in (its launch templates' subnets: the workers' AZ and each of
+rayfleet:workerFallbackAzs), its templates present; a fallback AZ's node types are more node
+types under the same max_workers, so the quota need is unchanged. Prints a table of PASS /
+FAIL / UNKNOWN with the fix; exits 1 if anything FAILs. UNKNOWN (e.g. a service the
+credentials cannot query) is reported, never a crash.
 
 Reserved capacity comes first: every node type that targets a capacity reservation (its node
 config's or its launch template's CapacityReservationSpecification) gets one line per
@@ -385,7 +387,9 @@ class Preflight:
             self.add(FAIL if missing else PASS, f"{itype} offered",
                      f"in {', '.join(zones)}" + (f"; not in {', '.join(missing)}"
                                                  if missing else ""),
-                     f"pick another workerAz / region for {itype}" if missing else "")
+                     f"name AZs that offer {itype} in rayfleet:workerAz and "
+                     f"rayfleet:workerFallbackAzs, or drop it from rayfleet:workerInstanceTypes"
+                     if missing else "")
 
     def check_profiles(self, profiles: set[str]) -> None:
         if not profiles:
