@@ -276,6 +276,13 @@ CASES = [
          lambda t: _stack(t, capacityReservations=[{
              "instanceType": "p5.48xlarge", "availabilityZone": "us-east-1b",
              "id": "cr-0123456789abcdef0"}])),
+    Case("stack-fallback-az-is-the-workers", "rayfleet", COST_STACK,
+         "rayfleet:workerFallbackAzs: lists us-east-1b, which is rayfleet:workerAz",
+         lambda t: _stack(t, workerFallbackAzs=["us-east-1c", "us-east-1b"])),
+    Case("stack-fallback-az-of-another-region", "rayfleet", COST_STACK,
+         "rayfleet:workerFallbackAzs: 'us-west-2c' is not an availability zone of "
+         'rayfleet:region us-east-1 (expected a list such as [us-east-1c]) (did you mean '
+         '"us-east-1c"?)', lambda t: _stack(t, workerFallbackAzs=["us-west-2c"])),
     Case("stack-not-utf8", "rayfleet", COST_STACK, "is not UTF-8 text",
          _write("Pulumi.bad.yaml", "config:\n  rayfleet:clusterName: caf\u00e9\n"
                 .encode("latin-1"))),

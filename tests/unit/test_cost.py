@@ -136,3 +136,36 @@ def test_reserved_capacity_is_priced_honestly(tmp_path):
         "on-demand rate for every reserved p4de.24xlarge whether a worker runs in it or not" \
         in report
     assert any(ln.startswith(BLOCK_NAME) and "prepaid" in ln for ln in report.splitlines())
+
+
+def test_a_fallback_az_is_priced_as_its_type_and_market_never_counted_twice():
+    """Each fallback node type at its type's and market's rate; a ceiling holds the cluster's
+    max_workers workers across both AZs (the dearest first), not one per node type."""
+    import json
+
+    from rayfleet import stack
+    from rayfleet.commands import render
+    from tests.fallback_azs import FALLBACK_AZ, with_fallback_az
+
+    o = json.loads((REPO / "cluster-configs/examples/dev-outputs.json").read_text())["rayfleet"]
+    cfg = render.plain(render.build_config(stack.parse(json.dumps(with_fallback_az(o))), "t"))
+    e = cost.estimate(cfg)
+    rows = {r["node_type"]: r for r in e["rows"]}
+    for name, r in rows.items():
+        if name.endswith(f".{FALLBACK_AZ}"):
+            twin = rows[name.removesuffix(f".{FALLBACK_AZ}")]
+            assert (r["market"], r["price"], r["max"]) == \
+                (twin["market"], twin["price"], twin["max"]), name
+            assert r["min"] == 0
+    p = cost.load_prices()
+    head = cost.hourly("m6i.2xlarge", "on_demand", p)
+    assert e["max_workers"] == o["max_workers"] == 2
+    # onDemandWorkers (1) bounds each on-demand node type: at worst one on-demand p4d in each
+    # AZ, and still two workers in all.
+    assert e["by_type"]["p4d.24xlarge"]["max"] == pytest.approx(
+        head + 2 * p["gpu"]["p4d.24xlarge"]["on_demand"], abs=0.01)
+    assert e["by_type"]["p4d.24xlarge"]["max_all_on_demand"] == \
+        e["by_type"]["p4d.24xlarge"]["max"]
+    # The floor is the example's: the minimum stays in the workers' AZ.
+    assert e["hourly"]["min"] == cost.estimate(yaml.safe_load(EXAMPLE.read_text()))["hourly"][
+        "min"]

@@ -19,6 +19,7 @@ import yaml
 from rayfleet.agents import fallover
 from rayfleet.commands import render
 from tests.conftest import REPO
+from tests.fallback_azs import FALLBACK_AZ, with_fallback_az
 
 ORDER = ["ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand",
          "ray.worker.p4de.24xlarge.spot", "ray.worker.p4de.24xlarge.ondemand"]
@@ -123,19 +124,12 @@ def test_the_head_loads_the_copy_render_ships(tmp_path):
 
 def example_outputs(fallback_az: str | None = None) -> dict:
     """The example stack's output; with ``fallback_az``, as that stack with
-    rayfleet:workerFallbackAzs: [fallback_az] exports it (each type's spot and on-demand in
-    its workers' AZ, then the same two in the fallback AZ, then the next type)."""
+    rayfleet:workerFallbackAzs: [fallback_az] exports it."""
     o = json.loads((REPO / "cluster-configs" / "examples" / "dev-outputs.json").read_text())
-    if fallback_az:
-        workers = o["rayfleet"]["node_types"]["workers"]
-        o["rayfleet"]["node_types"]["workers"] = [
-            dict(w, availability_zone=az, **({"min_workers": 0} if az == fallback_az else {}))
-            for i in range(0, len(workers), 2)
-            for az in (o["rayfleet"]["availability_zones"][0], fallback_az)
-            for w in workers[i:i + 2]]
-    return o
+    return {"rayfleet": with_fallback_az(o["rayfleet"], fallback_az)} if fallback_az else o
 
 
+# Type-major: p4d in the workers' AZ, p4d in the fallback AZ, then p4de.
 FALLBACK_ORDER = [
     "ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand",
     "ray.worker.p4d.24xlarge.spot.us-east-1c", "ray.worker.p4d.24xlarge.ondemand.us-east-1c",
@@ -143,7 +137,7 @@ FALLBACK_ORDER = [
     "ray.worker.p4de.24xlarge.spot.us-east-1c", "ray.worker.p4de.24xlarge.ondemand.us-east-1c"]
 
 
-@pytest.mark.parametrize("fallback_az,order", [(None, ORDER), ("us-east-1c", FALLBACK_ORDER)],
+@pytest.mark.parametrize("fallback_az,order", [(None, ORDER), (FALLBACK_AZ, FALLBACK_ORDER)],
                          ids=["one-az", "fallback-az"])
 def test_render_puts_the_scorer_and_the_stacks_order_on_the_heads_start_line(fallback_az,
                                                                              order):
@@ -176,7 +170,7 @@ def test_with_a_fallback_az_a_type_is_tried_in_every_az_before_the_next(tracker,
     any p4de."""
     from rayfleet.stack import parse
 
-    cfg = render.plain(render.build_config(parse(json.dumps(example_outputs("us-east-1c"))),
+    cfg = render.plain(render.build_config(parse(json.dumps(example_outputs(FALLBACK_AZ))),
                                            "t"))
     monkeypatch.setenv(fallover.ORDER_ENV, ",".join(FALLBACK_ORDER))
     types = {"ray.head.default": NODE_TYPES["ray.head.default"],

@@ -98,6 +98,23 @@ def test_reserved_capacity_rendered_is_clean():
     assert lint.lint_config(_reserved()) == []
 
 
+def test_fallback_azs_rendered_are_clean():
+    """A stack with a fallback AZ, rendered: its node types name their templates (which carry
+    the fallback AZ's subnet), so no finding, not even a warning."""
+    import json
+
+    from rayfleet import stack
+    from rayfleet.commands import render
+    from tests.fallback_azs import fallback_names, with_fallback_az
+
+    o = json.loads((CONFIGS / "examples" / "dev-outputs.json").read_text())["rayfleet"]
+    text = render.render_text(stack.parse(json.dumps(with_fallback_az(o))), "t")
+    cfg = yaml.safe_load(text)
+    assert [n for n in cfg["available_node_types"] if n != "ray.head.default"] == \
+        fallback_names()
+    assert lint.lint_config(cfg, text) == []
+
+
 @pytest.mark.parametrize("mutate,where", [
     # A Capacity Block launched without its id fails every time (rule 31).
     (lambda t: t["ray.worker.p4d.24xlarge.block"]["node_config"].pop(

@@ -14,6 +14,7 @@ import yaml
 
 from rayfleet import stack
 from rayfleet.commands import cli, render
+from tests.fallback_azs import fallback_names, with_fallback_az
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "cluster-configs" / "examples" / "dev-outputs.json"
@@ -131,19 +132,8 @@ def test_the_docstring_and_the_required_keys_follow_the_dataclass(outputs):
 
 
 def fallback_outputs(outputs: dict) -> dict:
-    """The example output as a stack with fallback AZ us-east-1c exports it: after each
-    type's entries in us-east-1b, the same two in us-east-1c, on templates of their own."""
-    o = copy.deepcopy(outputs)
-    workers = o["rayfleet"]["node_types"]["workers"]
-    out = []
-    for i in range(0, len(workers), 2):
-        here = [dict(w, availability_zone="us-east-1b") for w in workers[i:i + 2]]
-        there = [dict(w, availability_zone="us-east-1c", min_workers=0,
-                      launch_template={"id": w["launch_template"]["id"] + "c"})
-                 for w in workers[i:i + 2]]
-        out += here + there
-    o["rayfleet"]["node_types"]["workers"] = out
-    return o
+    """The example output as a stack with fallback AZ us-east-1c exports it."""
+    return {"rayfleet": with_fallback_az(outputs["rayfleet"])}
 
 
 def test_a_fallback_entry_names_its_node_type_after_its_az(outputs):
@@ -153,7 +143,7 @@ def test_a_fallback_entry_names_its_node_type_after_its_az(outputs):
         "ray.worker.p4d.24xlarge.spot.us-east-1c", "ray.worker.p4d.24xlarge.ondemand.us-east-1c",
         "ray.worker.p4de.24xlarge.spot", "ray.worker.p4de.24xlarge.ondemand",
         "ray.worker.p4de.24xlarge.spot.us-east-1c",
-        "ray.worker.p4de.24xlarge.ondemand.us-east-1c"]
+        "ray.worker.p4de.24xlarge.ondemand.us-east-1c"] == fallback_names()
     assert parsed.to_dict() == fallback_outputs(outputs)["rayfleet"]
     # The example stack's own output names no AZ per entry (made before fallback AZs): every
     # entry is read as the workers' AZ, under the name it always had.
