@@ -282,7 +282,8 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
         # A fallback AZ's node type says so where it differs: its template's AZ.
         fallback = ("" if t.fallback_az is None else
                     f" This node type is {t.instance_type} in fallback AZ {t.fallback_az} "
-                    "(rayfleet:workerFallbackAzs): its template's EFA interfaces are in that "
+                    "(rayfleet:workerFallbackAzs), tried after this type's node types in the "
+                    f"workers' AZ {t.workers_az}: its template's EFA interfaces are in that "
                     "AZ's private subnet and its placement group is that AZ's own, as Ray "
                     "moves a node type with EFA interfaces to no other subnet; EFA does not "
                     "cross AZs, so a job with workers here and in another AZ runs NCCL "

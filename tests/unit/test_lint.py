@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,11 @@ def test_fallback_azs_rendered_are_clean():
     assert [n for n in cfg["available_node_types"] if n != "ray.head.default"] == \
         fallback_names()
     assert lint.lint_config(cfg, text) == []
+    # Each fallback node type's template comment says where it launches and why it matters
+    # (comment lines joined as they read).
+    prose = re.sub(r"\n\s*# ", " ", text)
+    assert prose.count("in fallback AZ us-east-1c") == 4
+    assert prose.count("runs NCCL without EFA between them") == 4
 
 
 @pytest.mark.parametrize("mutate,where", [
