@@ -94,13 +94,19 @@ def node_types(rep: Mapping[str, Any], order: Iterable[str] = ()) -> list[NodeTy
     return out
 
 
-def all_failing(rep: Mapping[str, Any], candidates: Iterable[str]) -> list[NodeTypeStatus]:
-    """The candidates' statuses when every one of them has a failed last launch and none is
-    running or launching: the autoscaler has nothing left that may have capacity. [] otherwise
-    (or with no candidates)."""
+def all_failing(rep: Mapping[str, Any], candidates: Iterable[str],
+                since: float | None = None) -> list[NodeTypeStatus]:
+    """The candidates' statuses when every one of them has a failed last launch (tried at or
+    after ``since``, when given) and none is running or launching: the autoscaler has nothing
+    left that may have capacity. [] otherwise (or with no candidates).
+
+    ``since`` keeps a failure older than the question out of the verdict: Ray remembers one for
+    30 min, and a type that failed for an earlier job may have capacity now; the autoscaler
+    tries it again (in the stack's order) only once new work asks for it."""
     names = list(dict.fromkeys(candidates))
     rows = [r for r in node_types(rep, names) if r.name in names]
-    if rows and all(r.error is not None and not r.running and not r.pending for r in rows):
+    if rows and all(r.error is not None and not r.running and not r.pending
+                    and (since is None or (r.error_at or 0) >= since) for r in rows):
         return rows
     return []
 

@@ -31,7 +31,7 @@ MESSAGE = ("We currently do not have sufficient p4d.24xlarge capacity in the Ava
 
 
 def ray_report(failed: list[str], running: dict[str, int] | None = None,
-               launching: dict[str, int] | None = None) -> str:
+               launching: dict[str, int] | None = None, ago: float = 3) -> str:
     """The GCS value Ray's monitor writes: ``{"autoscaler_report": asdict(summary), ...}``."""
     from ray.autoscaler._private.autoscaler import AutoscalerSummary
     from ray.autoscaler._private.node_provider_availability_tracker import (
@@ -43,7 +43,7 @@ def ray_report(failed: list[str], running: dict[str, int] | None = None,
     tracker = NodeProviderAvailabilityTracker(timer=lambda: now)
     for name in failed:
         tracker.update_node_availability(
-            name, now - 3, NodeLaunchException("InsufficientInstanceCapacity", MESSAGE, None))
+            name, now - ago, NodeLaunchException("InsufficientInstanceCapacity", MESSAGE, None))
     summary = AutoscalerSummary(active_nodes={"ray.head.default": 1, **(running or {})},
                                 idle_nodes=None, pending_nodes=[],
                                 pending_launches=launching or {}, failed_nodes=[],
@@ -73,6 +73,11 @@ def test_all_failing_only_when_every_candidate_failed_and_none_runs_or_launches(
                                 ORDER) == []
     assert capacity.all_failing({}, ORDER) == [] and capacity.all_failing(
         capacity.report(ray_report(ORDER)), []) == []
+    # Failures from before the question (an earlier job's) are no verdict: the autoscaler tries
+    # those types again once new work asks for them.
+    rep = capacity.report(ray_report(ORDER))
+    assert capacity.all_failing(rep, ORDER, since=time.time() + 60) == []
+    assert len(capacity.all_failing(rep, ORDER, since=time.time() - 60)) == 3
 
 
 class _Dashboard(http.server.BaseHTTPRequestHandler):
@@ -141,9 +146,10 @@ def test_the_driver_stops_waiting_when_every_fitting_type_fails():
                                       '{"accelerator_type:A100": 0.5}'])
     # The CPU type cannot hold an A100 worker: it is no candidate.
     assert driver.fitting_types(opts, types) == ORDER
-    reports = iter([ray_report(ORDER[:1]), ray_report(ORDER[:2]), ray_report(ORDER)])
+    # Failures made after the watch starts, as the autoscaler tries each type for the run.
+    failing = iter([ORDER[:1], ORDER[:2]] + [ORDER] * 1000)
     fired = threading.Event()
-    watch = driver.LaunchWatch(ORDER, lambda: next(reports), poll_s=0.01,
+    watch = driver.LaunchWatch(ORDER, lambda: ray_report(next(failing), ago=0), poll_s=0.01,
                                on_fail=lambda line: fired.set())
     with watch:
         assert fired.wait(10)
@@ -167,7 +173,7 @@ def test_the_driver_ends_with_one_line_and_exit_2(tmp_path):
 
     from tests.conftest import REPO
 
-    (tmp_path / "report.json").write_text(ray_report(ORDER))
+    (tmp_path / "report.json").write_text(ray_report(ORDER, ago=-60))   # tried after start
     probe = ("import pathlib, time\n"
              "from workloads.train import driver\n"
              f"r = pathlib.Path({str(tmp_path / 'report.json')!r}).read_text()\n"

@@ -562,6 +562,8 @@ class LaunchWatch:
         self.candidates, self.read, self.poll_s = candidates, read, poll_s
         self.on_fail = on_fail
         self.line: str | None = None
+        # Only launches tried for this run count (capacity.all_failing's `since`).
+        self.started = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rayfleet-launch-watch",
                                         daemon=True)
@@ -575,7 +577,8 @@ class LaunchWatch:
         self._stop.set()
 
     def check(self) -> str | None:
-        rows = capacity.all_failing(capacity.report(self.read()), self.candidates)
+        rows = capacity.all_failing(capacity.report(self.read()), self.candidates,
+                                    since=self.started)
         return capacity.failing_line(rows) if rows else None
 
     def _run(self) -> None:
