@@ -16,14 +16,16 @@ This scorer keeps Ray's own score and ranks the node types by, in turn:
 2. whether the type's last launch succeeded (or none was tried): a type EC2 just refused
    goes behind every type that may still have capacity;
 3. how many of the demanded resource kinds the type has (Ray's own term);
-4. the stack's order: ``RAYFLEET_NODE_TYPE_ORDER``, the worker node types as `rayfleet render`
+4. among refused types, the one refused longest ago (so that with every type failing the
+   autoscaler goes round them in the stack's order, not back to the first each time);
+5. the stack's order: ``RAYFLEET_NODE_TYPE_ORDER``, the worker node types as `rayfleet render`
    lists them (the stack's ``workerInstanceTypes`` order, each type's markets in turn);
-5. Ray's utilisation terms.
+6. Ray's utilisation terms.
 
 So a job asking for ``accelerator_type:A100`` gets p4d while EC2 has it, then p4de once p4d's
 launches fail, and p4d again once its failure is older than Ray's staleness window or a p4d
-launch succeeds. When every fitting type has failed, the order alone decides and the
-autoscaler keeps retrying in that order; the training driver and `rayfleet status` read the
+launch succeeds. When every fitting type has failed, the autoscaler keeps retrying them, the
+one refused longest ago first; the training driver and `rayfleet status` read the
 same availability record to say so (rayfleet/capacity.py).
 
 The scorer is a hook of Ray's v1 autoscaler, and render starts the head's autoscaler as v1
@@ -67,6 +69,14 @@ def available(node_type: str, summary) -> bool:
     return record is None or bool(record.is_available)
 
 
+def last_refused(node_type: str, summary) -> float:
+    """When the type's last launch failed (Unix time), 0 when it did not."""
+    record = (getattr(summary, "node_availabilities", None) or {}).get(node_type)
+    if record is None or record.is_available:
+        return 0.0
+    return float(record.last_checked_timestamp or 0)
+
+
 def score(node_resources, resources, node_type, *, node_availability_summary):
     """Ray's UtilizationScorer signature; None where the type cannot hold any of the work."""
     from ray.autoscaler._private.resource_demand_scheduler import (
@@ -80,5 +90,7 @@ def score(node_resources, resources, node_type, *, node_availability_summary):
     gpu_ok, matching, *utilisation = base
     preferred = order()
     rank = preferred.index(node_type) if node_type in preferred else len(preferred)
-    return (gpu_ok, available(node_type, node_availability_summary), matching, -rank,
-            *utilisation)
+    # Among types EC2 refused, the one refused longest ago first: with every type failing, the
+    # autoscaler retries them round the stack's order instead of asking for the first forever.
+    return (gpu_ok, available(node_type, node_availability_summary), matching,
+            -last_refused(node_type, node_availability_summary), -rank, *utilisation)

@@ -46,12 +46,16 @@ def _pick(scorer, tracker, node_types: dict | None = None) -> str:
     return name
 
 
+_CLOCK = iter(range(1_700_000_000, 1_700_001_000))
+
+
 def _fail(tracker, node_type: str) -> None:
+    """EC2 refuses the type now (each call a second later than the last)."""
     from ray.autoscaler.node_launch_exception import NodeLaunchException
 
     code, message = CAPACITY
     itype = node_type.split(".", 2)[2].rsplit(".", 1)[0]
-    tracker.update_node_availability(node_type, 1_700_000_000,
+    tracker.update_node_availability(node_type, next(_CLOCK),
                                      NodeLaunchException(code, message.format(itype), None))
 
 
@@ -62,7 +66,7 @@ def tracker():
     )
 
     # A clock that stands still: Ray forgets a failure after 30 min, not during a test.
-    return NodeProviderAvailabilityTracker(timer=lambda: 1_700_000_010)
+    return NodeProviderAvailabilityTracker(timer=lambda: 1_700_000_500)
 
 
 def test_rays_own_choice_ignores_the_stacks_order_and_the_failures(tracker):
@@ -85,10 +89,15 @@ def test_the_stacks_order_then_the_next_type_with_capacity(tracker, monkeypatch)
         _fail(tracker, picks[-1])
     # p4d spot, p4d on-demand, then p4de: each EC2 refusal moves the launch to the next type.
     assert picks == ORDER
-    # Every type failing: the order alone decides, and the autoscaler retries from the top.
-    assert _pick(fallover.score, tracker) == ORDER[0]
+    # Every type failing: the autoscaler goes round them, the one refused longest ago first,
+    # in the stack's order, instead of asking for the first type forever.
+    again = []
+    for _ in ORDER:
+        again.append(_pick(fallover.score, tracker))
+        _fail(tracker, again[-1])
+    assert again == ORDER
     # A type whose launch succeeds again is preferred over the failing ones.
-    tracker.update_node_availability(ORDER[3], 1_700_000_005, None)
+    tracker.update_node_availability(ORDER[3], next(_CLOCK), None)
     assert _pick(fallover.score, tracker) == ORDER[3]
 
 
