@@ -11,7 +11,8 @@ of each type's last launch (``NodeAvailabilitySummary``: EC2's error code and me
 whose launch failed, kept for ``AUTOSCALER_NODE_AVAILABILITY_MAX_STALENESS_S``, 30 min), but its
 default scorer ignores it, so it keeps asking for the type that just failed.
 
-This scorer keeps Ray's own score and ranks the node types by, in turn:
+This scorer keeps Ray's own score, never starts a GPU node type for work that asks for no GPU
+and no accelerator type (Ray only prefers not to), and ranks the node types by, in turn:
 1. Ray's GPU guard (no GPU node for CPU-only work);
 2. whether the type's last launch succeeded (or none was tried): a type EC2 just refused
    goes behind every type that may still have capacity;
@@ -77,8 +78,16 @@ def last_refused(node_type: str, summary) -> float:
     return float(record.last_checked_timestamp or 0)
 
 
+def wants_accelerator(bundle) -> bool:
+    """Whether a resource bundle asks for a GPU or an accelerator type (``GPU``, or
+    ``accelerator_type:A100`` as the kit's jobs ask for A100 workers)."""
+    return any(v > 0 and (k == "GPU" or k.startswith("accelerator_type:"))
+               for k, v in dict(bundle).items())
+
+
 def score(node_resources, resources, node_type, *, node_availability_summary):
-    """Ray's UtilizationScorer signature; None where the type cannot hold any of the work."""
+    """Ray's UtilizationScorer signature; None where the type cannot hold any of the work, and
+    for a GPU node type when none of the work asks for a GPU or an accelerator type."""
     from ray.autoscaler._private.resource_demand_scheduler import (
         _resource_based_utilization_scorer,
     )
@@ -86,6 +95,13 @@ def score(node_resources, resources, node_type, *, node_availability_summary):
     base = _resource_based_utilization_scorer(
         node_resources, resources, node_availability_summary=node_availability_summary)
     if base is None:
+        return None
+    # A GPU worker only for work that asks for one: Ray's own guard is a preference (it still
+    # starts a GPU node when no CPU node type exists, as here), and it counts only "GPU", not
+    # accelerator_type. On the fake cloud a Ray Data job's queued 1-CPU task made Ray's v1
+    # autoscaler start a second A100 worker (p4de on-demand, $27/h). CPU-only work waits for
+    # room on the head and the workers already running.
+    if node_resources.get("GPU", 0) > 0 and not any(wants_accelerator(r) for r in resources):
         return None
     gpu_ok, matching, *utilisation = base
     preferred = order()

@@ -112,6 +112,28 @@ def test_cpu_work_still_never_starts_a_gpu_node(tracker, monkeypatch):
     assert dict(added) == {"ray.worker.cpu": 1}
 
 
+def test_cpu_only_work_never_starts_an_a100_worker(tracker, monkeypatch):
+    """A queued CPU task (a Ray Data job's, on the fake cloud) made Ray's own choice start an
+    A100 worker: with only GPU worker types, Ray's GPU guard is a mere preference. The scorer
+    refuses; work asking for an accelerator still gets one, CPU bundles riding along."""
+    from ray.autoscaler._private.resource_demand_scheduler import (
+        _default_utilization_scorer,
+        get_nodes_for,
+    )
+
+    monkeypatch.setenv(fallover.ORDER_ENV, ",".join(ORDER))
+
+    def added(scorer, demand):
+        return dict(get_nodes_for(NODE_TYPES, {"ray.head.default": 1}, "ray.head.default", 1,
+                                  demand, utilization_scorer=functools.partial(
+                                      scorer, node_availability_summary=tracker.summary()))[0])
+
+    assert sum(added(_default_utilization_scorer, [{"CPU": 1}]).values()) == 1
+    assert added(fallover.score, [{"CPU": 1}]) == {}
+    assert added(fallover.score, [{"CPU": 1}, *DEMAND]) == {ORDER[0]: 1}
+    assert added(fallover.score, [{"CPU": 1, "GPU": 1}]) == {ORDER[0]: 1}
+
+
 def test_the_head_loads_the_copy_render_ships(tmp_path):
     """Through Ray's own loader, with only what render's head `ray start` line sets: the
     folder render copies the agents to, its scorer folder on PYTHONPATH, and Ray's variable."""

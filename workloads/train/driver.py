@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, fields, replace
 
 from rayfleet import capacity, catalog
+from rayfleet.agents import fallover
 from rayfleet.errors import (
     CheckpointError,
     ClusterError,
@@ -760,6 +761,10 @@ def _main(argv: list[str] | None) -> int:
     nodes, total = ray.nodes(), ray.cluster_resources()
     autoscaling = autoscaler_config()
     launchable = launchable_nodes(autoscaling)
+    if not fallover.wants_accelerator(worker_bundle(opts)):
+        # The head's scorer starts no GPU worker for CPU-only work (rayfleet/agents/
+        # fallover.py): such a run fits what is running, or nothing.
+        launchable = [n for n in launchable if not n["Resources"].get("GPU")]
     capacity = dict(total)
     for n in launchable:
         for k, v in n["Resources"].items():
