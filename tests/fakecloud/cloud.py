@@ -47,6 +47,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.fakecloud.faults import CapacityFaults
+
 FAKE_RANGE = ipaddress.ip_network("198.18.0.0/15")
 HERE = Path(__file__).resolve().parent
 TOOLS = {"ip": "iproute2", "unshare": "util-linux", "sshd": "openssh-server",
@@ -163,6 +165,8 @@ class FakeCloud:
         self._made_blackhole = False
         self._counter = 0
         self._lock = threading.Lock()
+        self.capacity: CapacityFaults | None = None
+        self._azs: dict[str, str] = {}
 
     # ------------------------------------------------------------------ network + moto
 
@@ -209,7 +213,20 @@ class FakeCloud:
                 if time.time() > deadline or self.moto_proc.poll() is not None:
                     raise RuntimeError(f"moto_server did not start on {self.endpoint}") from None
                 time.sleep(0.2)
+        # The nodes' EC2 endpoint: moto behind a proxy that can answer RunInstances with EC2's
+        # capacity error (tests/fakecloud/faults.py); no refusal until a test asks for one.
+        self.capacity = CapacityFaults(self.gateway, self.endpoint, self._subnet_az)
         return self
+
+    def _subnet_az(self, subnet_id: str) -> str:
+        if subnet_id not in self._azs:
+            import boto3
+
+            ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=self.endpoint,
+                               aws_access_key_id="testing", aws_secret_access_key="testing")
+            for sn in ec2.describe_subnets()["Subnets"]:
+                self._azs[sn["SubnetId"]] = sn["AvailabilityZone"]
+        return self._azs.get(subnet_id, "?")
 
     def record_calls(self) -> None:
         """From now on moto records every request it serves (what record_calls() started,
@@ -316,8 +333,11 @@ class FakeCloud:
             "[default]\naws_access_key_id = testing\naws_secret_access_key = testing\n")
         (home / ".aws" / "config").write_text(
             f"[default]\nregion = {REGION}\nendpoint_url = {self.endpoint}\n")
+        # EC2 through the capacity-fault proxy, everything else (S3) to moto directly.
+        ec2 = self.capacity.endpoint if self.capacity else self.endpoint
         (home / ".ssh" / "environment").write_text(
-            f"AWS_ENDPOINT_URL={self.endpoint}\nAWS_DEFAULT_REGION={REGION}\n")
+            f"AWS_ENDPOINT_URL={self.endpoint}\nAWS_ENDPOINT_URL_EC2={ec2}\n"
+            f"AWS_DEFAULT_REGION={REGION}\n")
         (home / ".config" / "pip" / "pip.conf").write_text(
             f"[global]\nno-index = true\nfind-links = {self.wheelhouse}\n")
         hostname = "ip-" + ip.replace(".", "-")
@@ -397,6 +417,9 @@ class FakeCloud:
             if sh("ip", "netns", "pids", node.netns, check=False).returncode == 0:
                 _kill_netns(node.netns)
             sh("ip", "netns", "del", node.netns, check=False)
+        if self.capacity is not None:
+            self.capacity.close()
+            self.capacity = None
         if self.moto_proc is not None and self.moto_proc.poll() is None:
             self.moto_proc.terminate()
             try:

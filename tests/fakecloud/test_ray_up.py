@@ -68,6 +68,8 @@ HERE = Path(__file__).resolve().parent
 VPC = "198.18.0.0/16"
 # The llm app's model id, and the prompt its greedy answer is checked on.
 LLM_MODEL = "cloud-hf-vllm"
+# The workers' second AZ (moto offers p4d and p4de there, as in the stack's own AZ).
+FALLBACK_AZ = "us-east-1c"
 PROMPT = "def main(self):"
 
 # Built in the background from the start of the session when this module is selected (see
@@ -260,7 +262,10 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         with step("pulumi program -> moto (the stack, in the fake VPC)"):
             from tests.moto.pulumi_moto import build_stack
 
-            stack = build_stack(session, root, {"rayfleet:vpcCidr": VPC})
+            # A fallback AZ for the workers: EC2's capacity errors below make the autoscaler
+            # use it, then the next type (docs/node-types.md).
+            stack = build_stack(session, root, {"rayfleet:vpcCidr": VPC,
+                                                "rayfleet:workerFallbackAzs": [FALLBACK_AZ]})
             pem = op_home / ".ssh" / f"{stack.key_name}.pem"
             pem.write_text(stack.key_material)
             pem.chmod(0o600)
@@ -328,6 +333,13 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert refused.returncode != 0, refused.stdout
 
         runs = f"s3://{bucket}/rayfleet/runs"
+        # EC2 has no p4d (the stack's preferred type) in the workers' AZ: the head's
+        # autoscaler must fall over to p4d in the fallback AZ (rayfleet/agents/fallover.py).
+        types = list(dict.fromkeys(w["instance_type"]
+                                   for w in stack.outputs["node_types"]["workers"]))
+        preferred, fallback = types[0], types[1]
+        worker_az = stack.outputs["worker_availability_zone"]
+        cloud.capacity.refuse(preferred, worker_az)
         with step("ray job submit: training on an A100 worker the autoscaler launches"):
             # The submission id names the run: its logs go where its checkpoints do.
             train = _logged([str(BIN / "ray"), "job", "submit", "--working-dir", ".",
@@ -349,20 +361,47 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             png = s3.get_object(Bucket=bucket, Key="rayfleet/runs/cloud-ddp/loss.png")
             assert png["Body"].read()[:4] == b"\x89PNG"   # matplotlib ran on the node
             live = cluster_instances(ec2, cluster)
-            workers = [i for i in live if _tags(i).get("ray-node-type") == "worker"]
-            assert len(workers) == 1, [_tags(i) for i in live]
+            # The first worker launched; Ray's v1 autoscaler (which render selects, for the
+            # scorer) may start a second one when a placement group is placed between two of
+            # its reads (docs/operations.md): any more must be of the stack's node types too.
+            workers = sorted((i for i in live if _tags(i).get("ray-node-type") == "worker"),
+                             key=lambda i: i["LaunchTime"])
+            assert 1 <= len(workers) <= stack.outputs["max_workers"], [_tags(i) for i in live]
+            node_types = yaml.safe_load(cluster_yaml.read_text())["available_node_types"]
+            assert all(_tags(w)["ray-user-node-type"] in node_types for w in workers)
+            if len(workers) > 1:
+                print(f"rehearsal: Ray's v1 autoscaler started {len(workers) - 1} more "
+                      "worker(s) for the first job", flush=True)
             tags = _tags(workers[0])
-            # One of the stack's worker node types (p4d or p4de, spot or on-demand): each
-            # declares accelerator_type:A100.
-            assert tags["ray-user-node-type"] in {
-                f"ray.worker.{w['instance_type']}.{w['market']}"
-                for w in stack.outputs["node_types"]["workers"]}, tags
+            # Fallover in the stack's order: p4d's spot, then its on-demand type refused by EC2
+            # in the workers' AZ, then p4d's spot type launched in the fallback AZ (Ray alone
+            # would have started with p4de's spot type, by name, and kept asking for it).
+            assert workers[0]["InstanceType"] == preferred, workers[0]["InstanceType"]
+            assert workers[0]["Placement"]["AvailabilityZone"] == FALLBACK_AZ, workers[0]
+            assert tags["ray-user-node-type"] == f"ray.worker.{preferred}.spot.{FALLBACK_AZ}", tags
+            asked = cloud.capacity.launches
+            first = asked.index((preferred, FALLBACK_AZ, "passed"))
+            assert first > 0 and set(asked[:first]) == {(preferred, worker_az, "refused")}, asked
             assert workers[0]["InstanceId"] in cloud.nodes, cloud.events
             nodes = json.loads(_ok(run([str(BIN / "ray"), "list", "nodes", "--format", "json",
                                         "--address", address], env=client, timeout=60),
                                    "ray list nodes"))
             alive = {n["node_ip"]: n for n in nodes if n["state"] == "ALIVE"}
-            assert set(alive) == {head.ip, workers[0]["PrivateIpAddress"]}, nodes
+            assert {head.ip, workers[0]["PrivateIpAddress"]} <= set(alive), nodes
+
+        with step("rayfleet status: the refused type's AWS reason, the fallback running"):
+            lines = _ok(run([str(BIN / "rayfleet"), "status", "--config", str(cluster_yaml),
+                             "--address", address], env=client, timeout=60),
+                        "rayfleet status").splitlines()
+            rows = {ln.split(":")[0]: ln for ln in lines}
+            for market in ("spot", "ondemand"):
+                assert "last launch failed" in rows[f"ray.worker.{preferred}.{market}"] and \
+                    "InsufficientInstanceCapacity: We currently do not have sufficient " \
+                    f"{preferred} capacity in the Availability Zone you requested " \
+                    f"({worker_az})" in rows[f"ray.worker.{preferred}.{market}"], lines
+            assert rows[f"ray.worker.{preferred}.spot.{FALLBACK_AZ}"].startswith(
+                f"ray.worker.{preferred}.spot.{FALLBACK_AZ}: 1 running, 0 pending"), lines
+            assert not any(ln.startswith("no allowed worker type") for ln in lines), lines
 
         with step("ray job submit: a Hugging Face run, the tiny Llama from the bucket"):
             # The model and its tokenized instruction rows, made offline here and put in the
@@ -609,15 +648,18 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                     timeout=120), "serve shutdown")
             for t in tunnels:
                 os.killpg(t.pid, 15)
+            # Every worker the first cluster had (the fake cloud started a node for each).
+            started = [e.split()[1] for e in cloud.events if e.startswith("start ")]
+            all_workers = sorted(set(started) - {head.instance_id})
             cloud.record_calls()
-            # A minute idle, then the worker, then the head: no one runs `ray down`.
+            # A minute idle, then the workers, then the head: no one runs `ray down`.
             wait_until("auto-stop to terminate every node", lambda: not cloud.nodes, 240, 2)
             up_started = False
             assert cluster_instances(ec2, cluster) == []
             # The order as moto served the calls, not as auto-stop tells it (moto terminates
-            # at once: both instances go within one poll of the fake cloud's watcher).
-            assert cloud.terminated_in_order() == [[workers[0]["InstanceId"]],
-                                                   [head.instance_id]], cloud.events
+            # at once: every instance goes within one poll of the fake cloud's watcher).
+            calls = cloud.terminated_in_order()
+            assert [sorted(c) for c in calls] == [all_workers, [head.instance_id]], cloud.events
         with step("rayfleet logs: the run's logs and metrics, after the cluster is gone"):
             logs = [str(BIN / "rayfleet"), "logs", "--config", str(cluster_yaml)]
             driver = _ok(run([*logs, "cloud-ddp"], env=env, timeout=60), "rayfleet logs")
@@ -630,8 +672,10 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                       "rayfleet logs --cluster")
             assert f"tearing {cluster} down: idle for" in why, why
             # What auto-stop says it did, as the watcher saw it (above).
-            assert (f"terminated 2 instance(s): {workers[0]['InstanceId']} "
-                    f"{head.instance_id}") in why, why
+            terminated = next(ln for ln in why.splitlines()
+                              if f"terminated {len(all_workers) + 1} instance(s): " in ln)
+            assert set(terminated.split("instance(s): ", 1)[1].split()) == {
+                *all_workers, head.instance_id}, terminated
         with step("ray up again, then ray down -y of the live cluster"):
             # README's way to end a cluster, on one that is up: `ray stop` on the head through
             # the SSM proxy, then Ray's provider terminates it. A head alone, without vLLM or
@@ -646,6 +690,58 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                 "ray up (again)")
             (live,) = cloud.nodes.values()
             assert "gcs_server" in _commands(live.netns), cloud.events   # Ray is up on it
+        with step("no capacity anywhere: the job's one line, rayfleet status names why"):
+            for t in types:
+                cloud.capacity.refuse(t)
+            asked_before = len(cloud.capacity.launches)
+            dash2 = free_port()
+            tunnels.append(_tunnel(op, env, down_yaml, dash2, 8265,
+                                   root / "tunnel-again-8265.log"))
+            again = {**client, "RAY_ADDRESS": f"http://127.0.0.1:{dash2}"}
+            wait_until("the second head's dashboard through the tunnel",
+                       lambda: _http(again["RAY_ADDRESS"] + "/api/version", token)[0] == 200,
+                       60, 1.0)
+            stuck = _logged([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
+                             "python", "-m", "workloads.train", "--smoke-test", "--max-steps",
+                             "2", "--name", "cloud-no-capacity", "--storage-path", runs,
+                             "--resources-per-worker", '{"accelerator_type:A100": 0.5}'],
+                            again, root / "train-no-capacity.log", 400)
+            assert stuck.returncode != 0, stuck.stdout[-3000:]
+            (line,) = [ln for ln in stuck.stdout.splitlines()
+                       if "workloads.train: error: no allowed worker type can launch" in ln]
+            # Every allowed type named with EC2's reason, in the stack's order.
+            names = re.findall(r"(ray\.worker\.[a-z0-9.]+): InsufficientInstanceCapacity", line)
+            assert names == [w for w in yaml.safe_load(down_yaml.read_text())[
+                "available_node_types"] if w.startswith("ray.worker.")], line
+            assert "Traceback" not in stuck.stdout, stuck.stdout[-3000:]
+            # Nothing launched: every RunInstances of this phase was refused.
+            assert {v for _t, _az, v in cloud.capacity.launches[asked_before:]} == {"refused"}
+            lines = _ok(run([str(BIN / "rayfleet"), "status", "--config", str(down_yaml)],
+                            env=again, timeout=60), "rayfleet status").splitlines()
+            assert lines[-1].startswith("no allowed worker type can launch ("), lines
+            assert sum("InsufficientInstanceCapacity" in ln for ln in lines[:-1]) == len(names)
+        with step("no p4d anywhere: p4de launched, after p4d in each AZ, in the stack's order"):
+            cloud.capacity.allow_all()
+            cloud.capacity.refuse(preferred)
+            asked_before = len(cloud.capacity.launches)
+            # Not waited for: `ray down` below ends it with the cluster. The failures the
+            # previous job saw do not stop it (only launches tried for it count).
+            _ok(run([str(BIN / "ray"), "job", "submit", "--no-wait", "--working-dir", ".", "--",
+                     "python", "-m", "workloads.train", "--smoke-test", "--max-steps", "2",
+                     "--name", "cloud-p4de", "--storage-path", runs, "--resources-per-worker",
+                     '{"accelerator_type:A100": 0.5}'], env=again, timeout=120),
+                "ray job submit --no-wait")
+            wait_until("p4de to be launched", lambda: (fallback, worker_az, "passed")
+                       in cloud.capacity.launches[asked_before:], 300, 1.0)
+            asked = cloud.capacity.launches[asked_before:]
+            first = asked.index((fallback, worker_az, "passed"))
+            # p4d in the workers' AZ, then in the fallback AZ, each refused, before p4de.
+            refused = list(dict.fromkeys(asked[:first]))
+            assert refused == [(preferred, worker_az, "refused"),
+                               (preferred, FALLBACK_AZ, "refused")], asked
+            os.killpg(tunnels.pop().pid, 15)
+            cloud.capacity.allow_all()
+        with step("ray down -y of the live cluster"):
             down = _ok(_logged(op([str(BIN / "ray"), "down", "-y", str(down_yaml)]), env,
                                root / "ray-down.log", 300), "ray down")
             up_started = False
@@ -656,7 +752,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert re.search(r"Stopped (all|only) \d+", down), (
                 f"`ray down` did not stop Ray on the live head: {'; '.join(why)} "
                 f"(log: {root / 'ray-down.log'})")
-            wait_until("the fake cloud to see the head terminated", lambda: not cloud.nodes,
+            wait_until("the fake cloud to see every node terminated", lambda: not cloud.nodes,
                        60, 0.5)
             assert f"stop {live.instance_id}" in cloud.events
             assert cluster_instances(ec2, cluster) == []
