@@ -221,9 +221,12 @@ class FakeCloud:
     def _subnet_az(self, subnet_id: str) -> str:
         if subnet_id not in self._azs:
             import boto3
+            from botocore.config import Config
 
+            # Direct, whatever proxy variables the caller has (the fences).
             ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=self.endpoint,
-                               aws_access_key_id="testing", aws_secret_access_key="testing")
+                               aws_access_key_id="testing", aws_secret_access_key="testing",
+                               config=Config(proxies={}))
             for sn in ec2.describe_subnets()["Subnets"]:
                 self._azs[sn["SubnetId"]] = sn["AvailabilityZone"]
         return self._azs.get(subnet_id, "?")
