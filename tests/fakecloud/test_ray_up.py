@@ -368,13 +368,24 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert len(workers) == stack.outputs["max_workers"] == 1, [_tags(i) for i in live]
             node_types = yaml.safe_load(cluster_yaml.read_text())["available_node_types"]
             assert all(_tags(w)["ray-user-node-type"] in node_types for w in workers)
+            # The node types that may launch at all, in the YAML's (the scorer's) order: with
+            # one worker allowed and it on-demand (rayfleet:onDemandWorkers), the spot types
+            # have max_workers 0.
+            launchable = [n for n, t in node_types.items()
+                          if n.startswith("ray.worker.") and t.get("max_workers", 0) > 0]
+            refused_types = [n for n in launchable if n.startswith(f"ray.worker.{preferred}.")
+                             and not n.endswith(f".{FALLBACK_AZ}")]
+            expected = next(n for n in launchable if n.startswith(f"ray.worker.{preferred}.")
+                            and n.endswith(f".{FALLBACK_AZ}"))
+            assert refused_types and launchable.index(refused_types[-1]) < launchable.index(
+                expected), launchable
             tags = _tags(workers[0])
-            # Fallover in the stack's order: p4d's spot, then its on-demand type refused by EC2
-            # in the workers' AZ, then p4d's spot type launched in the fallback AZ (Ray alone
-            # would have started with p4de's spot type, by name, and kept asking for it).
+            # Fallover in the stack's order: p4d's node types in the workers' AZ refused by EC2,
+            # then p4d launched in the fallback AZ (Ray's own v1 would have started with p4de,
+            # by name, and its v2 kept asking for p4d in the workers' AZ).
             assert workers[0]["InstanceType"] == preferred, workers[0]["InstanceType"]
             assert workers[0]["Placement"]["AvailabilityZone"] == FALLBACK_AZ, workers[0]
-            assert tags["ray-user-node-type"] == f"ray.worker.{preferred}.spot.{FALLBACK_AZ}", tags
+            assert tags["ray-user-node-type"] == expected, tags
             asked = cloud.capacity.launches
             first = asked.index((preferred, FALLBACK_AZ, "passed"))
             assert first > 0 and set(asked[:first]) == {(preferred, worker_az, "refused")}, asked
@@ -390,13 +401,12 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                              "--address", address], env=client, timeout=60),
                         "rayfleet status").splitlines()
             rows = {ln.split(":")[0]: ln for ln in lines}
-            for market in ("spot", "ondemand"):
-                assert "last launch failed" in rows[f"ray.worker.{preferred}.{market}"] and \
+            for name in refused_types:
+                assert "last launch failed" in rows[name] and \
                     "InsufficientInstanceCapacity: We currently do not have sufficient " \
                     f"{preferred} capacity in the Availability Zone you requested " \
-                    f"({worker_az})" in rows[f"ray.worker.{preferred}.{market}"], lines
-            assert rows[f"ray.worker.{preferred}.spot.{FALLBACK_AZ}"].startswith(
-                f"ray.worker.{preferred}.spot.{FALLBACK_AZ}: 1 running, 0 pending"), lines
+                    f"({worker_az})" in rows[name], lines
+            assert rows[expected].startswith(f"{expected}: 1 running, 0 pending"), lines
             assert not any(ln.startswith("no allowed worker type") for ln in lines), lines
 
         with step("ray job submit: a Hugging Face run, the tiny Llama from the bucket"):
