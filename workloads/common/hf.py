@@ -21,6 +21,14 @@ from workloads.common.storage import resolve
 BYTE_TOKENIZER = {"name": "byte", "vocab_size": 256, "sha256": "byte"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MODEL_WEIGHTS = (".safetensors", ".bin")
+# A PEFT adapter folder (save_pretrained of a PeftModel), and the kit's note beside them of the
+# base it was trained on (workloads.train writes it; serving compares it with what it serves).
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_BASE_FILE = "rayfleet_base.json"
+# weights_fingerprint: how many tensors, and how many leading values of each, it reads.
+FINGERPRINT_TENSORS = 4
+FINGERPRINT_VALUES = 4096
 
 _fetched: dict[str, Path] = {}
 
@@ -191,3 +199,142 @@ def check_model_folder(spec: str, flag: str, endpoint: str | None = None) -> dic
                 "weights": sorted(n for n in names if n.endswith(MODEL_WEIGHTS))}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- LoRA bases
+
+def _location(spec: str, endpoint: str | None = None):
+    """(pyarrow filesystem, path on it) of a local folder or an s3:// prefix."""
+    import pyarrow.fs as pafs
+
+    if spec.startswith("s3://"):
+        storage = resolve(spec, endpoint=endpoint, check_writable=False)
+        return storage.fs, storage.path
+    return pafs.LocalFileSystem(), str(Path(spec.removeprefix("file://")).expanduser().resolve())
+
+
+def _bf16_bits(raw: bytes, dtype: str):
+    """Values of a safetensors dtype rounded to bfloat16, as uint16 (numpy has no bf16): the
+    same base saved in fp32, fp16 or bf16 gives the same bits."""
+    import numpy as np
+
+    if dtype == "BF16":
+        return np.frombuffer(raw, dtype="<u2")
+    kind = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}.get(dtype)
+    if kind is None:
+        return np.frombuffer(raw, dtype=np.uint8)      # integer / quantized: the bytes
+    u = np.frombuffer(raw, dtype=kind).astype("<f4").view("<u4").astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")   # round to nearest even
+
+
+def weights_fingerprint(spec: str, flag: str, endpoint: str | None = None) -> str:
+    """A fingerprint of a Hugging Face model folder's weights (local or s3://), read without
+    loading them: the first FINGERPRINT_VALUES values, rounded to bf16, of FINGERPRINT_TENSORS
+    of its matrices spread over the model, by name and shape. Two models differ in it when
+    their weights differ there (another model, a full fine-tune, a merged adapter), and one
+    model saved in another float dtype does not. Reads a few KiB per tensor (ranged reads on
+    S3). ConfigError when the folder has no safetensors weights."""
+    import struct
+
+    fs, root = _location(spec, endpoint)
+    try:
+        import pyarrow.fs as pafs
+
+        infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    except OSError as e:
+        raise StorageError(f"{spec}: could not list it: {str(e).splitlines()[0]}") from e
+    files = sorted(i.path for i in infos if i.base_name.endswith(".safetensors")
+                   and i.type == pafs.FileType.File)
+    if not files:
+        raise ConfigError(flag, f"{spec} holds no *.safetensors weights to compare an "
+                                "adapter's base with")
+    tensors = []
+    for path in files:
+        with fs.open_input_file(path) as f:
+            (n,) = struct.unpack("<Q", f.read_at(8, 0))
+            header = json.loads(f.read_at(n, 8))
+        header.pop("__metadata__", None)
+        tensors += [(name, path, 8 + n, h) for name, h in header.items()
+                    if len(h.get("shape", [])) >= 2]
+    tensors.sort()
+    step = max(1, len(tensors) // FINGERPRINT_TENSORS)
+    h = hashlib.sha256()
+    for name, path, data_start, info in tensors[::step][:FINGERPRINT_TENSORS]:
+        begin, end = info["data_offsets"]
+        size = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}.get(info["dtype"], 1)
+        with fs.open_input_file(path) as f:
+            raw = f.read_at(min(end - begin, FINGERPRINT_VALUES * size), data_start + begin)
+        h.update(f"{name}{info['shape']}".encode())
+        h.update(_bf16_bits(raw, info["dtype"]).tobytes())
+    return h.hexdigest()[:16]
+
+
+def check_adapter_folder(spec: str, flag: str, endpoint: str | None = None) -> dict:
+    """Check, without loading weights, that `spec` (local or s3://) is a PEFT LoRA adapter
+    folder: adapter_config.json of a LoRA adapter and adapter_model.safetensors. Returns
+    {"r", "alpha", "targets", "base"}: base is rayfleet_base.json ({"source", "fingerprint"})
+    when the kit trained it, else None. ConfigError (one line) otherwise."""
+    fs, root = _location(spec, endpoint)
+
+    def read(name: str) -> bytes | None:
+        try:
+            with fs.open_input_stream(f"{root}/{name}") as f:
+                return f.read()
+        except (FileNotFoundError, OSError):
+            return None
+
+    raw = read(ADAPTER_CONFIG)
+    if raw is None:
+        raise ConfigError(flag, f"{spec} is not a LoRA adapter folder (no {ADAPTER_CONFIG}, as "
+                                "PeftModel.save_pretrained or workloads.train --lora-r write "
+                                "it)")
+    try:
+        cfg = json.loads(raw)
+    except ValueError:
+        raise ConfigError(flag, f"{spec}/{ADAPTER_CONFIG} is not JSON") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
+        raise ConfigError(flag, f"{spec}: {ADAPTER_CONFIG} is not a LoRA adapter's (peft_type "
+                                f"{cfg.get('peft_type') if isinstance(cfg, dict) else None!r})")
+    import pyarrow.fs as pafs
+
+    if fs.get_file_info(f"{root}/{ADAPTER_WEIGHTS}").type != pafs.FileType.File:
+        raise ConfigError(flag, f"{spec} has an {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
+    base = read(ADAPTER_BASE_FILE)
+    try:
+        base = json.loads(base) if base else None
+    except ValueError:
+        base = None
+    targets = cfg.get("target_modules")
+    return {"r": int(cfg.get("r") or 0), "alpha": cfg.get("lora_alpha"),
+            "targets": sorted(targets) if isinstance(targets, list) else targets,
+            "base": base if isinstance(base, dict) else None}
+
+
+def check_adapter_base(adapter: dict, adapter_spec: str, model_spec: str, flag: str,
+                       endpoint: str | None = None) -> None:
+    """Refuse, in one line, an adapter trained on another base than the model `model_spec`
+    (by the weights fingerprint the kit recorded). An adapter from elsewhere (no
+    rayfleet_base.json) is not checked: PEFT records only a name for its base."""
+    base = adapter.get("base")
+    if not base or not base.get("fingerprint"):
+        return
+    served = weights_fingerprint(model_spec, flag, endpoint)
+    if served != base["fingerprint"]:
+        raise ConfigError(flag, f"the adapter {adapter_spec} was trained on {base.get('source')} "
+                                f"(weights {base['fingerprint']}), not on {model_spec} (weights "
+                                f"{served}): serve it on its own base, or train one for this "
+                                "model")
+
+
+def merge_adapter(model, adapter: Path):
+    """`model` (a transformers causal LM) with the PEFT adapter in folder `adapter` merged into
+    its weights (PeftModel.from_pretrained, then merge_and_unload): a plain model again, which
+    decodes as fast as the base."""
+    import warnings
+
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        # transformers 5 deprecates a name PEFT 0.21 still reads (is_gradient_checkpointing).
+        warnings.simplefilter("ignore", FutureWarning)
+        return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()

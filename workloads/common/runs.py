@@ -30,6 +30,14 @@ and Ray merges them into one folder in storage (torchrun's runs copy theirs into
     model.pt    full weights, also for fsdp/deepspeed on the final checkpoint (for serving)
     hf/         Hugging Face models, final checkpoint: save_pretrained (safetensors) of the
                 gathered weights plus the tokenizer (from_pretrained, `lm`, vLLM)
+    LoRA runs (--lora-r): every checkpoint holds the adapter's weights and optimizer state
+                only (ddp: model.pt is the adapter's; fsdp/deepspeed: their own layouts
+                without the frozen base); model_config.json's "lora" names the base (its
+                source and weights fingerprint), which resume loads from there again
+    adapter/    LoRA runs, final checkpoint: a PEFT adapter folder (adapter_config.json,
+                adapter_model.safetensors, rayfleet_base.json, the tokenizer):
+                PeftModel.from_pretrained, `lm`, vLLM's LoRA; `hf/` only with --lora-merge
+                (the base with the adapter merged in)
 
 A checkpoint without a valid marker, or whose files are missing or short, is never resumed
 from (fault 4 of docs/faults.md): the marker is the last thing written and records the sizes.
@@ -68,6 +76,7 @@ OPTIMIZER = "optim.pt"
 DCP_DIR = "dcp"
 DS_DIR = "ds"
 HF_DIR = "hf"
+ADAPTER_DIR = "adapter"
 
 
 def rng_file(rank: int) -> str:

@@ -207,8 +207,10 @@ class HFEngine(_Sampling):
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     @classmethod
-    def load(cls, spec: str) -> HFEngine:
-        """The model and tokenizer of a folder or s3:// prefix (copied once per process)."""
+    def load(cls, spec: str, adapter: str | None = None) -> HFEngine:
+        """The model and tokenizer of a folder or s3:// prefix (copied once per process), with
+        the LoRA adapter of folder `adapter` merged into its weights when given (one model
+        per replica: merged, it decodes as fast as the base)."""
         import torch
         import transformers
         from transformers import AutoModelForCausalLM
@@ -218,6 +220,8 @@ class HFEngine(_Sampling):
         folder = hf.fetch(spec, "args.checkpoint")
         tok = hf.load_tokenizer(str(folder), "args.checkpoint")
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        if adapter:
+            model = hf.merge_adapter(model, hf.fetch(adapter, "args.adapter"))
         return cls(model, tok)
 
     @property

@@ -1,7 +1,8 @@
 """`lm`: an OpenAI-compatible API over a checkpoint written by workloads.train (the kit's byte
-GPT, or the Hugging Face export in a final checkpoint's `hf/`), or over any Hugging Face causal
-LM folder (config.json + safetensors + tokenizer; local or s3://). The API's models and errors:
-openai_api.py; what a replica loads: model_source.py; the engines: engines.py.
+GPT, the Hugging Face export in a final checkpoint's `hf/`, or a LoRA run's base + adapter), or
+over any Hugging Face causal LM folder (config.json + safetensors + tokenizer; local or s3://),
+with a PEFT LoRA adapter on top (`adapter`). The API's models and errors: openai_api.py; what a
+replica loads: model_source.py; the engines: engines.py.
 
     serve run cluster-configs/serve/lm.yaml                       # foreground, local
     serve deploy cluster-configs/serve/lm.yaml                    # onto a running cluster
@@ -29,9 +30,15 @@ from typing import Any, ClassVar
 from fastapi.responses import StreamingResponse
 from ray import serve
 
-from workloads.serve.app_args import LATEST, AppArgs, builder_errors, resolve_checkpoint
+from workloads.serve.app_args import (
+    LATEST,
+    AppArgs,
+    app_path,
+    builder_errors,
+    resolve_checkpoint,
+)
 from workloads.serve.engines import GenRequest
-from workloads.serve.model_source import check_checkpoint, load_engine
+from workloads.serve.model_source import check_served, load_engine
 from workloads.serve.openai_api import (
     MAX_NEW_TOKENS,
     SSE_DONE,
@@ -66,13 +73,14 @@ class LMCore:
 
     def __init__(self, checkpoint: str, model_name: str = DEFAULT_MODEL_NAME,
                  max_batch_size: int = 8, batch_wait_timeout_s: float = 0.05,
-                 num_threads: int = 1):
+                 num_threads: int = 1, adapter: str = ""):
         import torch
 
         torch.set_num_threads(num_threads)
-        self.engine = load_engine(checkpoint)
+        self.engine = load_engine(checkpoint, adapter)
         self.model_name = model_name
         self.checkpoint = checkpoint
+        self.adapter = adapter
         self.created = int(time.time())
         self.batch_sizes: collections.deque[int] = collections.deque(maxlen=BATCH_SIZES_KEPT)
         self._generate.set_max_batch_size(max_batch_size)
@@ -239,7 +247,8 @@ class LMServer(LMCore):
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
             "owned_by": "rayfleet", "context_length": self.engine.context,
-            "checkpoint": self.checkpoint, "engine": self.engine.kind}]}
+            "checkpoint": self.checkpoint, "engine": self.engine.kind,
+            **({"adapter": self.adapter} if self.adapter else {})}]}
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
@@ -313,12 +322,15 @@ class LMArgs(AppArgs):
     """`args` of the lm app (cluster-configs/serve/lm.yaml): checkpoint (a folder or s3:// path:
     a finished workloads.train checkpoint, served from its hf/ export when it has one, or a
     Hugging Face model folder; default `latest`, see resolve_checkpoint and check_checkpoint),
+    adapter (a PEFT LoRA adapter folder, or a LoRA run's final checkpoint, applied on top of a
+    Hugging Face checkpoint; a LoRA run's own checkpoint brings its adapter itself),
     model_name, max_batch_size, batch_wait_timeout_s, num_threads."""
 
     APP: ClassVar[str] = "lm"
     MINIMUM: ClassVar[dict[str, float]] = {"max_batch_size": 1, "batch_wait_timeout_s": 0,
                                            "num_threads": 1}
     checkpoint: str = LATEST
+    adapter: str = ""
     model_name: str = DEFAULT_MODEL_NAME
     max_batch_size: int = 8
     batch_wait_timeout_s: float = 0.05
@@ -330,9 +342,11 @@ def check_args(args: "dict | LMArgs | None") -> dict:
     One line (RayfleetError) on anything wrong; `rayfleet serve-config` calls it before a
     deploy, the builder when Serve builds the app."""
     a = LMArgs.parse(args)
-    # What the replicas load: the checkpoint, or its hf/ export when it has one.
-    checkpoint = check_checkpoint(resolve_checkpoint(a.checkpoint))["source"]
-    return {**a.model_dump(), "checkpoint": checkpoint}
+    # What the replicas load: the checkpoint, or its hf/ export when it has one, or a LoRA
+    # run's base (and its adapter).
+    found = check_served(resolve_checkpoint(a.checkpoint), a.adapter and app_path(a.adapter,
+                                                                                 "adapter"))
+    return {**a.model_dump(), "checkpoint": found["source"], "adapter": found["adapter"]}
 
 
 @builder_errors("lm")

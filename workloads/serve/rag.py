@@ -34,7 +34,7 @@ from workloads.common.storage import default_root, resolve
 from workloads.serve.app_args import LATEST, AppArgs, app_path, builder_errors, resolve_checkpoint
 from workloads.serve.lm import DEFAULT_MODEL_NAME as GENERATOR_MODEL_NAME
 from workloads.serve.lm import LMGenerator
-from workloads.serve.model_source import check_checkpoint
+from workloads.serve.model_source import check_served
 from workloads.serve.openai_api import (
     APIError,
     ChatRequest,
@@ -208,12 +208,13 @@ class RAGServer:
 class RAGArgs(AppArgs):
     """`args` of the rag app (cluster-configs/serve/rag.yaml): embeddings (workloads.embed
     output, folder or s3://; default the embed job's default output), checkpoint (the
-    generator's workloads.train checkpoint or Hugging Face folder; default `latest`),
-    model_name, generator_model_name."""
+    generator's workloads.train checkpoint or Hugging Face folder; default `latest`), adapter
+    (a LoRA adapter on the generator, as lm's), model_name, generator_model_name."""
 
     APP: ClassVar[str] = "rag"
     embeddings: str = ""
     checkpoint: str = LATEST
+    adapter: str = ""
     model_name: str = DEFAULT_MODEL_NAME
     generator_model_name: str = GENERATOR_MODEL_NAME
 
@@ -224,15 +225,19 @@ def check_args(args: "dict | RAGArgs | None") -> dict:
     # Defaults: where workloads.embed and workloads.train write when given no path.
     embeddings = app_path(a.embeddings or os.path.join(default_root(), "embeddings"),
                           "embeddings")
-    # The generator: a workloads.train checkpoint (its hf/ export if any) or a HF model folder.
-    checkpoint = check_checkpoint(resolve_checkpoint(a.checkpoint))["source"]
+    # The generator: a workloads.train checkpoint (its hf/ export if any, a LoRA run's base and
+    # adapter) or a HF model folder.
+    found = check_served(resolve_checkpoint(a.checkpoint), a.adapter and app_path(a.adapter,
+                                                                                 "adapter"))
     check_index(embeddings)  # a missing or unfinished index fails the deploy, not a replica
-    return {**a.model_dump(), "embeddings": embeddings, "checkpoint": checkpoint}
+    return {**a.model_dump(), "embeddings": embeddings, "checkpoint": found["source"],
+            "adapter": found["adapter"]}
 
 
 @builder_errors("rag")
 def app_builder(args: RAGArgs) -> serve.Application:
     """Serve config entry point (`import_path: workloads.serve.rag:app_builder`)."""
     a = check_args(args)
-    generator = LMGenerator.bind(a["checkpoint"], model_name=a["generator_model_name"])
+    generator = LMGenerator.bind(a["checkpoint"], model_name=a["generator_model_name"],
+                                 adapter=a["adapter"])
     return RAGServer.bind(Retriever.bind(a["embeddings"]), generator, model_name=a["model_name"])

@@ -42,7 +42,7 @@ from workloads.common.storage import default_root, resolve, s3_endpoint, user_pa
 from workloads.train import ds_config, failures, runinfo
 from workloads.train.context import TIMING_ENV, RayContext, ray_train_marks, startup
 from workloads.train.datasets import load_dataset
-from workloads.train.hf_model import HFSpec, count_params
+from workloads.train.hf_model import ALL_LINEAR, HFSpec, count_params
 from workloads.train.loop import STRATEGIES, LoopConfig, train_loop
 
 PROG = "workloads.train"
@@ -74,6 +74,19 @@ def build_parser() -> ArgumentParser:
                         "hf/ export (default: the model folder's, else the dataset's)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="Hugging Face models: recompute activations in backward (less memory)")
+    p.add_argument("--lora-r", type=at_least(1), default=None, metavar="R",
+                   help="Hugging Face models: train LoRA adapters of rank R (PEFT) on the frozen "
+                        "base instead of every weight")
+    p.add_argument("--lora-alpha", type=float, default=None,
+                   help="LoRA scaling numerator (the update is scaled by alpha / r; default 2r)")
+    p.add_argument("--lora-dropout", type=float, default=None,
+                   help="dropout on the adapters' input (default 0)")
+    p.add_argument("--lora-targets", default=None, metavar="NAMES",
+                   help="comma-separated module names to adapt (e.g. q_proj,v_proj), or "
+                        "all-linear (default: every linear layer but the output head)")
+    p.add_argument("--lora-merge", action="store_true",
+                   help="LoRA: the final checkpoint also carries hf/, the base with the adapter "
+                        "merged in (adapter/ is written either way)")
     p.add_argument("--deepspeed-config", default=None, metavar="JSON",
                    help="DeepSpeed config (file or inline JSON) merged over the kit's defaults")
     p.add_argument("--offload-params", action="store_true",
@@ -138,6 +151,11 @@ class TrainOptions:
     model_config: str | None
     tokenizer: str | None
     activation_checkpointing: bool
+    lora_r: int | None
+    lora_alpha: float | None
+    lora_dropout: float | None
+    lora_targets: str | None
+    lora_merge: bool
     deepspeed_config: str | None
     offload_params: bool
     seq_len: int | None
@@ -215,10 +233,13 @@ def check_options(opts: TrainOptions) -> GPTConfig | None:
     if opts.deepspeed_config and opts.strategy != "deepspeed":
         raise ConfigError("--deepspeed-config", "needs --strategy deepspeed")
     if not hf:
-        for flag in ("tokenizer", "activation_checkpointing"):
+        for flag in ("tokenizer", "activation_checkpointing", "lora_r"):
             if getattr(opts, flag):
                 raise ConfigError(f"--{flag.replace('_', '-')}", "is for Hugging Face models "
-                                                                 "(--model <folder>)")
+                                                                 "(--model <folder>)" + (
+                                      "; the kit's byte GPT trains all its weights"
+                                      if flag == "lora_r" else ""))
+    check_lora_options(opts)
     # `not x > 0` rather than `x <= 0`: argparse's float() accepts "nan", which fails every
     # comparison and would otherwise reach the workers as a NaN learning rate.
     if not 0 < opts.cpus_per_worker < math.inf:
@@ -268,6 +289,39 @@ def check_options(opts: TrainOptions) -> GPTConfig | None:
                                                 f"({opts.num_workers}); use at least "
                                                 f"{need * model.seq_len + 1}")
     return model
+
+
+def check_lora_options(opts: TrainOptions) -> None:
+    """The LoRA flags on their own (the targets are checked against the model in resolve_hf)."""
+    if opts.lora_r is None:
+        for flag in ("lora_alpha", "lora_dropout", "lora_targets", "lora_merge"):
+            if getattr(opts, flag) not in (None, False):
+                raise ConfigError(f"--{flag.replace('_', '-')}", "needs --lora-r (LoRA's rank)")
+        return
+    if opts.model_config is not None:
+        raise ConfigError("--lora-r", "adapts pretrained weights: give --model <folder>, not "
+                                      "--model-config (fresh weights would train frozen noise)")
+    if opts.lora_alpha is not None and not 0 < opts.lora_alpha < math.inf:
+        raise ConfigError("--lora-alpha", f"must be more than 0, got {opts.lora_alpha}")
+    if opts.lora_dropout is not None and not 0 <= opts.lora_dropout < 1:
+        raise ConfigError("--lora-dropout", f"must be in [0, 1), got {opts.lora_dropout}")
+    if opts.lora_targets is not None and not lora_targets(opts.lora_targets):
+        raise ConfigError("--lora-targets", "give module names, e.g. q_proj,v_proj, or "
+                                            "all-linear")
+
+
+def lora_targets(value: str | None) -> str | list[str]:
+    if value is None or value.strip() == ALL_LINEAR:
+        return ALL_LINEAR
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def lora_settings(opts: TrainOptions, source: str, fingerprint: str) -> dict:
+    """What a LoRA run is (part of the model in its identity and model_config.json)."""
+    return {"r": opts.lora_r,
+            "alpha": opts.lora_alpha if opts.lora_alpha is not None else 2.0 * opts.lora_r,
+            "dropout": opts.lora_dropout or 0.0, "targets": lora_targets(opts.lora_targets),
+            "base": {"source": source, "fingerprint": fingerprint}}
 
 
 def check_dataset(spec: str | None) -> None:
@@ -394,7 +448,16 @@ def resolve_hf(opts: TrainOptions, manifest: dict | None):
     if seq_len < 1:
         raise ConfigError("--dataset", f"{opts.dataset}/{MANIFEST} records no seq_len; re-run "
                                        "workloads.data")
-    spec = HFSpec(config=config_d, seq_len=seq_len, n_params=count_params(config_d))
+    lora = None
+    if opts.lora_r is not None:
+        lora = lora_settings(opts, source, hf.weights_fingerprint(source, flag, endpoint))
+    try:
+        n_params, n_trainable = count_params(config_d, lora)
+    except ValueError as e:   # LoRA's targets match no module of this model
+        raise ConfigError("--lora-targets", f"{e} ({opts.model}: {config.model_type})") \
+            from None
+    spec = HFSpec(config=config_d, seq_len=seq_len, n_params=n_params, lora=lora,
+                  n_trainable=n_trainable if lora else None)
     if spec.max_positions and seq_len > spec.max_positions:
         raise ConfigError("--dataset", f"rows of {seq_len} tokens are longer than the model's "
                                        f"context ({spec.max_positions}); re-run workloads.data "
@@ -468,7 +531,8 @@ def loop_config(opts: TrainOptions, model, hf_source: str | None, tokenizer: str
         activation_checkpointing=opts.activation_checkpointing,
         offload_params=opts.offload_params,
         deepspeed_config=ds_config.load(opts.deepspeed_config),
-        dataset_path=None if ray_dataset or opts.dataset in (None, "stdlib") else opts.dataset)
+        dataset_path=None if ray_dataset or opts.dataset in (None, "stdlib") else opts.dataset,
+        lora_merge=opts.lora_merge)
 
 
 def check_deepspeed(opts: TrainOptions) -> None:
@@ -635,7 +699,9 @@ def memory_estimate_bytes(model: GPTConfig, opts: TrainOptions) -> dict[str, flo
     """Per-worker bytes: parameters, gradients, optimizer state (AdamW: 2 fp32 moments)
     for the strategy, plus activations (Korthikanti et al. 2022: ~34·s·b·h per layer)."""
     n, w = model.num_params(), opts.num_workers
-    p, g, o = 4.0 * n, 4.0 * n, 8.0 * n  # fp32 master weights, grads, Adam moments
+    # Gradients and optimizer state only for what trains (LoRA: the adapters).
+    t = model.trainable_params() if hasattr(model, "trainable_params") else n
+    p, g, o = 4.0 * n, 4.0 * t, 8.0 * t  # fp32 master weights, grads, Adam moments
     if opts.strategy == "fsdp":
         p, g, o = p / w, g / w, o / w
     elif opts.strategy == "deepspeed":
@@ -741,6 +807,7 @@ def _main(argv: list[str] | None) -> int:
              "matplotlib": "matplotlib",
              **({"transformers": "transformers", "safetensors": "safetensors"}
                 if tokenizer else {}),
+             **({"peft": "peft"} if opts.lora_r else {}),
              **({"deepspeed": "deepspeed"} if opts.strategy == "deepspeed" else {})},
             f"workloads.train --strategy {opts.strategy}")
     # Imported late: `--help` and bad flags answer without paying for Ray.

@@ -8,6 +8,14 @@ The loss ignores label -100 (prompt and padding tokens of instruction data). The
 checkpoint also carries `hf/`: the gathered weights written with `save_pretrained`
 (safetensors) and the tokenizer, loadable with `AutoModelForCausalLM.from_pretrained` and
 served by `lm` and by vLLM (`ray.serve.llm`).
+
+LoRA (`--lora-r`, PEFT): the base weights are frozen and only low-rank adapters train.
+Checkpoints hold the adapter's weights and optimizer state only (the base is loaded from
+`--model` again on resume); the final checkpoint carries `adapter/`, a PEFT adapter folder
+(`PeftModel.from_pretrained`, `lm`'s adapter, vLLM's LoRA), and with `--lora-merge` also `hf/`,
+the base with the adapter merged in. `adapter/rayfleet_base.json` says which base it was trained
+on: its source and a fingerprint of its weights (workloads.common.hf.weights_fingerprint),
+which serving compares with the model it serves.
 """
 
 from __future__ import annotations
@@ -19,8 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workloads.common.hf import fetch, load_tokenizer
+from workloads.common.hf import ADAPTER_BASE_FILE, fetch, load_tokenizer, merge_adapter
 from workloads.common.runs import HF_MODEL_KEY
+
+# PEFT's name for every linear layer but the output head.
+ALL_LINEAR = "all-linear"
 
 IGNORE_INDEX = -100
 
@@ -31,7 +42,11 @@ class HFSpec:
     (the same questions GPTConfig answers for the kit's model)."""
     config: dict            # the transformers config, as config.to_dict()
     seq_len: int            # the training context (from the dataset)
-    n_params: int
+    n_params: int           # all of them (with LoRA: the base's and the adapter's)
+    # LoRA: {"r", "alpha", "dropout", "targets", "base": {"source", "fingerprint"}}, and the
+    # adapter's parameter count (the only ones with gradients and optimizer state).
+    lora: dict | None = None
+    n_trainable: int | None = None
 
     @property
     def d_model(self) -> int:
@@ -53,6 +68,9 @@ class HFSpec:
     def num_params(self) -> int:
         return self.n_params
 
+    def trainable_params(self) -> int:
+        return self.n_params if self.n_trainable is None else self.n_trainable
+
     def flops_per_token(self) -> float:
         """Training FLOPs per token, as GPTConfig's (PaLM appendix B), counting the matmul
         weights only: an untied input embedding is a lookup, not a matmul."""
@@ -60,12 +78,16 @@ class HFSpec:
         return 6 * (self.n_params - lookup) + 12 * self.n_layer * self.d_model * self.seq_len
 
     def to_dict(self) -> dict:
-        return {HF_MODEL_KEY: self.config, "seq_len": self.seq_len, "n_params": self.n_params}
+        d = {HF_MODEL_KEY: self.config, "seq_len": self.seq_len, "n_params": self.n_params}
+        if self.lora is not None:
+            d |= {"lora": self.lora, "n_trainable": self.n_trainable}
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> HFSpec:
         return cls(config=d[HF_MODEL_KEY], seq_len=int(d["seq_len"]),
-                   n_params=int(d["n_params"]))
+                   n_params=int(d["n_params"]), lora=d.get("lora"),
+                   n_trainable=d.get("n_trainable"))
 
 
 def is_hf(model: dict) -> bool:
@@ -79,13 +101,53 @@ def make_config(config: dict):
     return AutoConfig.for_model(config["model_type"], **rest)
 
 
-def count_params(config: dict) -> int:
-    """Parameters of the model a config describes, counted on the meta device (no memory)."""
+def count_params(config: dict, lora: dict | None = None) -> tuple[int, int]:
+    """(all parameters, trainable ones) of the model a config describes, with LoRA's adapters
+    when `lora` is given, counted on the meta device (no memory). ValueError (one line) when
+    LoRA's targets match no module of the model."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(make_config(config))
-    return sum(p.numel() for p in model.parameters())
+        if lora:
+            model = add_lora(model, lora)
+    return (sum(p.numel() for p in model.parameters()),
+            sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+
+def lora_config(lora: dict):
+    """PEFT's LoraConfig for the kit's `lora` settings."""
+    from peft import LoraConfig
+
+    targets = lora["targets"]
+    return LoraConfig(r=int(lora["r"]), lora_alpha=float(lora["alpha"]),
+                      lora_dropout=float(lora["dropout"]), task_type="CAUSAL_LM",
+                      target_modules=targets if targets == ALL_LINEAR else list(targets))
+
+
+def add_lora(lm: nn.Module, lora: dict) -> nn.Module:
+    """`lm` with LoRA adapters on its target modules (everything else frozen): PEFT's
+    PeftModelForCausalLM. ValueError when the targets match no module."""
+    import warnings
+
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        # transformers 5 deprecates a name PEFT still reads (is_gradient_checkpointing).
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            model = get_peft_model(lm, lora_config(lora))
+        except ValueError as e:   # PEFT's NoMatchingPeftModuleError is one
+            raise ValueError(str(e).splitlines()[0]) from None
+    # PEFT refuses targets only when none matches: a misspelt one beside a good one would
+    # leave that layer silently untrained.
+    if lora["targets"] != ALL_LINEAR:
+        names = model.targeted_module_names
+        missing = [t for t in lora["targets"]
+                   if not any(n == t or n.endswith(f".{t}") for n in names)]
+        if missing:
+            raise ValueError(f"Target modules {missing} not found in the base model")
+    return model
 
 
 class HFCausalLM(nn.Module):
@@ -117,9 +179,10 @@ class HFCausalLM(nn.Module):
 
 
 def build(source: str | None, config: dict, activation_checkpointing: bool = False,
-          endpoint: str | None = None) -> HFCausalLM:
+          endpoint: str | None = None, lora: dict | None = None) -> HFCausalLM:
     """The model in fp32 (master weights; autocast gives bf16 compute on GPU): pretrained
-    weights from `source`, or fresh ones from `config` (seeded by the caller)."""
+    weights from `source`, or fresh ones from `config` (seeded by the caller); with `lora`,
+    frozen, with LoRA adapters on its targets."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -133,6 +196,8 @@ def build(source: str | None, config: dict, activation_checkpointing: bool = Fal
         # Recompute each layer's activations in backward: memory for compute.
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lm.config.use_cache = False
+    if lora:
+        lm = add_lora(lm, lora)
     return HFCausalLM(lm)
 
 
@@ -165,3 +230,53 @@ def export(state_dict: dict, config: dict, tokenizer: str | None, out: Path,
     lm.save_pretrained(str(out), safe_serialization=True)
     if tokenizer:
         load_tokenizer(tokenizer, "--tokenizer", endpoint).save_pretrained(str(out))
+
+
+def adapter_state(state_dict: dict) -> dict:
+    """The adapter's weights of a LoRA model's state dict (the wrapper's keys), under the names
+    PEFT writes to adapter_model.safetensors (`lm.` and the adapter name `default` dropped, as
+    peft.get_peft_model_state_dict does)."""
+    return {k.removeprefix("lm.").replace(".default.", "."): v.detach().cpu().float().contiguous()
+            for k, v in state_dict.items() if ".lora_" in k}
+
+
+def export_adapter(state_dict: dict, lora: dict, tokenizer: str | None, out: Path,
+                   endpoint: str | None = None) -> None:
+    """Write `out` as a PEFT adapter folder (adapter_config.json, adapter_model.safetensors),
+    with the tokenizer and rayfleet_base.json (which base, by source and weights fingerprint)
+    beside them. The targets are written as the module names the adapter has weights for
+    (not "all-linear"), which every loader (PEFT, vLLM) reads the same way."""
+    import json
+
+    from safetensors.torch import save_file
+
+    weights = adapter_state(state_dict)
+    if not weights:
+        raise RuntimeError("export: the LoRA model has no adapter weights")
+    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in weights})
+    cfg = lora_config({**lora, "targets": targets})
+    cfg.base_model_name_or_path = lora["base"]["source"]
+    cfg.inference_mode = True
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(str(out))
+    save_file(weights, str(out / "adapter_model.safetensors"))
+    (out / ADAPTER_BASE_FILE).write_text(json.dumps(lora["base"], indent=1))
+    if tokenizer:
+        load_tokenizer(tokenizer, "--tokenizer", endpoint).save_pretrained(str(out))
+
+
+def export_merged(adapter: Path, config: dict, tokenizer: str | None, out: Path,
+                  endpoint: str | None = None) -> None:
+    """Write `out` as a Hugging Face model folder: the base the adapter names (its
+    rayfleet_base.json) with the adapter merged in (PEFT's merge_and_unload), as `export`."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    base = json.loads((adapter / ADAPTER_BASE_FILE).read_text())["source"]
+    lm = AutoModelForCausalLM.from_pretrained(str(fetch(base, "--model", endpoint)),
+                                              dtype=torch.float32)
+    merged = merge_adapter(lm, adapter)
+    export(merged.state_dict(), config, tokenizer, out, endpoint)

@@ -71,6 +71,7 @@ class LoopConfig:
     offload_params: bool = False      # DeepSpeed ZeRO-3: parameters on the host
     deepspeed_config: dict = field(default_factory=dict)   # the user's, merged over the kit's
     dataset_path: str | None = None   # a local Parquet dataset without Ray Data (torchrun)
+    lora_merge: bool = False          # LoRA: the final checkpoint's hf/ has the adapter merged
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -118,8 +119,12 @@ class _Engine:
         # bf16 on GPU is measured, not assumed from the settings.
         self.compute_dtype = ""
 
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        # LoRA: the frozen base has no gradients and no optimizer state; checkpoints hold
+        # only what trains (the base is loaded from its source again on resume).
+        self.lora = hf_model.is_hf(cfg.model) and bool(cfg.model.get("lora"))
+        self.trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
         self.raw = model
         if self.strategy == "deepspeed":
             import warnings
@@ -179,9 +184,11 @@ class _Engine:
             self.model = model
         else:
             self.model = ctx.prepare_ddp(model)
-        groups = [{"params": [p for n, p in self.model.named_parameters() if p.dim() >= 2],
+        groups = [{"params": [p for n, p in self.model.named_parameters()
+                              if p.requires_grad and p.dim() >= 2],
                    "weight_decay": cfg.weight_decay},
-                  {"params": [p for n, p in self.model.named_parameters() if p.dim() < 2],
+                  {"params": [p for n, p in self.model.named_parameters()
+                              if p.requires_grad and p.dim() < 2],
                    "weight_decay": 0.0}]
         # Fused AdamW where the device has the kernel (CUDA); foreach elsewhere.
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95),
@@ -220,13 +227,15 @@ class _Engine:
         if self.strategy == "ddp":
             if rank == 0:
                 full = self.raw.state_dict()
+                if self.lora:
+                    full = {k: v for k, v in full.items() if k in self.trainable}
                 torch.save(full, d / runs.FULL_WEIGHTS)
                 torch.save(self.optimizer.state_dict(), d / runs.OPTIMIZER)
         elif self.strategy == "fsdp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
-            msd, osd = get_state_dict(self.model, self.optimizer)
+            msd, osd = get_state_dict(self.model, self.optimizer, options=self._sd_options())
             # Each rank writes only its own shard (rank 0 adds .metadata); Ray merges the
             # per-rank folders into one checkpoint in storage.
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(d / runs.DCP_DIR))
@@ -234,40 +243,64 @@ class _Engine:
                 full = self._save_full(d)
         else:
             client = {"rayfleet": True}
-            self.model.save_checkpoint(str(d / runs.DS_DIR), tag="ckpt", client_state=client)
+            self.model.save_checkpoint(str(d / runs.DS_DIR), tag="ckpt", client_state=client,
+                                       exclude_frozen_parameters=self.lora)
             if final:
                 full = self._save_full(d)
-        if final and rank == 0 and hf_model.is_hf(self.cfg.model):
+        if final and rank == 0 and self.lora:
+            # The adapter (PEFT's folder), and with --lora-merge the base with it merged in.
+            lora = self.cfg.model["lora"]
+            hf_model.export_adapter(full, lora, self.cfg.tokenizer, d / runs.ADAPTER_DIR,
+                                    self.cfg.s3_endpoint)
+            if self.cfg.lora_merge:
+                hf_model.export_merged(d / runs.ADAPTER_DIR, self.cfg.model[runs.HF_MODEL_KEY],
+                                       self.cfg.tokenizer, d / runs.HF_DIR, self.cfg.s3_endpoint)
+        elif final and rank == 0 and hf_model.is_hf(self.cfg.model):
             # The run's result in Hugging Face format, gathered from the shards: what `lm`,
             # vLLM and from_pretrained load.
             hf_model.export(full, self.cfg.model[runs.HF_MODEL_KEY], self.cfg.tokenizer,
                             d / runs.HF_DIR, self.cfg.s3_endpoint)
 
+    def _sd_options(self, **kw):
+        """torch.distributed.checkpoint's state-dict options: LoRA leaves the frozen base out."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.lora, **kw)
+
     def _save_full(self, d: Path) -> dict | None:
         """Gather full fp32 weights onto rank 0 (a collective: every rank calls it); rank 0
-        writes model.pt and gets the state dict back."""
+        writes model.pt and gets the state dict back. LoRA: the adapter's weights only, for
+        its export (no model.pt: the adapter/ folder is what is served)."""
         if self.strategy == "fsdp":
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-            )
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            sd = get_model_state_dict(self.model, options=StateDictOptions(
+            sd = get_model_state_dict(self.model, options=self._sd_options(
                 full_state_dict=True, cpu_offload=True))
         elif self.cfg.zero_stage == 3:
-            sd = self.model._zero3_consolidated_16bit_state_dict()
+            sd = self.model._zero3_consolidated_16bit_state_dict(
+                exclude_frozen_parameters=self.lora)
         else:
-            sd = self.model.module.state_dict()
+            sd = self.model.module_state_dict(exclude_frozen_parameters=self.lora)
         if self.ctx.rank != 0:
             return None
         full = {k: v.detach().float().cpu() for k, v in sd.items()}
-        torch.save(full, d / runs.FULL_WEIGHTS)
+        if not self.lora:
+            torch.save(full, d / runs.FULL_WEIGHTS)
         return full
 
     def load(self, d: Path) -> None:
         if self.strategy == "ddp":
-            self.raw.load_state_dict(torch.load(d / runs.FULL_WEIGHTS,
-                                                map_location=self.ctx.device, weights_only=True))
+            sd = torch.load(d / runs.FULL_WEIGHTS, map_location=self.ctx.device,
+                            weights_only=True)
+            if self.lora:
+                # The adapter only: the frozen base came from its source.
+                if set(sd) != self.trainable:
+                    raise CheckpointError(f"checkpoint {d} does not hold this run's LoRA "
+                                          f"adapter ({len(set(sd) & self.trainable)} of "
+                                          f"{len(self.trainable)} adapter tensors)")
+                self.raw.load_state_dict(sd, strict=False)
+            else:
+                self.raw.load_state_dict(sd)
             self.optimizer.load_state_dict(torch.load(d / runs.OPTIMIZER,
                                                       map_location=self.ctx.device,
                                                       weights_only=False))
@@ -275,13 +308,15 @@ class _Engine:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-            msd, osd = get_state_dict(self.model, self.optimizer)
+            msd, osd = get_state_dict(self.model, self.optimizer, options=self._sd_options())
             state = {"model": msd, "optim": osd}
             dcp.load(state, checkpoint_id=str(d / runs.DCP_DIR))
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+                           optim_state_dict=state["optim"], options=self._sd_options())
         else:
-            path, _ = self.model.load_checkpoint(str(d / runs.DS_DIR), tag="ckpt")
+            # A LoRA checkpoint has no frozen weights to load (they came from the source).
+            path, _ = self.model.load_checkpoint(str(d / runs.DS_DIR), tag="ckpt",
+                                                 load_module_strict=not self.lora)
             if path is None:
                 raise CheckpointError(f"checkpoint {d} has no DeepSpeed state under "
                                       f"{runs.DS_DIR}/")
@@ -330,7 +365,7 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
     if hf_model.is_hf(cfg.model):
         model_cfg = hf_model.HFSpec.from_dict(cfg.model)
         model = hf_model.build(cfg.hf_source, model_cfg.config, cfg.activation_checkpointing,
-                               cfg.s3_endpoint)
+                               cfg.s3_endpoint, lora=model_cfg.lora)
     else:
         model_cfg = GPTConfig.from_dict(cfg.model)
         model = GPT(model_cfg)

@@ -120,10 +120,14 @@ def summarize(result, storage: Storage, name: str, started: float, global_batch:
            "first_loss": history[0]["loss"] if history else None,
            "tokens_per_s": metrics.get("tokens_per_s"), "mfu": metrics.get("mfu"),
            "global_batch": global_batch, "wall_s": round(time.time() - started, 1),
-           "metrics_csv": None, "loss_png": None, "hf_export": None}
-    if ckpt_path and getattr(cfg, "tokenizer", None):
+           "metrics_csv": None, "loss_png": None, "hf_export": None, "adapter_export": None}
+    lora = bool((getattr(cfg, "model", None) or {}).get("lora"))
+    if ckpt_path and getattr(cfg, "tokenizer", None) and (not lora or cfg.lora_merge):
         # Hugging Face runs: the final checkpoint's hf/ folder (from_pretrained, lm, vLLM).
         out["hf_export"] = uri(f"{ckpt_path}/{runs.HF_DIR}")
+    if ckpt_path and lora:
+        # LoRA runs: the adapter's PEFT folder (PeftModel.from_pretrained, lm, vLLM's LoRA).
+        out["adapter_export"] = uri(f"{ckpt_path}/{runs.ADAPTER_DIR}")
     if history:
         out["metrics_csv"], out["loss_png"] = runs.write_metrics(
             storage, name, history, f"{name} ({cfg.strategy})")
@@ -144,6 +148,8 @@ def format_summary(s: dict) -> str:
         f"  checkpoint    {s['checkpoint']}",
         *([f"  hf export     {s['hf_export']}  (from_pretrained, lm, vLLM)"]
           if s.get("hf_export") else []),
+        *([f"  adapter       {s['adapter_export']}  (PeftModel.from_pretrained, lm, vLLM)"]
+          if s.get("adapter_export") else []),
         f"  metrics       {s['metrics_csv']}",
         f"  loss curve    {s['loss_png']}",
     ]

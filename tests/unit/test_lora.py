@@ -1,0 +1,226 @@
+"""LoRA (workloads.train --lora-r, PEFT) without Ray: the tiny Llama fine-tuned with adapters
+learns as full SFT does, its checkpoints hold the adapter only and name the base, a resumed run
+continues the same curve, the final checkpoint's adapter/ (PeftModel.from_pretrained) and
+merged hf/ give the trained model's logits, `lm` serves base + adapter (greedy answers equal
+PEFT's own), and bad input is one line before any worker: LoRA on the byte GPT, targets that
+match no module, an adapter whose base differs from the served model. (The strategies and a
+killed worker under torchrun: tests/unit/test_train_hf.py's slow tier, test_lora_* there.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+import torch
+
+from rayfleet.errors import RayfleetError
+from workloads.common import hf
+from workloads.common import runs as ckpt
+from workloads.train import driver, hf_model
+from workloads.train.context import TorchrunContext
+from workloads.train.loop import LoopConfig, train_loop
+
+# The tiny Llama's weights are random: what SFT learns first is which tokens answers use, so
+# the output head is among the targets (vLLM serves lm_head adapters too). LoRA's usual rate is
+# a few times full fine-tuning's.
+TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
+LORA = ["--lora-r", "8", "--lora-targets", TARGETS]
+FULL_LR, LORA_LR = 3e-3, 1e-2
+
+
+def _spec(model_dir, data, *extra):
+    opts = driver.TrainOptions.parse(["--model", str(model_dir), "--dataset", str(data), *extra])
+    assert driver.check_options(opts) is None
+    return driver.resolve_hf(opts, driver.dataset_manifest(str(data)))
+
+
+def _train(root, model_dir, data, max_steps, lr, *extra, merge=False) -> list[float]:
+    """The loop in this process (world size 1); the loss of every step of the run so far."""
+    spec, source, tokenizer = _spec(model_dir, data, *extra)
+    cfg = LoopConfig(model=spec.to_dict(), hf_source=source, tokenizer=tokenizer, batch_size=8,
+                     lr=lr, warmup_steps=2, max_steps=max_steps, checkpoint_every=3,
+                     log_every=1, num_workers=0, dataset_path=str(data), lora_merge=merge)
+    train_loop(cfg, TorchrunContext(root, keep=3))
+    final = ckpt.local_checkpoints(root)[-1]
+    return [h["loss"] for h in ckpt.read_history((final / ckpt.METRICS).read_text())]
+
+
+@pytest.fixture(scope="module")
+def lora_run(hf_model_dir, sft_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora") / "run"
+    losses = _train(root, hf_model_dir, sft_data, 6, LORA_LR, *LORA, merge=True)
+    return root, losses
+
+
+def test_lora_learns_as_full_sft_does_training_only_the_adapter(lora_run, hf_model_dir,
+                                                                sft_data, tmp_path):
+    root, lora = lora_run
+    full = _train(tmp_path / "full", hf_model_dir, sft_data, 6, FULL_LR)
+    assert len(lora) == len(full) == 6 and lora[0] == pytest.approx(full[0], abs=1e-4)
+    # The same data, the same first step; the adapters bring the loss down at least as far.
+    assert full[-1] < full[0] - 0.5 and lora[-1] <= full[-1] + 0.1, (full, lora)
+
+    final = ckpt.local_checkpoints(root)[-1]
+    saved = torch.load(final / ckpt.FULL_WEIGHTS, weights_only=True)
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)   # no base weights
+    model = json.loads((final / ckpt.MODEL_CONFIG).read_text())
+    assert model["lora"]["r"] == 8 and model["lora"]["alpha"] == 16
+    assert model["lora"]["base"] == {"source": str(hf_model_dir),
+                                     "fingerprint": hf.weights_fingerprint(str(hf_model_dir), "x")}
+    assert model["n_trainable"] == sum(v.numel() for v in saved.values()) < model["n_params"] / 4
+    marker = ckpt.validate(final)
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+            "adapter/rayfleet_base.json", "adapter/tokenizer.json",
+            "hf/model.safetensors"} <= set(marker["files"])
+
+
+def test_resumed_lora_run_continues_the_curve(lora_run, hf_model_dir, sft_data, tmp_path):
+    _, straight = lora_run
+    _train(tmp_path / "resumed", hf_model_dir, sft_data, 3, LORA_LR, *LORA)
+    resumed = _train(tmp_path / "resumed", hf_model_dir, sft_data, 6, LORA_LR, *LORA)
+    # Steps 4-6 ran on the adapter and the optimizer moments the step-3 checkpoint held.
+    assert resumed == pytest.approx(straight, abs=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_adapter_and_merged_exports_give_the_trained_models_logits(lora_run, hf_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    final = ckpt.local_checkpoints(lora_run[0])[-1]
+    spec = json.loads((final / ckpt.MODEL_CONFIG).read_text())
+    trained = hf_model.build(str(hf_model_dir), spec["hf"], lora=spec["lora"])
+    trained.load_state_dict(torch.load(final / ckpt.FULL_WEIGHTS, weights_only=True),
+                            strict=False)
+    base = AutoModelForCausalLM.from_pretrained(str(hf_model_dir), dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, str(final / "adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(str(final / "hf"), dtype=torch.float32)
+    x = torch.randint(0, spec["hf"]["vocab_size"], (2, 16))
+    with torch.no_grad():
+        want = trained(x)
+        assert torch.allclose(adapted(input_ids=x).logits, want, atol=1e-5)
+        assert torch.allclose(merged(x).logits, want, atol=1e-4)
+        # And the adapter did change the model: the base alone answers otherwise.
+        assert not torch.allclose(AutoModelForCausalLM.from_pretrained(
+            str(hf_model_dir), dtype=torch.float32)(x).logits, want, atol=1e-2)
+    config = json.loads((final / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(hf_model_dir)
+    assert sorted(config["target_modules"]) == sorted(TARGETS.split(","))
+
+
+# --------------------------------------------------------------------------- bad input
+
+def _main(capsys, *argv) -> tuple[int, str]:
+    code = driver.main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err          # one line, no traceback
+    return code, err[0]
+
+
+def test_bad_lora_input_is_one_line_before_any_worker(hf_model_dir, sft_data, tmp_path, capsys,
+                                                      monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")   # a run that got past the checks fails
+    storage = ["--storage-path", str(tmp_path / "runs")]
+    hf_run = ["--model", str(hf_model_dir), "--dataset", str(sft_data), *storage]
+    code, line = _main(capsys, "--smoke-test", "--lora-r", "8", *storage)
+    assert code == 2 and "--lora-r: is for Hugging Face models" in line and "byte GPT" in line
+    code, line = _main(capsys, *hf_run, "--lora-r", "8", "--lora-targets", "q_proj,qkv_proj")
+    assert code == 2 and line.startswith("workloads.train: error: --lora-targets: ")
+    assert "qkv_proj" in line and "not found in the base model" in line and "llama" in line
+    code, line = _main(capsys, *hf_run, "--lora-alpha", "16")
+    assert code == 2 and "--lora-alpha: needs --lora-r" in line
+    code, line = _main(capsys, *hf_run, "--lora-r", "8", "--lora-dropout", "1.5")
+    assert code == 2 and "--lora-dropout: must be in [0, 1)" in line
+    code, line = _main(capsys, "--model-config", str(hf_model_dir), "--dataset", str(sft_data),
+                       *storage, "--lora-r", "8")
+    assert code == 2 and "adapts pretrained weights" in line
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_weights_fingerprint_names_the_weights_not_their_dtype(hf_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_fixtures import make_model
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_model_dir), dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
+    other = tmp_path / "other"
+    make_model(other, 512, seed=1)
+    same = hf.weights_fingerprint(str(hf_model_dir), "x")
+    assert hf.weights_fingerprint(str(tmp_path / "bf16"), "x") == same
+    assert hf.weights_fingerprint(str(other), "x") != same
+
+
+# --------------------------------------------------------------------------- lm
+
+def _refusal(args: dict) -> str:
+    from workloads.serve.lm import check_args
+
+    with pytest.raises(RayfleetError) as e:
+        check_args(args)
+    msg = str(e.value)
+    assert "\n" not in msg and e.value.exit_code == 2
+    return msg
+
+
+def test_lm_serves_a_lora_runs_base_and_adapter_checked_against_its_base(lora_run,
+                                                                          hf_model_dir, tmp_path):
+    from workloads.serve.lm import check_args
+
+    final = ckpt.local_checkpoints(lora_run[0])[-1]
+    adapter = str(final / "adapter")
+    # Without --lora-merge's hf/, the checkpoint is served as its base plus its adapter.
+    shutil.copytree(final, tmp_path / "ckpt", ignore=shutil.ignore_patterns("hf"))
+    ckpt.write_marker(tmp_path / "ckpt", step=6, strategy="ddp", world_size=1, final=True)
+    args = check_args({"checkpoint": str(tmp_path / "ckpt")})
+    assert (args["checkpoint"], args["adapter"]) == (str(hf_model_dir),
+                                                     str(tmp_path / "ckpt" / "adapter"))
+    # A base folder plus an adapter (a folder, or the LoRA run's checkpoint that holds one).
+    assert check_args({"checkpoint": str(hf_model_dir), "adapter": adapter})["adapter"] == adapter
+    assert check_args({"checkpoint": str(hf_model_dir),
+                       "adapter": str(tmp_path / "ckpt")})["adapter"] == \
+        str(tmp_path / "ckpt" / "adapter")
+
+    # An adapter trained on another base: the same architecture, other weights.
+    from tests.hf_fixtures import make_model
+
+    other = tmp_path / "other-base"
+    shutil.copytree(hf_model_dir, other)
+    make_model(other, 512, seed=1)
+    msg = _refusal({"checkpoint": str(other), "adapter": adapter})
+    assert f"the adapter {adapter} was trained on {hf_model_dir}" in msg and str(other) in msg
+    msg = _refusal({"checkpoint": str(tmp_path / "ckpt"), "adapter": adapter})
+    assert "brings its own adapter" in msg
+    msg = _refusal({"checkpoint": str(hf_model_dir), "adapter": str(hf_model_dir)})
+    assert "is not a LoRA adapter folder (no adapter_config.json" in msg
+    msg = _refusal({"checkpoint": str(hf_model_dir), "adapter": "relative/adapter"})
+    assert "args.adapter" in msg and "relative path" in msg
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_lm_engine_with_the_adapter_answers_as_peft_does(lora_run, hf_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workloads.serve.engines import GenRequest
+    from workloads.serve.model_source import load_engine
+
+    final = ckpt.local_checkpoints(lora_run[0])[-1]
+    engine = load_engine(str(hf_model_dir), str(final / "adapter"))
+    tok = AutoTokenizer.from_pretrained(str(hf_model_dir))
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+        str(hf_model_dir), dtype=torch.float32), str(final / "adapter"))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Repeat the word golf twice."}],
+                                     tokenize=False, add_generation_prompt=True)
+    ids = tok(prompt, add_special_tokens=False).input_ids
+    want = peft.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(
+        1, len(ids), dtype=torch.long), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    seq, got = list(ids), []
+    for _ in range(len(want)):
+        tok_id = engine.step([seq], [GenRequest(seq, 1, temperature=0)], [None])[0]
+        seq.append(tok_id)
+        got.append(tok_id)
+    assert got == want
+    asyncio.run(asyncio.sleep(0))   # (nothing async left behind)
