@@ -224,3 +224,81 @@ def test_lm_engine_with_the_adapter_answers_as_peft_does(lora_run, hf_model_dir)
         got.append(tok_id)
     assert got == want
     asyncio.run(asyncio.sleep(0))   # (nothing async left behind)
+
+
+# --------------------------------------------------------------------------- llm (vLLM)
+
+def _second_adapter(adapter, out):
+    """Another adapter of the same base: the trained one with its B matrices negated."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter, out)
+    weights = load_file(str(out / "adapter_model.safetensors"))
+    save_file({k: -v if ".lora_B." in k else v for k, v in weights.items()},
+              str(out / "adapter_model.safetensors"))
+    return out
+
+
+def test_llm_config_serves_adapters_from_s3_checked_against_the_model(
+        lora_run, hf_model_dir, tmp_path, s3_client, checkpoint_bucket, aws_env, monkeypatch,
+        capsys):
+    from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+
+    from workloads.serve import llm_config
+
+    for k, v in aws_env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    adapter = ckpt.local_checkpoints(lora_run[0])[-1] / "adapter"
+    other_base = tmp_path / "other-base"
+    shutil.copytree(hf_model_dir, other_base)
+    from tests.hf_fixtures import make_model
+
+    make_model(other_base, 512, seed=1)
+
+    def upload(folder, prefix):
+        for f in folder.rglob("*"):
+            if f.is_file():
+                s3_client.upload_file(str(f), checkpoint_bucket,
+                                      f"{prefix}/{f.relative_to(folder)}")
+
+    upload(adapter, "lora-units/adapters/sft")
+    upload(_second_adapter(adapter, tmp_path / "neg"), "lora-units/adapters/neg")
+    path = f"s3://{checkpoint_bucket}/lora-units/adapters"
+    base = ["--model-id", "tiny", "--model-source", str(hf_model_dir), "--max-model-len", "256",
+            "--device", "cpu"]
+
+    def generate(*args):
+        import yaml
+
+        out = tmp_path / "llm.yaml"
+        out.unlink(missing_ok=True)
+        rc = llm_config.main([*base, *args, "--output", str(out)])
+        err = capsys.readouterr().err.strip()
+        return rc, (yaml.safe_load(out.read_text()) if out.exists() else None), err
+
+    rc, cfg, err = generate("--lora-path", path + "/", "--max-lora-rank", "8")
+    assert rc == 0, err
+    llm = cfg["applications"][0]["args"]["llm_configs"][0]
+    assert llm["lora_config"] == {"dynamic_lora_loading_path": path,
+                                  "max_num_adapters_per_replica": 16}
+    assert llm["engine_kwargs"] | {"enable_lora": True, "max_lora_rank": 8, "max_loras": 4} == \
+        llm["engine_kwargs"]
+    assert LLMConfig(**llm).lora_config.dynamic_lora_loading_path == path
+
+    def refused(*args) -> str:
+        rc, cfg, err = generate(*args)
+        assert rc == 2 and cfg is None and len(err.splitlines()) == 1, err
+        return err
+
+    assert "cloud storage only" in refused("--lora-path", str(adapter.parent))
+    assert "has rank 8, more than 1" in refused("--lora-path", path, "--max-lora-rank", "1")
+    assert "vLLM takes one of 1, 8, 16" in refused("--lora-path", path, "--max-lora-rank", "4")
+    assert "is itself an adapter folder" in refused("--lora-path", f"{path}/sft")
+    assert "holds no adapter folders" in refused("--lora-path", f"{path}-none")
+    # The adapters were trained on hf_model_dir: served on other weights, refused by name.
+    err = refused(*[a if a != str(hf_model_dir) else str(other_base) for a in base[:4]],
+                  "--lora-path", path)
+    assert f"the adapter {path}/neg was trained on {hf_model_dir}" in err
+    rc, _, err = generate("--lora-path", path, "--model-id", "a:b")
+    assert rc == 2 and "may not hold ':'" in err

@@ -11,6 +11,11 @@ validated offline.
     python -m workloads.serve.llm_config --model-id my-sft \
         --model-source s3://BUCKET/rayfleet/runs/my-sft/checkpoint_000100 --max-model-len 2048
 
+    # LoRA: several adapters on one base, each fetched by the replica that first serves it
+    # (clients pick one by model id: my-sft:<adapter folder name>):
+    python -m workloads.serve.llm_config --model-id my-sft --model-source ... \
+        --lora-path s3://BUCKET/adapters --max-lora-rank 16
+
 A folder source (local, or s3:// reachable with the current credentials) is checked offline:
 config.json, safetensors weights, a tokenizer that fits the model's vocabulary, and
 --max-model-len within its max_position_embeddings. s3:// becomes `model_source: {bucket_uri:
@@ -49,6 +54,11 @@ CPU_KV_CACHE_GIB = 0.5
 # Ray 2.60's default (MODEL_RESPONSE_BATCH_TIMEOUT_MS) is 50 ms: a streamed first token waits
 # up to that long to be batched with the next (ray issue 59681). Chosen in BENCHMARKS.md.
 STREAM_BATCHING_MS = 0
+# The cloud storage Ray 2.60's Serve LLM fetches LoRA adapters from (its LoraConfig refuses any
+# other dynamic_lora_loading_path, a local folder included).
+LORA_SCHEMES = ("s3://", "gs://", "abfss://", "azure://")
+# vLLM 0.29's max_lora_rank values (vllm/config/lora.py, MaxLoRARanks).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 EXAMPLE = ["--model-id", "qwen2.5-72b-instruct", "--model-source", "Qwen/Qwen2.5-72B-Instruct",
            "--tensor-parallel-size", "8", "--max-model-len", "8192"]
 
@@ -94,6 +104,17 @@ def build_parser() -> ArgumentParser:
                    help="a rendered cluster YAML: check the GPUs its worker types can provide")
     p.add_argument("--engine-kwarg", action="append", metavar="KEY=VALUE",
                    help="extra vLLM engine argument (value parsed as YAML), repeatable")
+    p.add_argument("--lora-path", default=None, metavar="URI",
+                   help="serve LoRA adapters on the model: an s3:// (gs://, abfss://, azure://) "
+                        "folder holding one PEFT adapter folder per adapter (e.g. a LoRA run's "
+                        "adapter/ copied there); clients ask for model <model-id>:<folder name>")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="--lora-path: the largest adapter rank served "
+                        f"({', '.join(map(str, LORA_RANKS))})")
+    p.add_argument("--max-loras", type=at_least(1), default=4,
+                   help="--lora-path: adapters in one batch (vLLM's max_loras)")
+    p.add_argument("--max-adapters-per-replica", type=at_least(1), default=16,
+                   help="--lora-path: adapters a replica keeps loaded")
     p.add_argument("--port", type=int, default=facts.port("serve-http"),
                    help="Serve HTTP port (loopback)")
     p.add_argument("--output", default="-", help="file to write, '-' for stdout")
@@ -238,12 +259,18 @@ def build(args) -> dict:
         # cache is sized in bytes (vllm/v1/worker/cpu_worker.py), and refuses to start when
         # that much is not free: a shared node never has it.
         engine["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+    lora = None
+    if args.lora_path is not None:
+        lora = lora_settings(args)
+        engine.update(enable_lora=True, max_lora_rank=args.max_lora_rank,
+                      max_loras=args.max_loras)
     for key, value in parse_env_pairs(args.engine_kwarg, "--engine-kwarg").items():
         engine[key] = yaml.safe_load(value)
     llm = {
         "model_loading_config": {"model_id": args.model_id, "model_source": source},
         **({} if cpu else {"accelerator_type": args.accelerator_type}),
         "engine_kwargs": engine,
+        **({"lora_config": lora} if lora else {}),
         # One bundle per vLLM worker. STRICT_PACK keeps a single-node replica on one node
         # (NVLink); PACK lets pipeline stages spill onto the next node. Ray adds the replica
         # actor's own resources to the first bundle.
@@ -257,6 +284,10 @@ def build(args) -> dict:
                 "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
                 "target_ongoing_requests": args.target_ongoing_requests}},
     }
+    if lora:
+        note = check_lora(llm, source)
+        if note:
+            print(f"[rayfleet] note: {note}", file=sys.stderr, flush=True)
     if cpu and args.cluster_config:
         check_placement([llm], node_capacity(args.cluster_config), args.cluster_config)
     elif cpu:
@@ -284,6 +315,67 @@ def _check_gpus(args, tp: int, pp: int) -> None:
         raise ConfigError("--max-replicas", f"{args.max_replicas} replicas x {tp * pp} GPUs "
                           f"need {args.max_replicas * tp * pp} GPUs; {where} has at most "
                           f"{total}")
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+def lora_settings(args) -> dict:
+    """Ray's lora_config for --lora-path, the flags checked on their own."""
+    path = args.lora_path.rstrip("/")
+    if not path.startswith(LORA_SCHEMES):
+        schemes = ", ".join(LORA_SCHEMES)
+        raise ConfigError("--lora-path", f"{args.lora_path}: Ray 2.60's Serve LLM fetches LoRA "
+                                         f"adapters from cloud storage only ({schemes}), and "
+                                         "refuses a local folder: copy the adapter folders "
+                                         "there (e.g. aws s3 sync) and give that prefix")
+    if ":" in args.model_id:
+        raise ConfigError("--model-id", f"{args.model_id!r}: with --lora-path, clients ask for "
+                                        "<model-id>:<adapter>, so the model id may not hold ':'")
+    if args.max_lora_rank not in LORA_RANKS:
+        raise ConfigError("--max-lora-rank", f"vLLM takes one of {', '.join(map(str, LORA_RANKS))}"
+                                             f", got {args.max_lora_rank}")
+    return {"dynamic_lora_loading_path": path,
+            "max_num_adapters_per_replica": args.max_adapters_per_replica}
+
+
+def check_lora(llm: dict, source) -> str | None:
+    """The adapters under an LLMConfig's lora_config path, where it can be read from here: each
+    subfolder a PEFT LoRA adapter folder, of a rank vLLM's max_lora_rank admits, trained on
+    the model served (when the kit trained it: rayfleet_base.json's weights fingerprint
+    against the model folder's). One line (ConfigError) otherwise; returns a note on what was
+    not checked (None when everything was)."""
+    path = ((llm.get("lora_config") or {}).get("dynamic_lora_loading_path") or "").rstrip("/")
+    if not path.startswith("s3://"):
+        return f"LoRA adapters under {path} not checked (only s3:// is read from here)"
+    why = _s3_reachable(path)
+    if why is not None:
+        return f"LoRA adapters under {path} not checked ({why})"
+    import pyarrow.fs as pafs
+
+    storage = resolve(path, check_writable=False)
+    infos = storage.fs.get_file_info(pafs.FileSelector(storage.path, allow_not_found=True))
+    if any(i.base_name == hf.ADAPTER_CONFIG for i in infos):
+        raise ConfigError("--lora-path", f"{path} is itself an adapter folder: give the folder "
+                                         "that holds it (clients ask for <model-id>:<its name>)")
+    names = sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+    adapters = [n for n in names if storage.fs.get_file_info(
+        f"{storage.path}/{n}/{hf.ADAPTER_CONFIG}").type == pafs.FileType.File]
+    if not adapters:
+        raise ConfigError("--lora-path", f"{path} holds no adapter folders (subfolders with "
+                                         f"{hf.ADAPTER_CONFIG}); copy a LoRA run's adapter/ "
+                                         f"there, e.g. to {path}/my-adapter")
+    rank = int((llm.get("engine_kwargs") or {}).get("max_lora_rank") or 16)
+    model = source.get("bucket_uri") if isinstance(source, dict) else source
+    folder = model if isinstance(model, str) and _is_path(model) else None
+    for name in adapters:
+        info = hf.check_adapter_folder(f"{path}/{name}", "--lora-path")
+        if info["r"] > rank:
+            raise ConfigError("--max-lora-rank", f"{path}/{name} has rank {info['r']}, more than "
+                                                 f"{rank}: raise --max-lora-rank")
+        if folder is not None:
+            hf.check_adapter_base(info, f"{path}/{name}", folder, "--lora-path")
+    return None if folder is not None else \
+        f"the adapters' base not compared with {model} (a Hub id)"
 
 
 # ----------------------------------------------------------------------------- placement
@@ -486,7 +578,12 @@ def check_args(args: dict | None, nodes: list[dict] | None = None,
             if mirror and isinstance(resolved, dict):
                 resolved = {**mirror, **resolved}
             loading["model_source"] = resolved
-        out.append({**llm, "model_loading_config": loading})
+        checked = {**llm, "model_loading_config": loading}
+        if llm.get("lora_config"):
+            note = check_lora(checked, loading.get("model_source"))
+            if note:
+                print(f"[rayfleet] note: {note}", file=sys.stderr, flush=True)
+        out.append(checked)
     args["llm_configs"] = out
     validate({"applications": [{"name": "llm", "import_path": IMPORT_PATH, "args": args}]})
     if nodes is not None:
@@ -543,7 +640,9 @@ def run(argv: list[str] | None) -> int:
         each = (f"{workers * args.cpus_per_worker:g} CPUs" if args.device == "cpu"
                 else f"{workers} GPUs")
         print(f"[rayfleet] wrote {out}: {args.model_id}, {each} per replica, "
-              f"{args.min_replicas}-{args.max_replicas} replicas", flush=True)
+              f"{args.min_replicas}-{args.max_replicas} replicas"
+              + (f", LoRA adapters from {args.lora_path.rstrip('/')} (model "
+                 f"{args.model_id}:<adapter>)" if args.lora_path else ""), flush=True)
     return 0
 
 
