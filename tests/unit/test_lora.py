@@ -3,8 +3,9 @@ learns as full SFT does, its checkpoints hold the adapter only and name the base
 continues the same curve, the final checkpoint's adapter/ (PeftModel.from_pretrained) and
 merged hf/ give the trained model's logits, `lm` serves base + adapter (greedy answers equal
 PEFT's own), and bad input is one line before any worker: LoRA on the byte GPT, targets that
-match no module, an adapter whose base differs from the served model. (The strategies and a
-killed worker under torchrun: tests/unit/test_train_hf.py's slow tier, test_lora_* there.)"""
+match no module, an adapter whose base differs from the served model. The slow tier runs
+FSDP2 (stopped and resumed) and ZeRO-3 with two ranks under torchrun; a killed Ray Train
+worker and vLLM's LoRA are tests/workloads/test_serve_hf.py's."""
 
 from __future__ import annotations
 
@@ -108,6 +109,43 @@ def test_adapter_and_merged_exports_give_the_trained_models_logits(lora_run, hf_
     config = json.loads((final / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(hf_model_dir)
     assert sorted(config["target_modules"]) == sorted(TARGETS.split(","))
+
+
+# --------------------------------------------------------------------------- strategies
+
+def _torchrun(model_dir, data, out, max_steps, *args) -> list[float]:
+    """2 ranks under torchrun (no Ray), checkpoints in `out`; every logged step's loss."""
+    from tests.conftest import BIN, run, summary_of
+
+    proc = run([str(BIN / "torchrun"), "--nproc-per-node", "2", "-m",
+                "workloads.train.torchrun", "--model", str(model_dir), "--dataset", str(data),
+                "--max-steps", str(max_steps), "--log-every", "1", "--checkpoint-every", "2",
+                "--batch-size", "4", "--lr", str(LORA_LR), "--output", str(out), *LORA, *args],
+               env={"PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+                    "HOME": str(out.parent)}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [h["loss"] for h in summary_of(proc.stdout)["history"]]
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp2_and_zero3_resumes_agrees_and_exports_the_same_adapter(
+        hf_model_dir, sft_data, tmp_path):
+    """Two ranks each: FSDP2 stopped at step 2 and resumed to 4 (its sharded checkpoint holds
+    the adapter and its optimizer state, not the frozen base), ZeRO-3 straight to 4; the same
+    curve, and the adapter gathered from the shards is the same."""
+    from safetensors.torch import load_file
+
+    _torchrun(hf_model_dir, sft_data, tmp_path / "fsdp", 2, "--strategy", "fsdp")
+    fsdp = _torchrun(hf_model_dir, sft_data, tmp_path / "fsdp", 4, "--strategy", "fsdp")
+    zero3 = _torchrun(hf_model_dir, sft_data, tmp_path / "zero3", 4, "--strategy", "deepspeed",
+                      "--zero-stage", "3")
+    assert len(fsdp) == 4 and fsdp[-1] < fsdp[0] and zero3 == pytest.approx(fsdp, abs=2e-4)
+    first = ckpt.local_checkpoints(tmp_path / "fsdp")[0]
+    assert first.name.endswith("02") and ckpt.FULL_WEIGHTS not in ckpt.validate(first)["files"]
+    finals = [ckpt.local_checkpoints(tmp_path / s)[-1] for s in ("fsdp", "zero3")]
+    ref, got = (load_file(str(f / "adapter" / "adapter_model.safetensors")) for f in finals)
+    assert got.keys() == ref.keys() and all(".lora_" in k for k in ref)
+    assert all(torch.allclose(got[k], ref[k], atol=1e-4) for k in ref)
 
 
 # --------------------------------------------------------------------------- bad input
