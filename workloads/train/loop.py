@@ -311,8 +311,11 @@ class _Engine:
             msd, osd = get_state_dict(self.model, self.optimizer, options=self._sd_options())
             state = {"model": msd, "optim": osd}
             dcp.load(state, checkpoint_id=str(d / runs.DCP_DIR))
+            # LoRA: dcp.load has already refused a checkpoint missing any adapter tensor; the
+            # frozen base is absent from it by design (not strict about those).
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"], options=self._sd_options())
+                           optim_state_dict=state["optim"],
+                           options=self._sd_options(strict=not self.lora))
         else:
             # A LoRA checkpoint has no frozen weights to load (they came from the source).
             path, _ = self.model.load_checkpoint(str(d / runs.DS_DIR), tag="ckpt",
