@@ -128,7 +128,7 @@ def _run_blocks(blocks, shells: dict, open_shell, port: int) -> None:
         if page not in shells:
             shells[page] = open_shell(page)
         body = body.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-        status, out = shells[page].run(body, timeout=420)
+        status, out = shells[page].run(body, timeout=600)
         where = f"{where}: exit {status}\n{out[-4000:]}"
         assert status == 0, where
         for pattern in expects:
@@ -301,7 +301,7 @@ def test_rag_refuses_a_missing_index_before_deploying(tmp_path):
 @pytest.mark.slow
 # Its fixture runs the Hugging Face line's blocks (a fine-tune, then vLLM's engine start): 7 to
 # over 10 min beside the rehearsal on 2 cores, so the suite's 600 s per test cannot hold it
-# (each block still has its own 420 s).
+# (each block still has its own 600 s).
 @pytest.mark.timeout(1200)
 def test_readme_hugging_face_line_and_cloud_steps(readme_rest):
     work, storage = readme_rest["work"], readme_rest["storage"]
