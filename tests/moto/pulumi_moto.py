@@ -715,6 +715,23 @@ def ray_launch_config(rendered: Path) -> dict:
     return bootstrap_aws(prepare_config(yaml.safe_load(rendered.read_text())))
 
 
+def launch_worker(cfg: dict, name: str, ec2) -> dict:
+    """Ray's own AWS node provider launches one worker of node type ``name`` from the
+    bootstrapped config (ray_launch_config), as the autoscaler would: the instance moto made."""
+    import copy
+
+    from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
+    from ray.autoscaler.tags import TAG_RAY_NODE_KIND, TAG_RAY_USER_NODE_TYPE
+
+    provider = AWSNodeProvider(cfg["provider"], cfg["cluster_name"])
+    provider.create_node(copy.deepcopy(cfg["available_node_types"][name]["node_config"]),
+                         {TAG_RAY_NODE_KIND: "worker", TAG_RAY_USER_NODE_TYPE: name}, 1)
+    (i,) = [i for r in ec2.describe_instances(Filters=[
+        {"Name": f"tag:{TAG_RAY_USER_NODE_TYPE}", "Values": [name]}])["Reservations"]
+        for i in r["Instances"]]
+    return i
+
+
 def account_inventory(session) -> dict[str, set[str]]:
     """What Ray's bootstrap would create if the YAML let it: groups, key pairs, roles,
     instance profiles."""

@@ -11,7 +11,6 @@ stands a name in for each group, which RunInstances accepts without looking it u
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 
@@ -31,10 +30,7 @@ NAMES = ["ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand",
 
 def test_the_program_builds_fallback_templates_ray_launches_from(moto_account, tmp_path,
                                                                  capsys):
-    from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
-    from ray.autoscaler.tags import TAG_RAY_NODE_KIND, TAG_RAY_USER_NODE_TYPE
-
-    from .pulumi_moto import build_stack, ray_launch_config
+    from .pulumi_moto import build_stack, launch_worker, ray_launch_config
 
     stack = build_stack(moto_account, tmp_path, {"rayfleet:workerFallbackAzs": [FALLBACK]})
     o = stack.outputs
@@ -69,13 +65,7 @@ def test_the_program_builds_fallback_templates_ray_launches_from(moto_account, t
                and f"in us-east-1b, {FALLBACK}" in ln for ln in out.splitlines()), out
 
     # Ray's own node provider launches the fallback node type's worker in the fallback AZ.
-    provider = AWSNodeProvider(cfg["provider"], cfg["cluster_name"])
-    name = f"ray.worker.p4d.24xlarge.spot.{FALLBACK}"
-    provider.create_node(copy.deepcopy(cfg["available_node_types"][name]["node_config"]),
-                         {TAG_RAY_NODE_KIND: "worker", TAG_RAY_USER_NODE_TYPE: name}, 1)
-    (i,) = [i for r in ec2.describe_instances(Filters=[
-        {"Name": f"tag:{TAG_RAY_USER_NODE_TYPE}", "Values": [name]}])["Reservations"]
-        for i in r["Instances"]]
+    i = launch_worker(cfg, f"ray.worker.p4d.24xlarge.spot.{FALLBACK}", ec2)
     tags = {t["Key"]: t["Value"] for t in i["Tags"]}
     assert tags["aws:ec2launchtemplate:id"] == fallbacks[0]["launch_template"]["id"]
     assert i["SubnetId"] == subnet[FALLBACK]

@@ -195,12 +195,7 @@ def test_the_program_builds_reservation_templates_ray_launches_from(moto_account
     nor a capacity-block market on the instance (moto 5.2.5 keeps only "a market type was
     given", shown as InstanceLifecycle spot), so the target is read from the template version
     the instance came from."""
-    import copy
-
-    from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
-    from ray.autoscaler.tags import TAG_RAY_NODE_KIND, TAG_RAY_USER_NODE_TYPE
-
-    from .pulumi_moto import build_stack, ray_launch_config
+    from .pulumi_moto import build_stack, launch_worker, ray_launch_config
 
     block = {"instanceType": "p4d.24xlarge", "availabilityZone": "us-east-1c", "id": BLOCK_ID,
              "capacityBlock": True}
@@ -214,16 +209,11 @@ def test_the_program_builds_reservation_templates_ray_launches_from(moto_account
                              token_file=str(tmp_path / "token"))
     assert lint.lint_file(str(rendered)) == []
     cfg = ray_launch_config(rendered)
-    provider = AWSNodeProvider(cfg["provider"], cfg["cluster_name"])
     subnet = dict(zip(o["availability_zones"], o["private_subnet_ids"], strict=True))
     for name, r, target in ((BLOCK_NAME, block, {"CapacityReservationId": BLOCK_ID}),
                             (RESERVED_NAME, odcr,
                              {"CapacityReservationResourceGroupArn": GROUP})):
-        provider.create_node(copy.deepcopy(cfg["available_node_types"][name]["node_config"]),
-                             {TAG_RAY_NODE_KIND: "worker", TAG_RAY_USER_NODE_TYPE: name}, 1)
-        (i,) = [i for res in ec2.describe_instances(Filters=[
-            {"Name": f"tag:{TAG_RAY_USER_NODE_TYPE}", "Values": [name]}])["Reservations"]
-            for i in res["Instances"]]
+        i = launch_worker(cfg, name, ec2)
         tags = {t["Key"]: t["Value"] for t in i["Tags"]}
         market = "block" if r.get("capacityBlock") else "reserved"
         (w,) = [w for w in o["node_types"]["workers"]
