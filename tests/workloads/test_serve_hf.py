@@ -7,15 +7,25 @@ transformers' own `generate` gives for the downloaded export, usage counts the t
 tokens (also as the last streamed chunk when `stream_options.include_usage` asks), chat goes
 through the tokenizer's chat template, streaming joins to the same text, concurrent prompts of
 different lengths decode in one batch with the same answers, and unknown models and too-long
-prompts are OpenAI errors."""
+prompts are OpenAI errors.
+
+LoRA: the export fine-tuned further with LoRA adapters by 2 DDP workers under Ray Train, one of
+them SIGKILLed after the first registered checkpoint (FailureConfig restarts the group, which
+resumes from it: the adapter and its optimizer state); the final adapter/ and a second adapter
+of the same base are served by the same llm app through Ray's lora_config (fetched from S3),
+each client picking one by model id, with the greedy answers PEFT gives for each."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import BIN, run, summary_of, wait_until
+from tests.conftest import BIN, REPO, run, summary_of, wait_until
 from tests.workloads.conftest import deploy_lm, post_json, serve_shutdown
 
 pytestmark = pytest.mark.ray
@@ -43,6 +53,86 @@ def trained(ray_cluster, aws_env, hf_model_dir, sft_data, checkpoint_bucket) -> 
     return summary
 
 
+LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
+ADAPTERS = "hf-adapters"          # the llm app's lora_config path, under the bucket
+
+
+@pytest.fixture(scope="module")
+def lora_trained(ray_cluster, aws_env, trained, sft_data, checkpoint_bucket, s3_client) -> dict:
+    """LoRA on the SFT run's export in S3, 2 DDP workers under Ray Train; rank 0's worker is
+    SIGKILLed once Ray has registered a checkpoint (as tests/faults' fault 1): FailureConfig
+    restarts the group, which resumes from it and finishes. Returns the summary, the step the
+    kill came at and the step resumed from."""
+    from workloads.common import runs
+
+    name = "lora-sft"
+    snapshot_key = f"hf-runs/{name}/{runs.SNAPSHOT}"
+
+    def registered() -> int | None:
+        try:
+            raw = s3_client.get_object(Bucket=checkpoint_bucket, Key=snapshot_key)["Body"].read()
+        except s3_client.exceptions.NoSuchKey:
+            return None
+        return ((runs.latest_result(raw) or {}).get("metrics") or {}).get("step")
+
+    proc = subprocess.Popen(
+        [str(BIN / "python"), "-m", "workloads.train", "--model", trained["hf_export"],
+         "--dataset", str(sft_data), "--lora-r", "8", "--lora-targets", LORA_TARGETS,
+         "--max-steps", "24", "--checkpoint-every", "4", "--log-every", "1", "--batch-size", "8",
+         "--lr", "1e-2", "--name", name, "--storage-path", f"s3://{checkpoint_bucket}/hf-runs"],
+        env={**ray_cluster["env"], **aws_env}, cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    lines, killed, resumed = [], None, None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"RayTrainWorker pid=(\d+).*\[rayfleet\] step (\d+)/", line)
+            if m and killed is None and (at := registered()):
+                os.kill(int(m.group(1)), signal.SIGKILL)
+                killed = (at, int(m.group(2)))
+            r = re.search(r"\[rayfleet\] resumed from step (\d+)", line)
+            if r and killed and resumed is None:
+                resumed = int(r.group(1))
+        proc.wait(timeout=400)
+    finally:
+        proc.kill()
+    out = "".join(lines)
+    assert proc.returncode == 0, out[-4000:]
+    assert killed is not None, "the run ended before a worker could be killed:\n" + out[-3000:]
+    # Resumed from the checkpoint registered when the worker died (or one registered in the
+    # moment after), never from scratch.
+    assert resumed is not None and killed[0] <= resumed <= killed[1], (killed, resumed)
+    summary = summary_of(out)
+    assert summary["steps"] == 24 and summary["hf_export"] is None
+    assert summary["adapter_export"] == summary["checkpoint"] + "/adapter"
+    return {**summary, "killed": killed, "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def adapters(lora_trained, checkpoint_bucket, s3_client, tmp_path_factory) -> dict:
+    """The run's adapter/ and a second adapter of the same base (its B matrices negated), each
+    downloaded and copied under the llm app's lora_config path: {name: local folder}."""
+    from safetensors.torch import load_file, save_file
+
+    local = tmp_path_factory.mktemp("adapters")
+    bucket, _, prefix = lora_trained["adapter_export"][len("s3://"):].partition("/")
+    keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket,
+                                                        Prefix=prefix + "/")["Contents"]]
+    sft, neg = local / "sft", local / "neg"
+    for d in (sft, neg):
+        d.mkdir()
+    for key in (k for k in keys if not k.endswith("/")):
+        s3_client.download_file(bucket, key, str(sft / key.rsplit("/", 1)[1]))
+        s3_client.download_file(bucket, key, str(neg / key.rsplit("/", 1)[1]))
+    weights = load_file(str(neg / "adapter_model.safetensors"))
+    save_file({k: -v if ".lora_B." in k else v for k, v in weights.items()},
+              str(neg / "adapter_model.safetensors"))
+    for d in (sft, neg):
+        for f in d.iterdir():
+            s3_client.upload_file(str(f), checkpoint_bucket, f"{ADAPTERS}/{d.name}/{f.name}")
+    return {"sft": sft, "neg": neg}
+
+
 @pytest.fixture(scope="module")
 def hf_uri(trained) -> str:
     return trained["hf_export"]
@@ -59,20 +149,23 @@ def lm_url(ray_cluster, aws_env, trained, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm_url(ray_cluster, aws_env, trained, lm_url):
+def llm_url(ray_cluster, aws_env, trained, lm_url, adapters, checkpoint_bucket):
     """The llm app as a user makes it: the generator run against the live cluster (it checks
-    the replica fits there) on the run folder in S3, then `serve deploy` of that app beside lm
-    under /llm. Ready when vLLM answers a completion."""
+    the replica fits there) on the run folder in S3, with the LoRA adapters under a prefix of
+    the bucket, then `serve deploy` of that app beside lm under /llm. Ready when vLLM answers a
+    completion."""
     import yaml
 
     out = DEPLOYED["dir"] / "llm.yaml"
     gen = run([str(BIN / "python"), "-m", "workloads.serve.llm_config", "--device", "cpu",
                "--model-id", LLM_MODEL, "--model-source", trained["run_path"],
                "--max-model-len", "256", "--engine-kwarg", "dtype=float32",
+               "--lora-path", f"s3://{checkpoint_bucket}/{ADAPTERS}", "--max-lora-rank", "8",
                "--max-replicas", "1", "--output", str(out)],
               env={**ray_cluster["env"], **aws_env}, timeout=180)
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert f"wrote {out}: {LLM_MODEL}, 1 CPUs per replica" in gen.stdout
+    assert f"LoRA adapters from s3://{checkpoint_bucket}/{ADAPTERS}" in gen.stdout
     app = yaml.safe_load(out.read_text())["applications"][0]
     assert app["args"]["llm_configs"][0]["model_loading_config"]["model_source"] == {
         "bucket_uri": trained["hf_export"]}
@@ -263,3 +356,41 @@ def test_concurrent_prompts_of_different_lengths_batch_with_the_same_answers(cli
         if sizes[-1] > 1:
             break
     assert sizes[-1] > 1, f"no batch formed in {len(sizes)} tries: {sizes}"
+
+
+# --------------------------------------------------------------------------- LoRA
+
+def test_lora_run_resumed_after_a_killed_worker_and_learned(lora_trained, trained):
+    # It started from the SFT export's loss and went on down, through the restart.
+    assert lora_trained["first_loss"] < trained["first_loss"]
+    assert lora_trained["final_loss"] < lora_trained["first_loss"] - 0.3, lora_trained
+
+
+def test_llm_serves_each_adapter_by_model_id_as_peft_answers(llm_client, adapters, export_dir):
+    """Several adapters on one base in one vLLM replica: `<model>:<adapter>` picks one, the
+    base model id none; each answers what PEFT's generate gives for that adapter."""
+    import openai
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(export_dir))
+    ids = tok(PROMPT).input_ids
+    answers = {}
+    for name, folder in [("", None), *adapters.items()]:
+        model = AutoModelForCausalLM.from_pretrained(str(export_dir), dtype=torch.float32)
+        if folder is not None:
+            model = PeftModel.from_pretrained(model, str(folder))
+        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(
+            1, len(ids), dtype=torch.long), max_new_tokens=12, do_sample=False)
+        want = tok.decode(out[0, len(ids):], skip_special_tokens=True,
+                          clean_up_tokenization_spaces=False)
+        model_id = f"{LLM_MODEL}:{name}" if name else LLM_MODEL
+        r = llm_client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12,
+                                          temperature=0)
+        assert r.choices[0].text == want, model_id
+        answers[name] = want
+    assert len(set(answers.values())) == 3, answers    # three models, three answers
+    with pytest.raises(openai.APIError):
+        llm_client.completions.create(model=f"{LLM_MODEL}:no-such-adapter", prompt=PROMPT,
+                                      max_tokens=2)
