@@ -99,9 +99,10 @@ def lora_trained(ray_cluster, aws_env, trained, sft_data, checkpoint_bucket, s3_
     out = "".join(lines)
     assert proc.returncode == 0, out[-4000:]
     assert killed is not None, "the run ended before a worker could be killed:\n" + out[-3000:]
-    # Resumed from the checkpoint registered when the worker died (or one registered in the
-    # moment after), never from scratch.
-    assert resumed is not None and killed[0] <= resumed <= killed[1], (killed, resumed)
+    # Resumed from the checkpoint registered when the worker died, or a later one (rank 0's
+    # lines reach the driver a moment after it prints them, and its steps take ~0.1 s), never
+    # from scratch, and mid-run.
+    assert resumed is not None and killed[0] <= resumed < 24, (killed, resumed, out[-3000:])
     summary = summary_of(out)
     assert summary["steps"] == 24 and summary["hf_export"] is None
     assert summary["adapter_export"] == summary["checkpoint"] + "/adapter"
