@@ -132,60 +132,15 @@ def _logged(cmd: list[str], env: dict, log: Path, timeout: float
     return subprocess.CompletedProcess(cmd, proc.returncode, log.read_text(), "")
 
 
-class Tunnel:
-    """`ray dashboard` forwarding ``remote`` on the head to ``local`` here, over SSM, kept up as
-    a user keeps theirs: Ray's ssh gives up a connection whose keepalives go unanswered for
-    15 s (ServerAliveInterval=5, ServerAliveCountMax=3), which the stand-in SSM proxy on 2 busy
-    cores once missed right after the tunnel came up, and the rehearsal's next client got
-    "connection refused". When the command exits, it is run again (each time said in the
-    rehearsal's output and in its log); `ready()` waits for the forward before a client uses it.
-    """
-
-    def __init__(self, cmd: list[str], env: dict, log: Path, probe):
-        import threading
-
-        self.cmd, self.env, self.log, self.probe = cmd, env, log, probe
-        self.restarts = 0
-        self._stop = threading.Event()
-        self.proc = self._start()
-        self._watch = threading.Thread(target=self._keep_up, daemon=True)
-        self._watch.start()
-
-    def _start(self) -> subprocess.Popen:
-        with open(self.log, "ab") as f:
-            return subprocess.Popen(self.cmd, env=self.env, cwd=REPO, stdout=f,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-
-    def _keep_up(self) -> None:
-        while not self._stop.wait(1.0):
-            if self.proc.poll() is not None and not self._stop.is_set():
-                self.restarts += 1
-                print(f"rehearsal: {self.log.name}: `ray dashboard` exited "
-                      f"{self.proc.returncode}; started again ({self.restarts})", flush=True)
-                self.proc = self._start()
-
-    def ready(self, timeout: float = 90) -> None:
-        wait_until(f"the tunnel ({self.log.name})", self.probe, timeout, 1.0)
-
-    def stop(self, sig: int = signal.SIGKILL) -> None:
-        self._stop.set()
-        self._watch.join(timeout=5)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
-
-
-def _tunnel(op, env: dict, yaml_path: Path, local: int, remote: int, log: Path, probe
-            ) -> Tunnel:
-    return Tunnel(op([str(BIN / "ray"), "dashboard", "-p", str(local), "--remote-port",
-                      str(remote), str(yaml_path)]), env, log, probe)
-
-
-def _port_open(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        s.settimeout(2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+def _tunnel(op, env: dict, yaml_path: Path, local: int, remote: int, log: Path
+            ) -> subprocess.Popen:
+    """`ray dashboard` forwarding ``remote`` on the head to ``local`` here, over SSM."""
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(op([str(BIN / "ray"), "dashboard", "-p", str(local),
+                                    "--remote-port", str(remote), str(yaml_path)]),
+                                env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return proc
 
 
 def _http(url: str, token: str | None = None, timeout: float = 5) -> tuple[int, bytes]:
@@ -200,9 +155,8 @@ def _http(url: str, token: str | None = None, timeout: float = 5) -> tuple[int, 
         return 0, b""
 
 
-def _submit(client: dict, log: Path, *argv: str, tunnel: Tunnel) -> str:
+def _submit(client: dict, log: Path, *argv: str) -> str:
     """`ray job submit --working-dir .` through the tunnel, as README's cloud path submits."""
-    tunnel.ready()
     return _ok(_logged([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
                         "python", "-m", *argv], client, log, 400), f"the {argv[0]} job")
 
@@ -374,11 +328,10 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         client = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
         dash = free_port()
         with step("ray dashboard (the tunnel)"):
+            tunnels.append(_tunnel(op, env, cluster_yaml, dash, 8265, root / "tunnel-8265.log"))
             address = f"http://127.0.0.1:{dash}"
-            dash_tunnel = _tunnel(op, env, cluster_yaml, dash, 8265, root / "tunnel-8265.log",
-                                  lambda: _http(address + "/api/version", token)[0] == 200)
-            tunnels.append(dash_tunnel)
-            dash_tunnel.ready(60)
+            wait_until("the dashboard through the tunnel",
+                       lambda: _http(address + "/api/version", token)[0] == 200, 60, 1.0)
             client["RAY_ADDRESS"] = address
 
         with step("a client without the token is refused"):
@@ -396,7 +349,6 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         worker_az = stack.outputs["worker_availability_zone"]
         cloud.capacity.refuse(preferred, worker_az)
         with step("ray job submit: training on an A100 worker the autoscaler launches"):
-            dash_tunnel.ready()
             # The submission id names the run: its logs go where its checkpoints do.
             train = _logged([str(BIN / "ray"), "job", "submit", "--working-dir", ".",
                              "--submission-id", "cloud-ddp", "--",
@@ -478,7 +430,6 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                                    (sft_local, "rayfleet/sft")):
                 for f in sorted(f for f in folder.rglob("*") if f.is_file()):
                     s3.upload_file(str(f), bucket, f"{prefix}/{f.relative_to(folder)}")
-            dash_tunnel.ready()
             hf_log = root / "hf-train.log"
             with open(hf_log, "w") as f:
                 background.append(subprocess.Popen(
@@ -495,7 +446,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         with step("ray job submit: the data job"):
             data_argv = ("workloads.data", "--smoke-test", "--max-bytes", "300000",
                          "--shard-bytes", "60000", "--output", f"s3://{bucket}/rayfleet/data")
-            d = summary_of(_submit(client, root / "data.log", *data_argv, tunnel=dash_tunnel))
+            d = summary_of(_submit(client, root / "data.log", *data_argv))
             assert d["seq_len"] == 64 and d["written"] == d["shards"] >= 2, d
             assert d["skipped"] == 0 and d["rows"] > 100, d
             shards = [k for k in _keys(s3, bucket, "rayfleet/data/")
@@ -526,7 +477,6 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         # The FSDP job trains while the Serve configs are made here and deployed: the client-side
         # steps alone can outlast the test's one-minute auto-stop window on a loaded machine,
         # and a cluster with a job running is not idle (a user's cluster is kept up the same way).
-        dash_tunnel.ready()
         fsdp_log = root / "fsdp.log"
         with open(fsdp_log, "w") as f:
             fsdp = subprocess.Popen(
@@ -574,22 +524,31 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             _ok(run([str(BIN / "serve"), "deploy", "--address", address, str(both_yaml)],
                     env=client, timeout=120), "serve deploy")
 
-        with step("ray job submit: fsdp, per-rank shards in the bucket"):
-            try:   # submitted before the Serve step, above
-                fsdp.wait(timeout=400)
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"the fsdp job still running after 400 s: "
-                                   f"{fsdp_log.read_text()[-3000:]}") from None
-            job = _ok(subprocess.CompletedProcess([], fsdp.returncode, fsdp_log.read_text(), ""),
-                      "the fsdp job")
-            r = summary_of(job)
-            assert r["steps"] == 10 and r["final_loss"] < r["first_loss"], r
-            ckpt = r["checkpoint"].removeprefix(f"s3://{bucket}/")
-            files = set(_keys(s3, bucket, ckpt + "/"))
-            # Each of the two ranks wrote its own shard, and the full weights are there for
-            # serving.
-            assert {f"{ckpt}/dcp/__0_0.distcp", f"{ckpt}/dcp/__1_0.distcp",
-                    f"{ckpt}/dcp/.metadata", f"{ckpt}/model.pt"} <= files, files
+        for strategy in ("fsdp",):
+            with step(f"ray job submit: {strategy}, per-rank shards in the bucket"):
+                if strategy == "fsdp":   # submitted before the Serve step, above
+                    try:
+                        fsdp.wait(timeout=400)
+                    except subprocess.TimeoutExpired:
+                        raise RuntimeError(f"the fsdp job still running after 400 s: "
+                                           f"{fsdp_log.read_text()[-3000:]}") from None
+                    job = _ok(subprocess.CompletedProcess([], fsdp.returncode,
+                                                          fsdp_log.read_text(), ""),
+                              "the fsdp job")
+                else:
+                    job = _submit(client, root / f"{strategy}.log",
+                                  *_strategy_argv(strategy, runs))
+                r = summary_of(job)
+                assert r["steps"] == 10 and r["final_loss"] < r["first_loss"], r
+                ckpt = r["checkpoint"].removeprefix(f"s3://{bucket}/")
+                files = set(_keys(s3, bucket, ckpt + "/"))
+                if strategy == "fsdp":   # each of the two ranks wrote its own shard
+                    assert {f"{ckpt}/dcp/__0_0.distcp", f"{ckpt}/dcp/__1_0.distcp",
+                            f"{ckpt}/dcp/.metadata"} <= files, files
+                else:
+                    assert len([f for f in files
+                                if f.endswith("_optim_states.pt")]) == 2, files
+                assert f"{ckpt}/model.pt" in files   # full weights, for serving
 
         with step("ray job submit: the data job again skips every shard"):
             def objects():
@@ -599,8 +558,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                         for o in p.get("Contents", []) if o["Key"].endswith(".parquet")}
 
             before = objects()
-            again = summary_of(_submit(client, root / "data-again.log", *data_argv,
-                                       tunnel=dash_tunnel))
+            again = summary_of(_submit(client, root / "data-again.log", *data_argv))
             assert objects() == before   # not one shard rewritten
             assert again["written"] == 0 and again["skipped"] == d["shards"], again
             assert again["rows"] == d["rows"], again
@@ -608,7 +566,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         with step("lm and llm answer through a tunnel"):
             api = free_port()
             tunnels.append(_tunnel(op, env, cluster_yaml, api, src["http_options"]["port"],
-                                   root / "tunnel-serve.log", lambda: _port_open(api)))
+                                   root / "tunnel-serve.log"))
             from openai import OpenAI
 
             oa = OpenAI(base_url=f"http://127.0.0.1:{api}/v1", api_key="unused",
@@ -666,11 +624,10 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert len([c for c in chunks if c]) > 1 or len(new) < 3, chunks
 
         with step("auto-stop: the idle cluster tears itself down, head included"):
-            dash_tunnel.ready()
             _ok(run([str(BIN / "serve"), "shutdown", "-y", "--address", address], env=client,
                     timeout=120), "serve shutdown")
             for t in tunnels:
-                t.stop(signal.SIGTERM)
+                os.killpg(t.pid, 15)
             # Every worker the first cluster had (the fake cloud started a node for each).
             started = [e.split()[1] for e in cloud.events if e.startswith("start ")]
             all_workers = sorted(set(started) - {head.instance_id})
@@ -733,11 +690,9 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             _ok(swept, "rayfleet sweep")
         cloud.check()
     finally:
-        for t in tunnels:
-            t.stop()
-        for p in background:
+        for t in tunnels + background:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, 9)
+                os.killpg(t.pid, 9)
         # A step failed with the cluster up: take it down the user's way, then remove the
         # fake cloud whatever `ray down` does (hangs, fails) and whatever signal comes.
         problems = teardown(cloud, op([str(BIN / "ray"), "down", "-y", str(down_yaml)])
