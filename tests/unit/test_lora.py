@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from rayfleet.errors import RayfleetError
+from tests.unit.test_serve_hf_units import _refusal  # lm's one-line refusal, as there
 from workloads.common import hf
 from workloads.common import runs as ckpt
 from workloads.train import driver, hf_model
@@ -192,16 +192,6 @@ def test_weights_fingerprint_names_the_weights_not_their_dtype(hf_model_dir, tmp
 
 
 # --------------------------------------------------------------------------- lm
-
-def _refusal(args: dict) -> str:
-    from workloads.serve.lm import check_args
-
-    with pytest.raises(RayfleetError) as e:
-        check_args(args)
-    msg = str(e.value)
-    assert "\n" not in msg and e.value.exit_code == 2
-    return msg
-
 
 def test_lm_serves_a_lora_runs_base_and_adapter_checked_against_its_base(lora_run,
                                                                           hf_model_dir, tmp_path):
