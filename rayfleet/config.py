@@ -168,6 +168,13 @@ SCHEMA: tuple[ConfigKey, ...] = (
               "Tear the whole cluster down, head included, after this many idle minutes "
               "(no job, Serve app or user actor); 0 means never. `rayfleet render "
               "--autostop-minutes` overrides it."),
+    ConfigKey("headHa", "boolean", False,
+              "Losing the head is not losing the cluster: the GCS keeps its state in an "
+              "encrypted, TLS-only, auth-token ElastiCache Redis in the private subnets "
+              "(reachable from the cluster security group only), the head launches at a fixed "
+              "private address in the workers' AZ, and every node waits "
+              "rayfleet.raystart.GCS_RECONNECT_TIMEOUT_S for a replaced head "
+              "(docs/nodes.md). Off by default: the Redis nodes cost by the hour."),
     ConfigKey("budgetMonthlyUsd", "integer", 0,
               "Monthly AWS Budgets limit in USD; 0 means no budget."),
     ConfigKey("budgetEmails", "array", [],
@@ -367,6 +374,8 @@ class StackConfig:
     storage: StorageConfig
     budget: BudgetConfig
     autostop_minutes: int   # 0: never
+    # rayfleet:headHa: GCS fault tolerance (the GCS store and the head's fixed address).
+    head_ha: bool = False
     # The raw values (defaults filled in), keyed by bare key name: what to_mapping returns.
     values: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
@@ -404,6 +413,7 @@ class StackConfig:
             ),
             budget=budget,
             autostop_minutes=_int_range("autostopMinutes", v["autostopMinutes"], 0, 10080),
+            head_ha=v["headHa"],
             values=v,
         )
 

@@ -167,6 +167,21 @@ def port(name: str) -> int:
 LOCAL_METRICS_EXPORT_PORT = 8080
 
 
+# ----------------------------------------------------------------------------- GCS store
+
+# rayfleet:headHa's Redis (ElastiCache, infra/components/gcs_store.py): the port its security
+# group admits from the cluster's group and the head's GCS dials. Not Redis's 6379: that is the
+# GCS's own port (RAY_PORTS' gcs), which rule 4 keeps between the cluster's nodes; a port of
+# its own keeps the two rules, and the two listeners, apart.
+GCS_STORE_PORT = 6380
+# The cache node type: the GCS's tables are small (nodes, actors, jobs, placement groups), so
+# the smallest Graviton node with memory to spare; its price is the catalog's.
+GCS_STORE_NODE_TYPE = "cache.t4g.small"
+# Where hiredis (in gcs_server) finds the CAs that signed ElastiCache's certificate: the node
+# image's system bundle (Ubuntu's ca-certificates), which holds Amazon's roots.
+GCS_STORE_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
 # ----------------------------------------------------------------------------- names
 
 # A rayfleet cluster name goes into resource names, IAM policy conditions and Ray's
@@ -193,14 +208,16 @@ BUCKET_PREFIX_MAX = 63 - 26
 
 # What a credential or secret looks like in text a node or the launcher reads: user data
 # (the policy pack, rule 20) and cluster YAMLs (`rayfleet lint`, rule 20). A value that is a
-# reference (``$VAR``), a path (``/``, ``~``, ``.``) or shorter than 6 characters is not one.
+# reference (``$VAR``), a path (``/``, ``~``, ``.``), an ARN or shorter than 6 characters is not
+# one.
 SECRET_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"), "an AWS access key id"),
     (re.compile(r"aws_secret_access_key|AWS_SECRET_ACCESS_KEY|AWS_SESSION_TOKEN\s*[=:]"),
      "an AWS secret key"),
     (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"), "a private key"),
     (re.compile(r"RAY_AUTH_TOKEN\s*=\s*(?![$\s])"), "the Ray auth token"),
-    (re.compile(r"(?i)\b\w*(password|passwd|secret|api[_-]?key|token)\w*\s*[=:]\s*['\"]?"
+    # Not after a colon: an ARN names a secret (arn:aws:secretsmanager:...), it does not hold one.
+    (re.compile(r"(?i)(?<![\w:])\w*(password|passwd|secret|api[_-]?key|token)\w*\s*[=:]\s*['\"]?"
                 r"(?![/~.$])[A-Za-z0-9+/_\-.]{6,}"), "a password, API key or token"),
     (re.compile(r"\bhf_[A-Za-z0-9]{30,}\b"), "a Hugging Face token"),
 )

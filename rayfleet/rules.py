@@ -111,6 +111,10 @@ _RULES = (
     Rule(32, "A GPU worker template's EFA interfaces and placement group are in the AZ it was "
              "built for",
          "", ("pack",)),
+    Rule(33, "The GCS store: Redis encrypted at rest and in transit, behind an auth token, "
+             "reachable from the cluster's security group only; only the head reads its token",
+         "CKV_AWS_29, CKV_AWS_30, CKV_AWS_31, ElastiCache.4, ElastiCache.5",
+         ("pack", "lint")),
 )
 
 RULES: Mapping[int, Rule] = {r.number: r for r in _RULES}

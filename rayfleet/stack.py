@@ -30,6 +30,9 @@ JSON::
     max_workers: int                     # rayfleet:maxWorkers: every worker type together
     storage_uri: str                     # s3://<bucket>/<key prefix>: where jobs write
     autostop_minutes: int                # optional; 0 or absent: never (rayfleet:autostopMinutes)
+    head_ha:                             # only with rayfleet:headHa (absent: no GCS store)
+      gcs_store: {endpoint, port, auth_secret_arn}   # TLS-only Redis; the token's secret
+      head_address: {private_ip, subnet_id}          # where every head launches
     # Not read by render; what an operator (and the kit's tests) look up in the stack:
     worker_availability_zone: str
     vpc_id: str
@@ -66,6 +69,7 @@ refuses a repeated (type, market, AZ).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -183,6 +187,35 @@ class Arn:
 
 
 @dataclass(frozen=True)
+class GcsStore:
+    """rayfleet:headHa's Redis: the GCS's tables outlive the head. TLS only; the auth token is
+    in Secrets Manager (only the head role may read it), never in the outputs."""
+
+    endpoint: str          # the replication group's primary endpoint (a DNS name)
+    port: int
+    auth_secret_arn: str
+
+    @property
+    def url(self) -> str:
+        """What RAY_REDIS_ADDRESS names: ``rediss://`` is Ray's switch for TLS."""
+        return f"rediss://{self.endpoint}:{self.port}"
+
+
+@dataclass(frozen=True)
+class HeadAddress:
+    """The private address every head of an HA stack launches at (one subnet: the workers')."""
+
+    private_ip: str
+    subnet_id: str
+
+
+@dataclass(frozen=True)
+class HeadHa:
+    gcs_store: GcsStore
+    head_address: HeadAddress
+
+
+@dataclass(frozen=True)
 class StackOutputs:
     # What render reads: each must be present and non-empty.
     stack: str
@@ -214,6 +247,8 @@ class StackOutputs:
     budget_name: str | None = None
     # Read by render when present: 0 (and an older stack without it) means no auto-stop.
     autostop_minutes: int = 0
+    # rayfleet:headHa; None (and absent from the output, as before it existed): no HA.
+    head_ha: HeadHa | None = field(default=None, metadata={"omit_if_none": True})
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -348,9 +383,45 @@ def _check(o: dict[str, Any], source: str) -> None:
                               f"must be a string, got {w['accelerator_type']!r}; {_RERUN}")
     _count(source, "max_workers", o["max_workers"], 1)
     _count(source, "autostop_minutes", o.get("autostop_minutes", 0), 0)
+    _check_head_ha(source, o)
     if not CLUSTER_NAME.fullmatch(str(o["cluster_name"])):
         raise ConfigError(f"{source}: cluster_name", f"{o['cluster_name']!r} is not a rayfleet "
                                                      "cluster name")
+
+
+# What render reads of head_ha, when the output has it.
+HEAD_HA_KEYS = ("gcs_store.endpoint", "gcs_store.port", "gcs_store.auth_secret_arn",
+                "head_address.private_ip", "head_address.subnet_id")
+
+
+def _check_head_ha(source: str, o: dict[str, Any]) -> None:
+    """head_ha, when present: every key render reads, a port, an IPv4 address, a secret ARN and
+    a subnet of the stack's."""
+    ha = o.get("head_ha")
+    if ha is None:
+        return
+    for key in HEAD_HA_KEYS:
+        try:
+            value = _get(ha, key)
+        except KeyError:
+            value = None
+        if value is None or value == "":
+            raise RayfleetError(f"{source}: stack output `rayfleet` lacks head_ha.{key}; "
+                                f"{_RERUN}")
+    _count(source, "head_ha.gcs_store.port", ha["gcs_store"]["port"], 1)
+    try:
+        ipaddress.IPv4Address(str(ha["head_address"]["private_ip"]))
+    except ValueError:
+        raise ConfigError(f"{source}: head_ha.head_address.private_ip",
+                          f"{ha['head_address']['private_ip']!r} is not an IPv4 address; "
+                          f"{_RERUN}") from None
+    if ha["head_address"]["subnet_id"] not in o["private_subnet_ids"]:
+        raise ConfigError(f"{source}: head_ha.head_address.subnet_id",
+                          f"{ha['head_address']['subnet_id']!r} is not one of the stack's "
+                          f"private_subnet_ids; {_RERUN}")
+    if not str(ha["gcs_store"]["auth_secret_arn"]).startswith("arn:"):
+        raise ConfigError(f"{source}: head_ha.gcs_store.auth_secret_arn",
+                          f"{ha['gcs_store']['auth_secret_arn']!r} is not an ARN; {_RERUN}")
 
 
 def _check_reservation(source: str, kind: str, w: dict[str, Any]) -> None:
@@ -416,6 +487,11 @@ def _build(o: dict[str, Any]) -> StackOutputs:
         return ByRole(Arn(d["head"]["arn"]), Arn(d["worker"]["arn"]))
 
     lts = o["launch_templates"]
+    ha = o.get("head_ha")
+    head_ha = None if ha is None else HeadHa(
+        GcsStore(ha["gcs_store"]["endpoint"], ha["gcs_store"]["port"],
+                 ha["gcs_store"]["auth_secret_arn"]),
+        HeadAddress(ha["head_address"]["private_ip"], ha["head_address"]["subnet_id"]))
     try:
         roles = arns(o["roles"])
     except (KeyError, TypeError):
@@ -451,4 +527,5 @@ def _build(o: dict[str, Any]) -> StackOutputs:
         ray_ports=dict(o.get("ray_ports") or {}),
         budget_name=o.get("budget_name"),
         autostop_minutes=o.get("autostop_minutes", 0),
+        head_ha=head_ha,
     )

@@ -20,6 +20,7 @@ from rayfleet.config import StackConfig
 from rayfleet.facts import MANAGED_BY_PULUMI, RAY_PORTS, TAG_CLUSTER, TAG_MANAGED_BY, TAG_STACK
 
 from .budget import Budget, BudgetArgs
+from .gcs_store import GcsStore, GcsStoreArgs, HeadAddress, HeadAddressArgs
 from .gpu_nodes import GpuNodes, GpuNodesArgs
 from .iam import Iam, IamArgs
 from .network import Network, NetworkArgs
@@ -27,7 +28,8 @@ from .security import Security, SecurityArgs
 from .storage import Storage, StorageArgs
 
 __all__ = [
-    "Budget", "BudgetArgs", "GpuNodes", "GpuNodesArgs", "Iam", "IamArgs",
+    "Budget", "BudgetArgs", "GcsStore", "GcsStoreArgs", "GpuNodes", "GpuNodesArgs",
+    "HeadAddress", "HeadAddressArgs", "Iam", "IamArgs",
     "Network", "NetworkArgs", "Security", "SecurityArgs", "Storage", "StorageArgs", "build",
 ]
 
@@ -111,6 +113,30 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         worker_az=worker_az,
         fallback_azs=cfg.nodes.worker_fallback_azs,
     ), opts)
+    # rayfleet:headHa: the GCS's Redis and the head's fixed address (the workers' subnet, where
+    # the head's GCS is nearest the raylets that dial it).
+    head_ha = None
+    if cfg.head_ha:
+        store = GcsStore(f"{c}-gcs", GcsStoreArgs(
+            cluster_name=c,
+            partition=cfg.partition,
+            region=cfg.region,
+            vpc_id=network.vpc.id,
+            private_subnet_ids=network.private_subnet_ids,
+            cluster_security_group_id=security.cluster.id,
+            head_role_name=iam.head_role.name,
+            kms_key_arn=storage.kms_key_arn,
+        ), opts)
+        address = HeadAddress(f"{c}-head-address", HeadAddressArgs(
+            cluster_name=c,
+            subnet_id=network.worker_subnet.id,
+            subnet_cidr=network.worker_subnet.cidr_block,
+        ), opts)
+        head_ha = contract.HeadHa(
+            gcs_store=contract.GcsStore(endpoint=store.endpoint, port=store.port,
+                                        auth_secret_arn=store.secret.arn),
+            head_address=contract.HeadAddress(private_ip=address.private_ip,
+                                              subnet_id=address.subnet_id))
     budget = None
     if cfg.budget.enabled:
         budget = Budget(f"{c}-budget", BudgetArgs(
@@ -178,4 +204,5 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         ray_ports={p.name: [p.from_port, p.to_port] for p in RAY_PORTS},
         budget_name=budget.budget.name if budget is not None else None,
         autostop_minutes=cfg.autostop_minutes,
+        head_ha=head_ha,
     ).to_dict()}

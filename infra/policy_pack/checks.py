@@ -127,6 +127,9 @@ POLICY_ATTACHMENTS = ("aws:iam/policyAttachment:PolicyAttachment",
                       "aws:iam/userPolicyAttachment:UserPolicyAttachment",
                       "aws:iam/groupPolicyAttachment:GroupPolicyAttachment")
 INSTANCE_PROFILE = "aws:iam/instanceProfile:InstanceProfile"
+REPLICATION_GROUP = "aws:elasticache/replicationGroup:ReplicationGroup"
+CACHE_CLUSTER = "aws:elasticache/cluster:Cluster"
+SECRET = "aws:secretsmanager/secret:Secret"
 
 # Rule 1's ports: Ray's unauthenticated-by-default surfaces and Serve.
 WORLD_FORBIDDEN_PORTS = tuple((RAY_PORTS_BY_NAME[n].from_port, RAY_PORTS_BY_NAME[n].to_port)
@@ -997,6 +1000,89 @@ def rule_32_worker_template_in_its_az(resources: Sequence[Resource],
                              "one AZ")
 
 
+def _lists(r: Resource, key: str, target: Resource) -> bool:
+    """Whether ``r``'s list property ``key`` names ``target`` (by value, or by dependency while
+    the value is unknown)."""
+    value = _value(r.inputs, key)
+    if value not in (None, UNKNOWN) and any(str(v) in target.refs for v in _list(value)):
+        return True
+    return bool(target.urn) and target.urn in r.deps.get(key, ())
+
+
+def _is_group(ref: str, group: Resource) -> bool:
+    """Whether a permission's group reference (:func:`_group_ref`) is ``group``."""
+    return ref in group.refs or (bool(group.urn) and group.urn in ref.split("|"))
+
+
+def rule_33_gcs_store(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
+    """rayfleet:headHa's Redis: encrypted at rest and in transit (TLS required, not merely
+    preferred), an auth token, security groups that admit only other security groups; and
+    the secrets such a store's token lives in read by the head role alone."""
+    stores = _all(resources, REPLICATION_GROUP)
+    for r in _all(resources, CACHE_CLUSTER):
+        # A lone cache cluster (no replication group) cannot require TLS with a token the way
+        # the stack's store does; the stack never makes one.
+        if not _known(r.inputs, "replicationGroupId"):
+            yield _v(33, r, "is a cache cluster outside a replication group; the GCS store is "
+                            "a replication group with TLS required and an auth token")
+    groups = _all(resources, SG)
+    for r in stores:
+        i = r.inputs
+        if not _true(_known(i, "atRestEncryptionEnabled")):
+            yield _v(33, r, "does not encrypt its data at rest (atRestEncryptionEnabled)")
+        if not _true(_known(i, "transitEncryptionEnabled")):
+            yield _v(33, r, "does not encrypt in transit (transitEncryptionEnabled)")
+        mode = _known(i, "transitEncryptionMode")
+        if mode is not None and mode != "required":
+            yield _v(33, r, f"accepts clients without TLS (transitEncryptionMode {mode}); "
+                            "set required")
+        if _value(i, "authToken") in (None, "") and not _list(_known(i, "userGroupIds")):
+            yield _v(33, r, "has no auth token: anyone who reaches it may read and rewrite the "
+                            "cluster's state")
+        if not _list(_known(i, "securityGroupIds")) and not r.deps.get("securityGroupIds"):
+            yield _v(33, r, "names no security group, so the VPC's default group guards it")
+        for g in groups:
+            if not _lists(r, "securityGroupIds", g):
+                continue
+            for p in permissions(resources):
+                if p.direction != "ingress" or not _is_group(p.group, g):
+                    continue
+                if p.cidrs or p.prefix_lists:
+                    source = ", ".join(p.cidrs + p.prefix_lists)
+                    yield _v(33, p.resource, f"admits {source} to the GCS store's group "
+                                             f"{g.name}; only the cluster's security group may "
+                                             "reach it")
+    if not stores:
+        return
+    # The store's token: every secret of a stack with a GCS store is its (the stack keeps no
+    # other); a policy that reads one must be the head role's, and name it.
+    secret_arns = {str(x.outputs.get("arn")) for x in _all(resources, SECRET)}
+    if not secret_arns:
+        return
+    roles = _node_roles(resources)
+    for r, statements in _policy_documents(resources):
+        for s in statements:
+            if not _allows(s):
+                continue
+            reads = [a for a in _actions(s) if a in ("secretsmanager:GetSecretValue",
+                                                     "secretsmanager:*", "*")]
+            if not reads:
+                continue
+            targets = [str(x) for x in _list(s.get("Resource"))]
+            hits = [t for t in targets if t in secret_arns or "*" in t]
+            if not hits:
+                continue
+            role = next((x for x in roles.values()
+                         if r is x or _points_to(r, "role", x)), None)
+            if role is None or _role_kind(role) != "head":
+                who = f"the {_role_kind(role)} role" if role is not None else "a policy"
+                yield _v(33, r, f"lets {who} read the GCS store's token ({', '.join(hits)}); "
+                                "only the head role may")
+            elif any("*" in t for t in hits):
+                yield _v(33, r, f"lets the head read secrets by wildcard ({', '.join(hits)}); "
+                                "name the GCS store's token")
+
+
 CHECKS: Mapping[int, Callable[..., Iterator[Violation]]] = {
     1: rule_1_no_world_ray_ports, 2: rule_2_no_world_ssh, 4: rule_4_ray_ports_from_cluster_only,
     5: rule_5_default_sg_denies_all, 6: rule_6_descriptions, 7: rule_7_private_nodes,
@@ -1009,4 +1095,5 @@ CHECKS: Mapping[int, Callable[..., Iterator[Violation]]] = {
     27: rule_27_bucket_access_logged, 28: rule_28_log_groups_cmk,
     29: rule_29_explicit_key_policy, 30: rule_30_ingress_ports_from_cluster,
     31: rule_31_reserved_capacity, 32: rule_32_worker_template_in_its_az,
+    33: rule_33_gcs_store,
 }

@@ -1,7 +1,8 @@
-"""Fixtures: the Pulumi program built under mocks for three stacks, once per session.
+"""Fixtures: the Pulumi program built under mocks for four stacks, once per session.
 
 - ``dev``: the worked example, Pulumi.dev.yaml.
 - ``minimal``: every default, and S3-managed encryption, no budget, no operator CIDRs.
+- ``ha``: the worked example with rayfleet:headHa on (the GCS store, the head's fixed address).
 - ``maximal``: every option on — 6 AZs, a NAT per AZ, IPv4 and IPv6 operator CIDRs, p4de,
   Ray in Docker (IMDS hop limit 2), a pinned AMI, a budget.
 """
@@ -49,7 +50,12 @@ def dev_config() -> dict:
     return yaml.safe_load((ROOT / "Pulumi.dev.yaml").read_text())["config"]
 
 
-STACKS = {"dev": dev_config, "minimal": lambda: dict(MINIMAL), "maximal": lambda: dict(MAXIMAL)}
+def ha_config() -> dict:
+    return {**dev_config(), "rayfleet:headHa": True}
+
+
+STACKS = {"dev": dev_config, "minimal": lambda: dict(MINIMAL), "maximal": lambda: dict(MAXIMAL),
+          "ha": ha_config}
 
 
 @pytest.fixture(scope="session")
@@ -60,5 +66,5 @@ def built() -> dict[str, Built]:
 
 @pytest.fixture(scope="session", params=sorted(STACKS))
 def stack(request, built) -> tuple[str, dict, Built]:
-    """Each of the three stacks in turn: (name, config, Built)."""
+    """Each of the four stacks in turn: (name, config, Built)."""
     return request.param, STACKS[request.param](), built[request.param]

@@ -112,6 +112,12 @@ class CaptureMocks(pulumi.runtime.Mocks):
                      "aws:ec2/placementGroup:PlacementGroup", "aws:iam/rolePolicy:RolePolicy",
                      "aws:ec2/securityGroup:SecurityGroup"):
             state["name"] = inputs.get("name") or auto
+        elif typ == "aws:elasticache/replicationGroup:ReplicationGroup":
+            # ElastiCache's primary endpoint: a DNS name under the group's id.
+            state["primaryEndpointAddress"] = (f"master.{inputs.get('replicationGroupId', rid)}"
+                                               f".abc123.use1.cache.amazonaws.com")
+        elif typ == "aws:secretsmanager/secret:Secret":
+            state["arn"] = f"arn:aws:secretsmanager:{self.region}:{ACCOUNT}:secret:{auto}"
         elif typ == "aws:budgets/budget:Budget":
             state["name"] = inputs.get("name") or inputs.get("namePrefix", "") + "0001"
         if typ.startswith("aws:") and "arn" not in state:

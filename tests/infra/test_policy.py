@@ -1,7 +1,7 @@
 """The infrastructure security rules (docs/security.md), run as the CrossGuard policy pack
 (infra/policy_pack) over the graph the program asks for under Pulumi's mocks.
 
-For every rule: the three stacks (dev, minimal, maximal) pass the pack, and at least one
+For every rule: the four stacks (dev, minimal, maximal, ha) pass the pack, and at least one
 mutation — a resource of the real graph changed the way a careless edit would change it, or
 a resource added — makes the rule's policy report a violation naming the offending resource.
 A few mutations go through the program itself under Pulumi's mocks.
@@ -25,7 +25,7 @@ from infra.policy_pack import pack
 from infra.policy_pack.checks import CHECKS, Resource
 from pulumi_policy.proxy import UNKNOWN_STRING_VALUE
 
-from rayfleet.facts import TAG_AVAILABILITY_ZONE
+from rayfleet.facts import GCS_STORE_PORT, TAG_AVAILABILITY_ZONE
 from rayfleet.rules import RULES
 
 from .conftest import MAXIMAL, dev_config
@@ -421,6 +421,32 @@ MUTATIONS: dict[int, dict[str, Mutation]] = {
             b, f"{D}-nodes-worker-p4d-24xlarge-spot",
             lambda i: i["tags"].pop(TAG_AVAILABILITY_ZONE)),
     },
+    33: {
+        # On the ha stack (STACK_OF): the dev stack with rayfleet:headHa.
+        "store not encrypted at rest": lambda b: edit(
+            b, f"{D}-gcs-redis", lambda i: i.update(atRestEncryptionEnabled=False)),
+        "store not encrypted in transit": lambda b: edit(
+            b, f"{D}-gcs-redis", lambda i: i.update(transitEncryptionEnabled=False)),
+        "store takes clients without TLS (preferred)": lambda b: edit(
+            b, f"{D}-gcs-redis", lambda i: i.update(transitEncryptionMode="preferred")),
+        "store's auth token dropped": lambda b: edit(
+            b, f"{D}-gcs-redis", lambda i: i.pop("authToken")),
+        "store left to the VPC's default group": lambda b: edit(
+            b, f"{D}-gcs-redis", lambda i: i.pop("securityGroupIds")),
+        "store's group opened to the VPC's CIDR": lambda b: add(
+            b, f"{D}-gcs-redis-from-cluster", "oops-redis-from-vpc",
+            world("10.42.0.0/16", GCS_STORE_PORT)),
+        "store's group opened to the world": lambda b: add(
+            b, f"{D}-gcs-redis-from-cluster", "oops-redis-world",
+            world("0.0.0.0/0", GCS_STORE_PORT)),
+        "token readable by the worker role": lambda b: edit(
+            b, f"{D}-gcs-head-token", lambda i: i.update(
+                role=_pick(b, f"{D}-iam-worker", policy.ROLE).outputs["name"])),
+        "head may read every secret": lambda b: edit(
+            b, f"{D}-gcs-head-token",
+            lambda i: policy_doc(i, lambda st: sid(st, "ReadTheGcsStoreToken").update(
+                Resource="*"))),
+    },
     30: {
         "direct-ingress rule widened to Ray's unpinned 30000-31000": lambda b: edit(
             b, f"{D}-security-serve-direct-ingress",
@@ -431,6 +457,11 @@ MUTATIONS: dict[int, dict[str, Mutation]] = {
 }
 
 
+# The stack a rule's mutations run on, where not the dev stack: the resources they change exist
+# only there.
+STACK_OF = {33: "ha"}
+
+
 def test_every_rule_has_a_mutation():
     assert set(MUTATIONS) == set(CHECKS)
 
@@ -439,7 +470,7 @@ def test_every_rule_has_a_mutation():
                                            for m in MUTATIONS[r]],
                          ids=[f"rule-{r}-{m}" for r in sorted(MUTATIONS) for m in MUTATIONS[r]])
 def test_rule_catches_its_mutation_naming_the_resource(rule, mutation, built):
-    resources, offender = MUTATIONS[rule][mutation](built["dev"])
+    resources, offender = MUTATIONS[rule][mutation](built[STACK_OF.get(rule, "dev")])
     operator_cidrs = dev_config().get("rayfleet:operatorCidrs", [])
     violations = check(resources, [rule], operator_cidrs=operator_cidrs)
     assert violations, f"rule {rule} missed: {mutation}"

@@ -316,6 +316,8 @@ BAD = [
     ({"rayfleet:workerRootVolumeGb": 100}, "rayfleet:workerRootVolumeGb", ["between 200"]),
     ({"rayfleet:amiId": "ami-123"}, "rayfleet:amiId", ["not an AMI id"]),
     ({"rayfleet:rayInDocker": "yes"}, "rayfleet:rayInDocker", ["true or false"]),
+    ({"rayfleet:headHa": "on"}, "rayfleet:headHa", ["true or false", "'on'"]),
+    ({"rayfleet:headHa": 1}, "rayfleet:headHa", ["true or false"]),
     ({"rayfleet:bucketPrefix": "My_Bucket"}, "rayfleet:bucketPrefix",
      ['did you mean "my-bucket"']),
     ({"rayfleet:bucketPrefix": "data.bucket"}, "rayfleet:bucketPrefix",
@@ -422,3 +424,10 @@ def test_stack_file_problems_are_config_errors(tmp_path):
     typo.write_text("config:\n  rayfleet:maxWorker: 4\n")
     with pytest.raises(ConfigError, match='did you mean "rayfleet:maxWorkers"'):
         load_stack_file(typo)
+
+
+def test_head_ha_is_off_unless_the_stack_says_true():
+    assert StackConfig.from_mapping({}).head_ha is False
+    assert load_stack_file(ROOT / "Pulumi.dev.yaml").head_ha is False
+    assert StackConfig.from_mapping({"rayfleet:headHa": "true"}).head_ha is True
+    assert StackConfig.from_mapping({"headHa": True}).head_ha is True
