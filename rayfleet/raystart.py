@@ -30,6 +30,42 @@ NOFILE = 65536
 # Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES): 75 MiB.
 MIN_OBJECT_STORE_BYTES = 75 * 1024 * 1024
 
+# GCS fault tolerance (rayfleet:headHa on AWS; `rayfleet local up --ha`): the GCS keeps its
+# tables in an external Redis, so a head that comes back at the same address finds the
+# cluster's state, and every other node's raylet waits for it instead of exiting. The names
+# are Ray 2.60's (ray/_private/node.py reads RAY_REDIS_ADDRESS; gcs_server and the raylet read
+# the RAY_<config> variables and RAY_REDIS_CA_CERT, the CA bundle hiredis verifies the server
+# with). This module is their one home: render and the local cluster import them.
+REDIS_ADDRESS_ENV = "RAY_REDIS_ADDRESS"
+REDIS_CA_CERT_ENV = "RAY_REDIS_CA_CERT"
+# The GCS's Redis keys live under this namespace: the stack's cluster name, so a head
+# replaced under the same name reads the same keys (Ray's own default would do for one
+# cluster per Redis; naming it says which cluster the keys are).
+EXTERNAL_STORAGE_NAMESPACE_ENV = "RAY_external_storage_namespace"
+# How long a raylet (and a driver or worker process) keeps retrying a GCS it lost before it
+# exits. Ray's default is 60 s, shorter than any head replacement: `ray up` launches an
+# instance (1-2 min), waits for SSH over SSM, then the head's setup installs the node
+# environment and vLLM from PyPI on the fresh instance (many minutes), then starts Ray. 30
+# minutes covers that with margin; a worker whose head has not come back by then exits its
+# raylet (it is billing anyway until `ray down` or the next head's autoscaler ends it).
+GCS_RECONNECT_TIMEOUT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
+GCS_RECONNECT_TIMEOUT_S = 1800
+
+
+def gcs_ft_env(redis_url: str | None = None, *, ca_cert: str | None = None,
+               namespace: str | None = None) -> dict[str, str]:
+    """The environment a node of a fault-tolerant cluster starts Ray with: every node, head
+    and workers, the reconnect timeout; the head also its GCS store (``redis_url``, e.g.
+    ``rediss://host:port``: ``rediss`` is Ray's switch for TLS), the CA bundle that verifies
+    it and the namespace of its keys. The password is not here: see :func:`argv`."""
+    env = {GCS_RECONNECT_TIMEOUT_ENV: str(GCS_RECONNECT_TIMEOUT_S)}
+    for name, value in ((REDIS_ADDRESS_ENV, redis_url), (REDIS_CA_CERT_ENV, ca_cert),
+                        (EXTERNAL_STORAGE_NAMESPACE_ENV, namespace)):
+        if value:
+            env[name] = value
+    return env
+
+
 # A port's number, or (from, to) for a range (worker-ports: --min-worker-port/--max-worker-port).
 Port = int | tuple[int, int]
 
@@ -66,17 +102,27 @@ def argv(ray: str, *, head: bool, address: str | None = None,
          num_cpus: int | None = None, num_gpus: int | None = None,
          object_store_memory: int | None = None, resources: Mapping[str, float] | None = None,
          temp_dir: str | None = None, extra: Sequence[str] = (), block: bool = False,
-         usage_stats: bool = True, log_style: str | None = None) -> list[str]:
+         usage_stats: bool = True, log_style: str | None = None,
+         redis_password: str | None = None) -> list[str]:
     """``[ray, "start", ...]``: a head (``head=True``) or a worker joining ``address``.
 
     ``ports``: RAY_PORTS name -> number (a range: (from, to)); default :func:`pinned_ports`.
     Options left at None (or empty) are left to Ray. The flags come in one order: ``--block``,
     what the node is (``--head`` with the autoscaling config and the dashboard's host, or
     ``--address``), its ports, then its address, resources, temp folder, ``extra`` verbatim,
-    usage stats and log style.
+    usage stats, log style and the GCS's Redis password.
+
+    ``redis_password``: a head whose GCS keeps its tables in Redis (the address is
+    :data:`REDIS_ADDRESS_ENV` in its environment); pass a shell expansion such as
+    ``"$(cat FILE)"``, never the password itself, so that it stays out of the cluster YAML.
+    Ray hands it on to gcs_server, the raylet and the client server on their command lines.
+    No ``--redis-username``: Ray then sends ``AUTH <password>``, which an ElastiCache auth
+    token expects.
     """
     if head == (address is not None):
         raise ValueError("a head has no address to join; a worker needs one")
+    if redis_password is not None and not head:
+        raise ValueError("only the head's GCS talks to Redis")
     ports = pinned_ports(head) if ports is None else ports
     head_only = set(ports) & set(HEAD_ONLY_PORTS)
     if head_only and not head:
@@ -101,5 +147,7 @@ def argv(ray: str, *, head: bool, address: str | None = None,
         cmd.append("--disable-usage-stats")
     if log_style:
         cmd.append(f"--log-style={log_style}")
+    if redis_password:
+        cmd.append(f"--redis-password={redis_password}")
     return cmd
 

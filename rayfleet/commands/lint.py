@@ -32,6 +32,7 @@ from rayfleet import catalog, nodeenv
 from rayfleet.errors import RayfleetError
 from rayfleet.facts import CAPACITY_BLOCK_MARKET_TYPE, RAY_PORTS, SECRET_PATTERNS
 from rayfleet.ingress import BINARY, ENABLE, GUARD_NAME, pinned_ports
+from rayfleet.raystart import REDIS_ADDRESS_ENV
 from rayfleet.rules import RULES
 
 ERROR, WARNING = "error", "warning"
@@ -280,6 +281,7 @@ def lint_config(cfg: dict[str, Any], text: str = "") -> list[Finding]:
                              "pin every port as rayfleet.facts.RAY_PORTS lists"))
 
     f.extend(_ingress_findings(starts))
+    f.extend(_gcs_store_findings(head_start))
 
     setup = "\n".join([_commands(cfg, "initialization_commands", "setup_commands",
                                   "head_setup_commands", "worker_setup_commands")]
@@ -308,6 +310,28 @@ def lint_config(cfg: dict[str, Any], text: str = "") -> list[Finding]:
                 f.append(Finding(ERROR, 20, f"line {lineno}", f"looks like {what}",
                                  "move it to a file shipped by file_mounts (0600) or the "
                                  "instance role; never inline it in the YAML"))
+    return f
+
+
+def _gcs_store_findings(head_start: str) -> list[Finding]:
+    """Rule 33 where a YAML shows it: a head whose GCS keeps its tables in Redis
+    (RAY_REDIS_ADDRESS) dials it over TLS (``rediss://``) and reads the password from a file at
+    boot, never from the YAML."""
+    f: list[Finding] = []
+    address = re.search(rf"\b{REDIS_ADDRESS_ENV}=(\S+)", head_start)
+    if address and not address.group(1).strip("'\"").startswith("rediss://"):
+        f.append(Finding(ERROR, 33, "head_start_ray_commands",
+                         f"{REDIS_ADDRESS_ENV}={address.group(1)}: the GCS talks to Redis in "
+                         "plain text, its password and the cluster's state readable on the "
+                         "wire", f"name the store as rediss://<endpoint>:<port> (TLS), as "
+                                  "`rayfleet render` does for rayfleet:headHa"))
+    for m in re.finditer(r"--redis-password[= ]+(\S+)", head_start):
+        value = m.group(1).strip("'\"")
+        if value and not value.startswith("$"):
+            f.append(Finding(ERROR, 33, "head_start_ray_commands",
+                             "--redis-password is written into the YAML",
+                             "read it at boot from Secrets Manager into a 0600 file and pass "
+                             "\"$(cat <file>)\", as `rayfleet render` does"))
     return f
 
 

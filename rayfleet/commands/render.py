@@ -45,6 +45,7 @@ from rayfleet.agents import fallover
 from rayfleet.errors import ConfigError, RayfleetError
 from rayfleet.facts import (
     CAPACITY_BLOCK_MARKET_TYPE,
+    GCS_STORE_CA_BUNDLE,
     MARKET_BLOCK,
     RAY_CLUSTER_TAG,
     loopback_port,
@@ -388,9 +389,7 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
                                            "Version": "$Default"},
                                           "AMI, IMDSv2, encrypted root and tags come from "
                                           "the stack's head launch template."),
-                    "SubnetIds": Why(list(o.private_subnet_ids),
-                                     "Private subnets of every AZ: on a capacity error Ray "
-                                     "moves on to the next subnet."),
+                    **head_placement(o),
                     "SecurityGroupIds": Why([o.cluster_security_group_id],
                                             "The stack's cluster group; without it Ray "
                                             "creates ray-autoscaler-* with SSH open to the "
@@ -442,11 +441,16 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
         if llm_commands and vllm == "cpu" else [],
         "head_start_ray_commands": Why([
             f"{RAY_BIN} stop; {STOP_AGENTS}",
-            f"ulimit -n {raystart.NOFILE}; {auth_env}{serve_env}; {scorer_env(o)} "
-            + ray_start(head=True, autoscaling_config="~/ray_bootstrap_config.yaml"),
+            *([gcs_store_token_command(o)] if o.head_ha else []),
+            f"ulimit -n {raystart.NOFILE}; {auth_env}{serve_env}; {scorer_env(o)}"
+            f"{gcs_env(o, head=True)} "
+            + ray_start(head=True, autoscaling_config="~/ray_bootstrap_config.yaml",
+                        redis_password=(f'"$(cat {REMOTE_GCS_STORE_TOKEN_ENV})"'
+                                        if o.head_ha else None)),
             *head_agents(o, auth_env, autostop_minutes),
             *(prometheus.head_commands(haproxy=ingress == "haproxy") if metrics else []),
-        ], "Token auth on (rule 21); the node environment first on PATH, so a job's `python` "
+        ], HA_HEAD_WHY * bool(o.head_ha)
+           + "Token auth on (rule 21); the node environment first on PATH, so a job's `python` "
            "is its python; the dashboard and Jobs API listen on loopback only and are "
            "reached by an SSM tunnel (rule 22); every port pinned to what the security group "
            "opens" + INGRESS_WHY[ingress] + "; the autoscaler scores worker types with the "
@@ -466,14 +470,84 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
            + "."),
         "worker_start_ray_commands": Why([
             f"{RAY_BIN} stop; {STOP_AGENTS}",
-            f"ulimit -n {raystart.NOFILE}; {auth_env}{serve_env}; {AUTOSCALER_V1} "
+            f"ulimit -n {raystart.NOFILE}; {auth_env}{serve_env}; {AUTOSCALER_V1}"
+            f"{gcs_env(o, head=False)} "
             + ray_start(head=False, address=f"$RAY_HEAD_IP:{port('gcs')}"),
             agent_command("spot", f"--address=$RAY_HEAD_IP:{port('gcs')}", auth_env),
-        ], "Same token, pinned ports and Serve ingress on every worker; the spot agent watches "
+        ], HA_WORKER_WHY * bool(o.head_ha)
+           + "Same token, pinned ports and Serve ingress on every worker; the spot agent watches "
            "the instance "
            "metadata for an interruption notice, drains the node and has training checkpoint "
            "at its next step."),
     }
+
+
+# rayfleet:headHa: where the head reads the GCS store's token at boot (0600, the node user's,
+# in the 0700 folder the Ray token lives in), never the YAML or a job's runtime_env (rule 33).
+REMOTE_GCS_STORE_TOKEN = "~/.rayfleet/gcs_store_token"
+REMOTE_GCS_STORE_TOKEN_ENV = REMOTE_GCS_STORE_TOKEN.replace("~", "$HOME", 1)
+
+HA_HEAD_WHY = (
+    "rayfleet:headHa: first the GCS store's auth token, read from Secrets Manager with the head "
+    "role into a 0600 file (never this YAML, never echoed); then the GCS keeps its tables in "
+    "the stack's Redis over TLS (rediss://, verified against the image's CA bundle), so a "
+    "replaced head at the same address finds the cluster as it was (rule 33). Ray passes the "
+    "password on to gcs_server, the raylet and the client server on their command lines, "
+    "which local users of the head can read in /proc. ")
+HA_WORKER_WHY = (
+    "rayfleet:headHa: a worker's raylet waits "
+    f"{raystart.GCS_RECONNECT_TIMEOUT_S} s for a lost head (Ray's default is 60 s), time for "
+    "`ray up` to launch and set up a new head at the same address. ")
+
+
+def head_placement(o: StackOutputs) -> dict[str, Why]:
+    """The head's subnets: every private subnet, or with rayfleet:headHa the workers' one and
+    the fixed address in it."""
+    if o.head_ha is None:
+        return {"SubnetIds": Why(list(o.private_subnet_ids),
+                                 "Private subnets of every AZ: on a capacity error Ray moves "
+                                 "on to the next subnet.")}
+    at = o.head_ha.head_address
+    return {
+        "SubnetIds": Why([at.subnet_id],
+                         "rayfleet:headHa: one subnet, the workers', as the head's address "
+                         "is fixed in it."),
+        "PrivateIpAddress": Why(at.private_ip,
+                                "Every head launches here (a CIDR reservation of the stack "
+                                "keeps EC2 from handing it to anything else), so a replaced "
+                                "head comes back where the workers' raylets dial their GCS. "
+                                "Ray's NetworkInterfaces cannot carry an existing interface "
+                                "(its bootstrap needs each entry's subnet, which EC2 refuses "
+                                "beside an interface id)."),
+    }
+
+
+def gcs_env(o: StackOutputs, head: bool) -> str:
+    """`` NAME=value ...`` before a node's `ray start` under rayfleet:headHa (empty without):
+    the reconnect timeout on every node, the GCS store on the head."""
+    if o.head_ha is None:
+        return ""
+    store = o.head_ha.gcs_store
+    env = (raystart.gcs_ft_env(store.url, ca_cert=GCS_STORE_CA_BUNDLE, namespace=o.cluster_name)
+           if head else raystart.gcs_ft_env())
+    return "".join(f" {k}={shlex.quote(v)}" for k, v in env.items())
+
+
+def gcs_store_token_command(o: StackOutputs) -> str:
+    """The head's first start command under rayfleet:headHa: the GCS store's token from Secrets
+    Manager (the head role may read that one secret) into a 0600 file of the node user's,
+    written whole or not at all, nothing printed."""
+    assert o.head_ha is not None
+    code = ("import boto3, os, sys; "
+            "v = boto3.client('secretsmanager', region_name=sys.argv[1])"
+            ".get_secret_value(**{'SecretId': sys.argv[2]})['SecretString']; "
+            "t = sys.argv[3] + '.tmp'; "
+            "f = os.open(t, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600); "
+            "os.fchmod(f, 0o600); os.write(f, v.encode()); os.close(f); "
+            "os.replace(t, sys.argv[3])")
+    return (f"umask 077 && install -d -m 700 $HOME/.rayfleet && {VENV}/bin/python -c "
+            f"{shlex.quote(code)} {shlex.quote(o.region)} "
+            f"{shlex.quote(o.head_ha.gcs_store.auth_secret_arn)} {REMOTE_GCS_STORE_TOKEN_ENV}")
 
 
 def reservation_options(t: WorkerNodeType) -> dict[str, Why]:

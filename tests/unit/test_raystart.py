@@ -142,3 +142,35 @@ def test_the_role_raises_the_open_files_limit_and_refuses_a_tiny_store_as_the_ki
     assert f"\nLimitNOFILE={raystart.NOFILE}\n" in (templates / "ray-node.service.j2").read_text()
     validate = (ROLE / "tasks" / "validate.yml").read_text()
     assert f"ray_node_object_store_memory | int >= {raystart.MIN_OBJECT_STORE_BYTES} " in validate
+
+
+def test_a_head_on_a_gcs_store_takes_its_password_as_a_shell_expansion_last():
+    cmd = raystart.argv("ray", head=True, ports={}, redis_password='"$(cat $HOME/t)"')
+    assert cmd[-1] == '--redis-password="$(cat $HOME/t)"'
+    assert not any(c.startswith("--redis-username") for c in cmd)
+    # Without a store, nothing changes: the role's launch script stays equal (above).
+    assert "--redis-password" not in " ".join(raystart.argv("ray", head=True))
+    with pytest.raises(ValueError):
+        raystart.argv("ray", head=False, address="h:6379", redis_password="$(cat x)")
+
+
+def test_gcs_fault_tolerance_env_names_rays_variables_once():
+    assert raystart.gcs_ft_env() == {
+        "RAY_gcs_rpc_server_reconnect_timeout_s": str(raystart.GCS_RECONNECT_TIMEOUT_S)}
+    head = raystart.gcs_ft_env("rediss://h:6380", ca_cert="/etc/ca.pem", namespace="c1")
+    assert head == {"RAY_gcs_rpc_server_reconnect_timeout_s": str(raystart.GCS_RECONNECT_TIMEOUT_S),
+                    "RAY_REDIS_ADDRESS": "rediss://h:6380", "RAY_REDIS_CA_CERT": "/etc/ca.pem",
+                    "RAY_external_storage_namespace": "c1"}
+
+
+def test_the_gcs_variables_are_ones_ray_2_60_reads():
+    """Each name is in Ray's own code: node.py reads RAY_REDIS_ADDRESS, gcs_server the CA
+    bundle, the namespace and the reconnect timeout."""
+    import ray
+
+    root = Path(ray.__file__).parent
+    assert f'"{raystart.REDIS_ADDRESS_ENV}"' in (root / "_private" / "node.py").read_text()
+    gcs_server = (root / "core" / "src" / "ray" / "gcs" / "gcs_server").read_bytes()
+    for name in (raystart.REDIS_CA_CERT_ENV, raystart.EXTERNAL_STORAGE_NAMESPACE_ENV,
+                 raystart.GCS_RECONNECT_TIMEOUT_ENV):
+        assert name.encode() in gcs_server, name

@@ -578,3 +578,150 @@ def test_missing_file_and_cli_subprocess_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "no such file" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- rayfleet:headHa
+
+HA = {"gcs_store": {"endpoint": "master.rayfleet-dev-gcs.abc123.use1.cache.amazonaws.com",
+                    "port": 6380,
+                    "auth_secret_arn": "arn:aws:secretsmanager:us-east-1:123456789012:secret:"
+                                       "rayfleet-dev-gcs-auth-AbCdEf"},
+      "head_address": {"private_ip": "10.42.31.228", "subnet_id": "subnet-0b1b2c3d4e5f60001"}}
+
+
+@pytest.fixture
+def ha_outputs(outputs) -> dict:
+    o = copy.deepcopy(outputs)
+    o["rayfleet"]["head_ha"] = copy.deepcopy(HA)
+    return o
+
+
+def test_ha_off_renders_exactly_as_before(outputs):
+    # The committed example (no head_ha) is the rendering, byte for byte
+    # (test_example_is_the_rendering_of_the_example_outputs); nothing of HA leaks into it.
+    o = parse(json.dumps(outputs))
+    assert o.head_ha is None
+    text = render.render_text(o, EXAMPLE_TOKEN)
+    for word in ("RAY_REDIS", "redis", "reconnect_timeout", "PrivateIpAddress",
+                 "gcs_store_token", "external_storage_namespace"):
+        assert word not in text, word
+
+
+def test_ha_head_launches_at_the_fixed_address_in_one_subnet(tmp_path, ha_outputs):
+    _, cfg = rendered(tmp_path, ha_outputs)
+    ray_validate(cfg)
+    head = cfg["available_node_types"]["ray.head.default"]["node_config"]
+    assert head["PrivateIpAddress"] == HA["head_address"]["private_ip"]
+    assert head["SubnetIds"] == [HA["head_address"]["subnet_id"]]
+    assert head["SecurityGroupIds"] == [ha_outputs["rayfleet"]["cluster_security_group_id"]]
+    assert "NetworkInterfaces" not in head
+    # What Ray's bootstrap and node provider do with it: no interfaces to copy up, and the
+    # instance-level address goes to RunInstances as it is, with the one subnet.
+    from ray.autoscaler._private.aws.config import _configure_node_type_from_network_interface
+
+    nt = cfg["available_node_types"]["ray.head.default"]
+    assert _configure_node_type_from_network_interface(nt) == nt
+
+
+def test_ha_head_reads_the_token_at_boot_and_the_yaml_never_holds_it(tmp_path, ha_outputs):
+    out, cfg = rendered(tmp_path, ha_outputs)
+    text = out.read_text()
+    starts = cfg["head_start_ray_commands"]
+    token_at = next(i for i, c in enumerate(starts) if "get_secret_value" in c)
+    start_at = next(i for i, c in enumerate(starts) if "/bin/ray start " in c)
+    assert token_at < start_at
+    head = ray_start(cfg, "head")
+    store = HA["gcs_store"]
+    assert f"RAY_REDIS_ADDRESS=rediss://{store['endpoint']}:{store['port']}" in head
+    assert "RAY_REDIS_CA_CERT=/etc/ssl/certs/ca-certificates.crt" in head
+    assert "RAY_external_storage_namespace=rayfleet-dev" in head
+    assert head.endswith('--redis-password="$(cat $HOME/.rayfleet/gcs_store_token)"')
+    assert "--redis-username" not in head
+    assert store["auth_secret_arn"] in starts[token_at]
+    # Nothing that reads as a secret, and nothing rule 33's lint refuses.
+    from rayfleet.commands import lint
+
+    assert [f for f in lint.lint_config(cfg, text) if f.severity == "error"] == []
+
+
+def test_ha_token_command_writes_a_0600_file_and_prints_nothing(tmp_path, ha_outputs):
+    """The head's token command, run with a stand-in boto3 that answers as Secrets Manager
+    would: the file holds the token, mode 0600; stdout and stderr stay empty."""
+    o = parse(json.dumps(ha_outputs))
+    command = render.gcs_store_token_command(o)
+    argv = shlex.split(command.split(" && ")[-1])
+    assert argv[0] == "~/rayfleet-venv/bin/python" and argv[1] == "-c"
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "boto3.py").write_text(
+        "def client(service, region_name):\n"
+        "    assert (service, region_name) == ('secretsmanager', 'us-east-1')\n"
+        "    class C:\n"
+        "        def get_secret_value(self, SecretId):\n"
+        f"            assert SecretId == {HA['gcs_store']['auth_secret_arn']!r}\n"
+        "            return {'SecretString': 'f00d' * 16}\n"
+        "    return C()\n")
+    home = tmp_path / "home"
+    (home / ".rayfleet").mkdir(parents=True)
+    target = str(home / ".rayfleet" / "gcs_store_token")
+    proc = subprocess.run([sys.executable, "-c", argv[2], *argv[3:5], target],
+                          env={**os.environ, "PYTHONPATH": str(stub)}, capture_output=True,
+                          text=True, check=True)
+    assert (proc.stdout, proc.stderr) == ("", "")
+    assert Path(target).read_text() == "f00d" * 16
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o600
+    assert not Path(target + ".tmp").exists()
+    assert argv[5] == "$HOME/.rayfleet/gcs_store_token"
+
+
+def test_ha_every_node_waits_for_a_replaced_head(tmp_path, ha_outputs):
+    from rayfleet import raystart
+
+    _, cfg = rendered(tmp_path, ha_outputs)
+    wait = f"{raystart.GCS_RECONNECT_TIMEOUT_ENV}={raystart.GCS_RECONNECT_TIMEOUT_S}"
+    assert wait in ray_start(cfg, "head") and wait in ray_start(cfg, "worker")
+    # Workers dial the head's GCS, not Redis: no store, no password on them.
+    assert "RAY_REDIS" not in ray_start(cfg, "worker")
+    assert "redis" not in yaml.safe_dump(cfg["worker_start_ray_commands"])
+    assert raystart.GCS_RECONNECT_TIMEOUT_S >= 600   # a new instance boots and sets up
+
+
+HA_BAD = {
+    "no-endpoint": (lambda ha: ha["gcs_store"].pop("endpoint"), "head_ha.gcs_store.endpoint"),
+    "no-secret": (lambda ha: ha["gcs_store"].update(auth_secret_arn=""),
+                  "head_ha.gcs_store.auth_secret_arn"),
+    "bad-ip": (lambda ha: ha["head_address"].update(private_ip="10.42.31"),
+               "is not an IPv4 address"),
+    "foreign-subnet": (lambda ha: ha["head_address"].update(subnet_id="subnet-0elsewhere"),
+                       "is not one of the stack's private_subnet_ids"),
+    "port": (lambda ha: ha["gcs_store"].update(port="6380"), "head_ha.gcs_store.port"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HA_BAD))
+def test_bad_head_ha_outputs_one_line_and_nothing_written(case, tmp_path, ha_outputs, capsys):
+    mutate, expected = HA_BAD[case]
+    mutate(ha_outputs["rayfleet"]["head_ha"])
+    src = tmp_path / "o.json"
+    src.write_text(json.dumps(ha_outputs))
+    rc = cli.main(["render", str(src), "-o", str(tmp_path / "x.yaml"),
+                   "--token-file", str(tmp_path / "t")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1 and expected in err, err
+    assert not (tmp_path / "x.yaml").exists() and not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("edit,problem", [
+    (lambda c: c.replace("rediss://", "redis://"), "plain text"),
+    (lambda c: c.replace('"$(cat $HOME/.rayfleet/gcs_store_token)"', "0123456789abcdef"),
+     "--redis-password is written into the YAML"),
+])
+def test_lint_refuses_a_plain_text_or_inlined_gcs_store(tmp_path, ha_outputs, edit, problem):
+    from rayfleet.commands import lint
+
+    _, cfg = rendered(tmp_path, ha_outputs)
+    cfg["head_start_ray_commands"] = [edit(c) for c in cfg["head_start_ray_commands"]]
+    found = [f for f in lint.lint_config(cfg) if f.rule == 33]
+    assert found and all(f.severity == "error" for f in found)
+    assert any(problem in f.problem for f in found), found
