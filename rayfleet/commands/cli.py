@@ -39,7 +39,13 @@ def _local(sub: argparse._SubParsersAction) -> None:
                     help="Serve's ingress on the cluster: haproxy (default; stats and "
                          "exporter on loopback, docs/workloads.md) or python (Serve's own "
                          "proxy)")
-    lsub.add_parser("down", help="stop the cluster `up` started (and its Prometheus), only it")
+    up.add_argument("--ha", action="store_true",
+                    help="GCS fault tolerance: the GCS's tables in a Redis on 127.0.0.1 "
+                         "(Debian's redis-server, password in a 0600 file) and gcs_server "
+                         "started again by the head's supervisor when it dies "
+                         "(docs/faults.md)")
+    lsub.add_parser("down", help="stop the cluster `up` started (its Prometheus and Redis "
+                                 "too), only it")
     lsub.add_parser("status", help="nodes (ALIVE/DEAD) and free CPUs/GPUs/memory")
     env = lsub.add_parser("env", help='shell exports for clients: eval "$(rayfleet local env)"')
     env.add_argument("--shell", choices=["sh", "fish"], default="sh")
@@ -51,7 +57,7 @@ def _run_local(args: argparse.Namespace) -> int:
                  object_store_memory=args.object_store_memory, port=args.port,
                  dashboard_port=args.dashboard_port, python=args.python,
                  metrics=args.metrics, prometheus_port=args.prometheus_port,
-                 ingress=args.ingress)
+                 ingress=args.ingress, ha=args.ha)
         return 0
     if args.action == "down":
         local.down()

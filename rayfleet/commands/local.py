@@ -5,6 +5,12 @@ exactly what ``up`` started (``ray stop`` would kill every Ray process on the ma
 user's own included). Token authentication (Ray >= 2.52, rule 21) is on: the token is
 generated once into the state folder with mode 0600 and handed to Ray through
 ``RAY_AUTH_TOKEN_PATH``; clients get it the same way from ``rayfleet local env``.
+
+With ``--ha`` the GCS keeps its tables in a Redis of the cluster's own (Debian's redis-server on
+127.0.0.1, a password in a 0600 file, rayfleet.gcsft) and the head runs under the kit's
+supervisor (rayfleet/agents/gcs_supervisor.py), which starts gcs_server again when it dies:
+the raylets wait for it and the cluster's jobs, actors and Serve apps are still there
+(docs/faults.md, fault 9). ``down`` stops Redis too and removes its files.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rayfleet import nodeenv, raystart
+from rayfleet import gcsft, nodeenv, raystart
 # `prometheus`: up() has a `metrics` flag of its own.
 from rayfleet.commands import metrics as prometheus
 from rayfleet.commands.host import alive, free_port, free_ports, last_line, port_in_use, state_dir
@@ -106,6 +112,13 @@ class LocalCluster:
     python: str | None = None   # the interpreter Ray runs from (None: state of an older kit)
     ingress: str = "python"     # Serve's ingress (rayfleet.ingress); older state: the proxy
     haproxy_metrics_port: int | None = None  # HAProxy's exporter on 127.0.0.1, when haproxy
+    ha: bool = False                # GCS fault tolerance (--ha): the GCS's tables in Redis
+    redis_pid: int | None = None    # that Redis (its own process group)
+    redis_port: int | None = None   # on 127.0.0.1
+
+    @property
+    def redis_address(self) -> str | None:
+        return f"127.0.0.1:{self.redis_port}" if self.ha else None
 
     @property
     def address(self) -> str:
@@ -123,6 +136,8 @@ class LocalCluster:
             "RAY_API_SERVER_ADDRESS": self.dashboard_url,
             "RAY_DASHBOARD_ADDRESS": self.dashboard_url,
             **auth_env(),
+            # A node or driver started from these waits for a restarted GCS as the head's do.
+            **(gcsft.node_env() if self.ha else {}),
         }
 
 
@@ -188,6 +203,8 @@ def _print_info(cluster: LocalCluster, headline: str, out=sys.stdout, prom=None)
     print(f"  address:    {cluster.address}", file=out)
     print(f"  dashboard:  {cluster.dashboard_url}  (loopback only; token required)", file=out)
     print(f"  token:      {env['RAY_AUTH_TOKEN_PATH']}  (mode 0600)", file=out)
+    for line in _ha_lines(cluster):
+        print(f"  {line}", file=out)
     if prom is not None:
         print("\n".join(prometheus.info_lines(prom, ray_temp_dir())), file=out)
     print("  submit a job:", file=out)
@@ -200,7 +217,8 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
        object_store_memory: str | int | None = None, port: int | None = None,
        dashboard_port: int | None = None, quiet: bool = False,
        python: str | None = None, metrics: bool = False,
-       prometheus_port: int | None = None, ingress: str | None = None) -> LocalCluster:
+       prometheus_port: int | None = None, ingress: str | None = None,
+       ha: bool = False) -> LocalCluster:
     """Start the head (idempotent). Raises RayfleetError with one line on any expected failure.
 
     python: the interpreter whose environment the head, its workers and job drivers run in
@@ -208,10 +226,13 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     A cluster that is already up is reused only if every setting given here matches it.
     metrics: also run Prometheus on 127.0.0.1:prometheus_port scraping the cluster; asked of
     a cluster that is already up, it starts Prometheus for it.
-    ingress: Serve's ingress, "haproxy" (default) or "python" (rayfleet.ingress)."""
+    ingress: Serve's ingress, "haproxy" (default) or "python" (rayfleet.ingress).
+    ha: GCS fault tolerance: the GCS's tables in a Redis on 127.0.0.1 (Debian's redis-server),
+    the head under the kit's supervisor, which starts gcs_server again when it dies."""
     asked = {"--num-cpus": num_cpus, "--num-gpus": num_gpus,
              "--object-store-memory": object_store_memory, "--port": port,
-             "--dashboard-port": dashboard_port, "--python": python, "--ingress": ingress}
+             "--dashboard-port": dashboard_port, "--python": python, "--ingress": ingress,
+             "--ha": True if ha else None}
     if ingress is not None and ingress not in INGRESS_CHOICES:
         raise ConfigError(f"--ingress {ingress!r}: choose one of {', '.join(INGRESS_CHOICES)}")
     port = DEFAULT_GCS_PORT if port is None else port
@@ -238,6 +259,13 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
             f"a rayfleet head (pid {existing.pid}) is running but its Jobs API at "
             f"{existing.dashboard_url} does not answer; run `rayfleet local down` first")
 
+    if existing and existing.ha:
+        _stop_redis(existing.redis_pid)  # what a head that died without `down` left running
+    redis = gcsft.redis_binary() if ha else None
+    if ha and redis is None:
+        raise ClusterError(f"--ha keeps the GCS's tables in Redis, and {gcsft.REDIS_BINARY} is "
+                           f"not installed: install it with `{gcsft.INSTALL_HINT}` (as root)")
+
     checks = ((port, "GCS", "--port"), (dashboard_port, "dashboard", "--dashboard-port"))
     for p, what, flag in checks:
         if port_in_use(p):
@@ -258,7 +286,9 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     ingress = ingress or DEFAULT_INGRESS
     ingress_env, haproxy_metrics_port = _ingress_env(ingress)
     cmd = raystart.argv(
-        _ray_bin(python), head=True, block=True, usage_stats=False,
+        # The HA head is not `--block`: that would kill the whole head when gcs_server dies
+        # (the supervisor below runs and watches it instead).
+        _ray_bin(python), head=True, block=not ha, usage_stats=False,
         # The dashboard serves the Jobs API (remote code execution by design): it stays on
         # raystart's loopback host (CVE-2023-48022; rule 22). Remote users reach it through a
         # tunnel. The ports not named here are left to Ray's own (random) picks.
@@ -286,20 +316,35 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     env.pop(ENABLE, None)
     env.pop(BINARY, None)
     env.update(ingress_env)
-    with open(log, "ab") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+    for key in (gcsft.REDIS_ADDRESS_ENV, gcsft.RECONNECT_TIMEOUT_ENV):
+        env.pop(key, None)  # HA is the flag's to turn on, not a stray variable's
+    redis_pid = redis_port = None
+    if ha:
+        redis_pid, redis_port = _start_redis(redis)
+        env.update(gcsft.head_env(redis_port))
+        cmd = [python, str(_agent(gcsft.SUPERVISOR_NAME)),
+               "--password-file", str(_redis_folder() / gcsft.PASSWORD_FILE),
+               "--status", str(_supervisor_status()), "--", *cmd]
+    try:
+        with open(log, "ab") as logf:
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+    except BaseException:
+        _stop_redis(redis_pid)
+        raise
     cluster = LocalCluster(pid=proc.pid, gcs_port=port, dashboard_port=dashboard_port,
                            client_port=client_port, agent_port=agent_port, num_cpus=num_cpus,
                            num_gpus=num_gpus, object_store_memory=store, log=str(log),
                            started_at=time.time(), python=python, ingress=ingress,
-                           haproxy_metrics_port=haproxy_metrics_port)
+                           haproxy_metrics_port=haproxy_metrics_port, ha=ha,
+                           redis_pid=redis_pid, redis_port=redis_port)
     _save_state(cluster)
     secret = token.read_text().strip()
     deadline = time.time() + START_TIMEOUT_S
     while time.time() < deadline:
         if proc.poll() is not None:
             _forget()
+            _stop_redis(redis_pid)
             raise ClusterError(f"ray start exited with code {proc.returncode}: "
                                f"{last_line(log)} (full log: {log})")
         # The Jobs API answers before the head's dashboard agent has registered, and until it
@@ -345,8 +390,85 @@ def _ingress_env(ingress: str) -> tuple[dict[str, str], int | None]:
     # would collide at their first `serve deploy`.
     stats, exporter, http, grpc = free_ports(4)
     fallback = {"serve-fallback-proxy": http, "serve-fallback-proxy-grpc": grpc}
-    guard = Path(__file__).resolve().parent.parent / "agents" / f"{GUARD_NAME}.py"
+    guard = _agent(GUARD_NAME)
     return haproxy_env(str(folder), str(guard), stats, exporter, fallback), exporter
+
+
+def _agent(name: str) -> Path:
+    return Path(__file__).resolve().parent.parent / "agents" / f"{name}.py"
+
+
+def _redis_folder() -> Path:
+    return state_dir() / "local" / "redis"
+
+
+def _supervisor_status() -> Path:
+    return _redis_folder() / gcsft.SUPERVISOR_STATUS
+
+
+REDIS_START_TIMEOUT_S = 30
+
+
+def _start_redis(binary: str) -> tuple[int, int]:
+    """The GCS's Redis: (pid, port). A fresh 0700 folder (a previous cluster's tables would
+    be read back as this one's), a free port on 127.0.0.1, the password and config 0600, and
+    every file Redis writes created under umask 077."""
+    folder = gcsft.make_folder(_redis_folder())
+    redis_port = free_port()
+    config = gcsft.write_config(folder, redis_port)
+    password = (folder / gcsft.PASSWORD_FILE).read_text()
+    log = folder / gcsft.LOG_FILE
+    with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as logf:
+        proc = subprocess.Popen([binary, str(config)], cwd=folder, stdin=subprocess.DEVNULL,
+                                stdout=logf, stderr=subprocess.STDOUT, umask=0o077,
+                                start_new_session=True)
+    deadline = time.time() + REDIS_START_TIMEOUT_S
+    while not gcsft.redis_ping(redis_port, password):
+        if proc.poll() is not None or time.time() > deadline:
+            _stop_redis(proc.pid)
+            raise ClusterError(f"{gcsft.REDIS_BINARY} did not start on 127.0.0.1:{redis_port}"
+                               f": {last_line(log)} (full log: {log})")
+        time.sleep(0.1)
+    return proc.pid, redis_port
+
+
+def _stop_redis(pid: int | None, timeout: float = 10.0) -> None:
+    """Stop the cluster's Redis (SIGTERM, then SIGKILL) and remove its folder: the password,
+    the config and the GCS's tables."""
+    if pid is not None and _comm(pid).startswith(gcsft.REDIS_BINARY):  # not a reused pid
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        end = time.time() + timeout
+        while time.time() < end and alive(pid):
+            time.sleep(0.1)
+        if alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    shutil.rmtree(_redis_folder(), ignore_errors=True)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _ha_lines(cluster: LocalCluster) -> list[str]:
+    if not cluster.ha:
+        return ["HA:         off (`rayfleet local up --ha`: the GCS's tables in Redis)"]
+    restarts = []
+    try:
+        restarts = json.loads(_supervisor_status().read_text())["restarts"]
+    except (OSError, ValueError, KeyError):
+        pass
+    return [f"HA:         on: the GCS's tables in Redis at {cluster.redis_address} (loopback; "
+            f"password in {_redis_folder() / gcsft.PASSWORD_FILE}, mode 0600); gcs_server "
+            f"started again {len(restarts)} time(s) by the head's supervisor"]
 
 
 def _same_settings(existing: LocalCluster, asked: dict, store: int | None) -> None:
@@ -355,7 +477,8 @@ def _same_settings(existing: LocalCluster, asked: dict, store: int | None) -> No
     have = {"--num-cpus": existing.num_cpus, "--num-gpus": existing.num_gpus,
             "--object-store-memory": existing.object_store_memory,
             "--port": existing.gcs_port, "--dashboard-port": existing.dashboard_port,
-            "--python": existing.python, "--ingress": existing.ingress}
+            "--python": existing.python, "--ingress": existing.ingress,
+            "--ha": True if existing.ha else None}
     if "--object-store-memory" in asked:
         asked["--object-store-memory"] = store
     if "--python" in asked:
@@ -473,6 +596,8 @@ def _stop(cluster: LocalCluster, timeout: float = STOP_GRACE_S) -> bool:
         except ProcessLookupError:
             pass
     _forget()
+    if cluster.ha:
+        _stop_redis(cluster.redis_pid)  # after the head: its GCS writes to Redis to the end
     return forced
 
 
@@ -551,6 +676,7 @@ def status(out=sys.stdout) -> int:
         ray.shutdown()
     print(f"rayfleet local cluster at {cluster.address}  dashboard {cluster.dashboard_url}",
           file=out)
+    print("\n".join(_ha_lines(cluster)), file=out)
     prom = prometheus.load_local()
     if prom is not None:
         print("\n".join(prometheus.info_lines(prom, ray_temp_dir())), file=out)

@@ -133,3 +133,81 @@ def test_up_starts_the_kits_ray_start(home, monkeypatch):
         node_ip_address="127.0.0.1", temp_dir=str(local.ray_temp_dir()), num_cpus=2)
     assert "--dashboard-host=127.0.0.1" in cmd and "--disable-usage-stats" in cmd
     assert f"--metrics-export-port={LOCAL_METRICS_EXPORT_PORT}" in cmd
+
+
+def test_up_ha_without_redis_fails_in_one_line_before_starting_anything(home, monkeypatch):
+    """`--ha` on a machine without redis-server: one line saying how to install it; no Redis,
+    no head, no state."""
+    from rayfleet import gcsft
+
+    monkeypatch.setattr(gcsft, "redis_binary", lambda: None)
+    monkeypatch.setattr(local.subprocess, "Popen", lambda *a, **k: pytest.fail("started"))
+    with pytest.raises(ClusterError) as e:
+        local.up(port=host.free_port(), dashboard_port=host.free_port(), quiet=True, ha=True)
+    assert "apt-get install redis-server" in str(e.value) and "\n" not in str(e.value)
+    assert local.load_state() is None and not (home / "local" / "redis").exists()
+
+
+def test_up_ha_runs_ray_start_under_the_supervisor(home, monkeypatch):
+    """With --ha the head's `ray start` (raystart's, without --block: that would kill the head
+    when gcs_server dies) runs under the kit's supervisor; its environment names the Redis and
+    the reconnect timeout, and neither the command line nor the environment holds the
+    password (the supervisor reads it from the 0600 file)."""
+    from rayfleet import gcsft
+    from rayfleet.facts import LOCAL_METRICS_EXPORT_PORT
+
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def popen(cmd, **kwargs):
+        started.append((cmd, kwargs["env"],
+                        (home / "local" / "redis" / gcsft.PASSWORD_FILE).read_text()))
+        raise Started
+
+    def start_redis(binary):
+        folder = gcsft.make_folder(local._redis_folder())
+        gcsft.write_config(folder, 7777)
+        return None, 7777
+
+    monkeypatch.setattr(local, "_check_node_env", lambda python: sys.executable)
+    monkeypatch.setattr(local, "_pick", lambda default: default)
+    monkeypatch.setattr(local, "_start_redis", start_redis)
+    monkeypatch.setattr(local.subprocess, "Popen", popen)
+    monkeypatch.setenv("RAY_REDIS_ADDRESS", "10.0.0.9:6379")  # a stray one is not used
+    gcs, dashboard = host.free_port(), host.free_port()
+    with pytest.raises(Started):
+        local.up(port=gcs, dashboard_port=dashboard, quiet=True, ingress="python", ha=True)
+    ((cmd, env, password),) = started
+    # The head did not start: the Redis folder (password and all) is gone again.
+    assert not (home / "local" / "redis").exists()
+    split = cmd.index("--")
+    assert cmd[:2] == [sys.executable, str(local._agent(gcsft.SUPERVISOR_NAME))]
+    assert cmd[split + 1:] == local.raystart.argv(
+        local._ray_bin(sys.executable), head=True, block=False, usage_stats=False,
+        ports={"gcs": gcs, "dashboard": dashboard, "client": local.DEFAULT_CLIENT_PORT,
+               "dashboard-agent-http": local.DEFAULT_AGENT_PORT,
+               "metrics-export": LOCAL_METRICS_EXPORT_PORT},
+        node_ip_address="127.0.0.1", temp_dir=str(local.ray_temp_dir()))
+    assert env[gcsft.REDIS_ADDRESS_ENV] == "127.0.0.1:7777"
+    assert env[gcsft.RECONNECT_TIMEOUT_ENV] == str(gcsft.RECONNECT_TIMEOUT_S)
+    assert not any(password in a for a in cmd) and password not in "".join(env.values())
+
+
+def test_redis_config_is_loopback_and_password_only(tmp_path):
+    """The local Redis: 127.0.0.1 and protected mode, a fresh random password; the folder
+    0700, the password and the config holding it 0600."""
+    from rayfleet import gcsft
+
+    folder = gcsft.make_folder(tmp_path / "redis")
+    config = gcsft.write_config(folder, 7777)
+    password = (folder / gcsft.PASSWORD_FILE).read_text()
+    lines = config.read_text().splitlines()
+    assert "bind 127.0.0.1" in lines and "protected-mode yes" in lines and "port 7777" in lines
+    assert f"requirepass {password}" in lines and len(password) == 64
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    for f in (config, folder / gcsft.PASSWORD_FILE):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600
+    again = gcsft.make_folder(tmp_path / "redis")  # a previous cluster's files are gone
+    assert not any(again.iterdir())

@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""The head's supervisor on a local HA cluster (`rayfleet local up --ha`): it starts the head
+with `ray start` and starts the GCS again, on the same node, when it dies.
+
+What Ray 2.60 does itself, with the GCS's tables in Redis (RAY_REDIS_ADDRESS): a gcs_server
+started again with the same command line reads the tables back, and every raylet, the head's
+included, waits for it (RAY_gcs_rpc_server_reconnect_timeout_s) and re-registers. Nothing in Ray
+starts it again: KubeRay restarts the head pod; `ray start --block` does the opposite, and on
+any of its processes' unexpected exit kills all the others and exits (ray/scripts/scripts.py).
+So the HA head is started without ``--block``, under this program:
+
+- it makes itself a child subreaper (prctl PR_SET_CHILD_SUBREAPER), runs the `ray start` command
+  given after ``--`` (appending ``--redis-password`` read from the 0600 file: this program's
+  own command line, which lives as long as the cluster, never holds it), and waits for it;
+- Ray's processes stay in this program's process group and, once `ray start` has exited, are
+  its children: it reaps them and sees gcs_server's exit at once. It reads gcs_server's command
+  line, environment, working folder and log files from /proc when it starts supervising, and
+  on an exit starts the same command again (not logged: it holds the password), at most once
+  a second, recording each restart in ``--status`` (JSON);
+- SIGTERM (`rayfleet local down`) stops the group: SIGTERM to every process, SIGKILL to what
+  is left after ``--grace-s``, then it exits 0.
+
+    gcs_supervisor.py --password-file F --status S [--grace-s 14] -- ray start --head ...
+
+Standard library only: a node agent (rayfleet/agents/__init__.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PR_SET_CHILD_SUBREAPER = 36
+GCS_COMM = "gcs_server"
+MIN_RESTART_INTERVAL_S = 1.0
+
+
+def log(msg: str) -> None:
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} gcs_supervisor: {msg}", flush=True)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` (this one excluded)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:  # state, ppid, pgrp
+            pids.append(int(entry))
+    return pids
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+class Launch:
+    """How a process was started, read from /proc while it runs."""
+
+    def __init__(self, pid: int):
+        self.argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        env = Path(f"/proc/{pid}/environ").read_bytes().rstrip(b"\0").split(b"\0")
+        self.env = dict(kv.split(b"=", 1) for kv in env if b"=" in kv)
+        self.cwd = os.readlink(f"/proc/{pid}/cwd")
+        # Ray opens gcs_server.out/.err for it; a restart appends to the same files.
+        self.outputs = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in (1, 2)]
+
+    def start(self) -> subprocess.Popen:
+        files = [open(p, "ab") if p.startswith("/") else subprocess.DEVNULL
+                 for p in self.outputs]
+        try:
+            # Same process group (this one's), same session: `down` stops it with the rest.
+            return subprocess.Popen(self.argv, env=self.env, cwd=self.cwd,
+                                    stdin=subprocess.DEVNULL, stdout=files[0], stderr=files[1])
+        finally:
+            for f in files:
+                if f is not subprocess.DEVNULL:
+                    f.close()
+
+
+class Supervisor:
+    def __init__(self, status: Path, grace_s: float):
+        self.status, self.grace_s = status, grace_s
+        self.stopping = False
+        self.restarts: list[dict] = []
+        self.gcs_pid: int | None = None
+        self.gcs_proc: subprocess.Popen | None = None
+        self.started_at = time.time()
+
+    def write_status(self) -> None:
+        tmp = self.status.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"supervisor_pid": os.getpid(), "gcs_pid": self.gcs_pid,
+                                   "started_at": self.started_at,
+                                   "restarts": self.restarts}, indent=2))
+        tmp.replace(self.status)
+
+    def on_sigterm(self, *_) -> None:
+        self.stopping = True
+
+    def find_gcs(self, timeout_s: float = 30) -> int:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            found = [p for p in group_pids(os.getpgrp()) if comm(p) == GCS_COMM]
+            if found:
+                return found[0]
+            time.sleep(0.2)
+        raise RuntimeError("no gcs_server in the head's process group after `ray start`")
+
+    def run(self, ray_start: list[str]) -> int:
+        starter = subprocess.Popen(ray_start, stdin=subprocess.DEVNULL)
+        while starter.poll() is None:
+            if self.stopping:
+                starter.terminate()
+            time.sleep(0.2)
+        if starter.returncode != 0 or self.stopping:
+            self.stop()
+            return starter.returncode or 0
+        self.gcs_pid = self.find_gcs()
+        launch = Launch(self.gcs_pid)
+        self.write_status()
+        log(f"supervising gcs_server (pid {self.gcs_pid})")
+        last_start = 0.0
+        while not self.stopping:
+            try:
+                pid, code = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                pid, code = 0, 0
+            if pid == 0:
+                time.sleep(0.1)
+                continue
+            if pid != self.gcs_pid or self.stopping:
+                continue  # another of Ray's processes, reaped
+            died = time.time()
+            how = (f"signal {os.WTERMSIG(code)}" if os.WIFSIGNALED(code)
+                   else f"exit code {os.WEXITSTATUS(code)}")
+            time.sleep(max(0.0, last_start + MIN_RESTART_INTERVAL_S - died))
+            if self.stopping:
+                break
+            last_start = time.time()
+            # Kept: a Popen dropped while its child runs would reap it behind waitpid's back.
+            new = self.gcs_proc = launch.start()
+            self.restarts.append({"old_pid": pid, "exit": how, "died_at": died,
+                                  "new_pid": new.pid, "started_at": last_start})
+            self.gcs_pid = new.pid
+            self.write_status()
+            log(f"gcs_server (pid {pid}) ended ({how}); started it again as pid {new.pid} "
+                f"{last_start - died:.2f} s later")
+        self.stop()
+        return 0
+
+    def stop(self) -> None:
+        """Every process of the group, the raylet first as Ray's own teardown does (it ends its
+        workers; the GCS it reports to is still up): SIGTERM, then the others, then SIGKILL to
+        what is left after the grace period."""
+        self.stopping = True
+        started, pgid = time.time(), os.getpgrp()
+        deadline = started + self.grace_s
+        for first in (True, False):
+            for pid in group_pids(pgid):
+                if (comm(pid) == "raylet") == first:
+                    signal_pid(pid, signal.SIGTERM)
+            end = min(deadline, time.time() + self.grace_s / 2) if first else deadline
+            while time.time() < end and any(
+                    comm(p) == "raylet" or not first for p in group_pids(pgid)):
+                reap()
+                time.sleep(0.1)
+        left = group_pids(pgid)
+        for pid in left:
+            signal_pid(pid, signal.SIGKILL)
+        end = time.time() + 5
+        while time.time() < end and group_pids(pgid):
+            reap()
+            time.sleep(0.1)
+        log(f"stopped the head in {time.time() - started:.1f} s"
+            + (f" ({len(left)} process(es) killed after {self.grace_s:g} s)" if left else ""))
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def reap() -> None:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        print("gcs_supervisor: usage: gcs_supervisor.py --password-file F --status S -- "
+              "ray start --head ...", file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="gcs_supervisor.py")
+    parser.add_argument("--password-file", required=True, type=Path)
+    parser.add_argument("--status", required=True, type=Path)
+    parser.add_argument("--grace-s", type=float, default=14.0)
+    args = parser.parse_args(argv[:split])
+    ray_start = argv[split + 1:]
+    password = args.password_file.read_text().strip()
+    if not password:
+        print(f"gcs_supervisor: {args.password_file} is empty", file=sys.stderr)
+        return 2
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        print(f"gcs_supervisor: prctl(PR_SET_CHILD_SUBREAPER): "
+              f"{os.strerror(ctypes.get_errno())}", file=sys.stderr)
+        return 2
+    sup = Supervisor(args.status, args.grace_s)
+    signal.signal(signal.SIGTERM, sup.on_sigterm)
+    signal.signal(signal.SIGINT, sup.on_sigterm)
+    return sup.run([*ray_start, f"--redis-password={password}"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
