@@ -29,7 +29,8 @@ from typing import Any
 from rayfleet import catalog
 from rayfleet.config import load_stack_file
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
-from rayfleet.facts import CAPACITY_BLOCK_MARKET_TYPE
+from rayfleet.facts import CAPACITY_BLOCK_MARKET_TYPE, GCS_STORE_NODE_TYPE
+from rayfleet.raystart import REDIS_ADDRESS_ENV
 from rayfleet.commands.lint import load_yaml
 
 # Always on: 365 days x 24 hours / 12 months. A month has at most 31 x 24 hours.
@@ -169,6 +170,11 @@ def main(path: str, stack_file: str | None = None, budget_usd: float | None = No
     print(f"Prices: rayfleet's catalog as of {e['as_of']} ({e['region']}); they cannot be "
           "fetched offline - check https://aws.amazon.com/ec2/pricing/ before budgeting. "
           "EBS, NAT, transfer and S3 not included.", file=out)
+    if REDIS_ADDRESS_ENV in "\n".join(str(c) for c in cfg.get("head_start_ray_commands") or []):
+        # rayfleet:headHa: the catalog has no confirmed ElastiCache price, so none is guessed.
+        print(f"The head's GCS store (rayfleet:headHa: ElastiCache Redis, {GCS_STORE_NODE_TYPE} "
+              "nodes, a replica in a second AZ) bills by the hour, running or not, and is not "
+              "in these totals: check https://aws.amazon.com/elasticache/pricing/.", file=out)
     if e["unpriced"]:
         print(f"No confirmed price in the catalog for {', '.join(e['unpriced'])}: their rows "
               "and the totals that need them say so instead of guessing.", file=out)

@@ -725,3 +725,13 @@ def test_lint_refuses_a_plain_text_or_inlined_gcs_store(tmp_path, ha_outputs, ed
     found = [f for f in lint.lint_config(cfg) if f.rule == 33]
     assert found and all(f.severity == "error" for f in found)
     assert any(problem in f.problem for f in found), found
+
+
+def test_cost_says_the_gcs_store_is_not_in_its_totals(tmp_path, ha_outputs, outputs):
+    from rayfleet.commands import cost
+
+    for o, shown in ((ha_outputs, True), (outputs, False)):
+        path, _ = rendered(tmp_path, o)
+        out = io.StringIO()
+        assert cost.main(str(path), out=out) == 0
+        assert ("GCS store" in out.getvalue()) == shown
