@@ -19,6 +19,7 @@ and Ray merges them into one folder in storage (torchrun's runs copy theirs into
 
     rayfleet_checkpoint.json  marker, written last by rank 0: step, strategy, world size,
                               final (the run's last), and the size of every file rank 0 wrote
+                              (and of the hf/ shards the other ranks wrote)
     model_config.json         GPTConfig (what workloads.serve needs to rebuild the model), or
                               for a Hugging Face model {"hf": its config, "seq_len", "n_params"}
     trainer_state.json        step, epoch, batch-in-epoch, LR schedule, the loop's config
@@ -27,9 +28,12 @@ and Ray merges them into one folder in storage (torchrun's runs copy theirs into
     ddp:        model.pt, optim.pt                     (rank 0)
     fsdp:       dcp/  torch.distributed.checkpoint     (each rank its shard, rank 0 .metadata)
     deepspeed:  ds/   DeepSpeed's own layout           (each rank its partition)
-    model.pt    full weights, also for fsdp/deepspeed on the final checkpoint (for serving)
-    hf/         Hugging Face models, final checkpoint: save_pretrained (safetensors) of the
-                gathered weights plus the tokenizer (from_pretrained, `lm`, vLLM)
+    model.pt    full weights, also for fsdp/deepspeed on the byte GPT's final checkpoint (for
+                serving; a Hugging Face run's final weights are its hf/ export)
+    hf/         Hugging Face models, final checkpoint: a save_pretrained folder (config.json,
+                safetensors weights, the tokenizer; from_pretrained, `lm`, vLLM), written shard
+                by shard by every rank (model-0000i-of-0000n.safetensors + the index, or one
+                model.safetensors when it fits one shard)
     LoRA runs (--lora-r): every checkpoint holds the adapter's weights and optimizer state
                 only (ddp: model.pt is the adapter's; fsdp/deepspeed: their own layouts
                 without the frozen base); model_config.json's "lora" names the base (its
@@ -168,9 +172,12 @@ def write_metrics(storage: Storage, name: str, history: list[dict],
 # ----------------------------------------------------------------------------- checkpoints
 
 def write_marker(dirpath: Path, *, step: int, strategy: str, world_size: int,
-                 final: bool) -> None:
+                 final: bool, elsewhere: dict[str, int] | None = None) -> None:
+    """`elsewhere`: files other ranks wrote into their own parts of this checkpoint (relative
+    path -> size), listed with rank 0's so a missing or short one is caught too."""
     files = {str(p.relative_to(dirpath)): p.stat().st_size
              for p in sorted(dirpath.rglob("*")) if p.is_file() and p.name != MARKER}
+    files = dict(sorted({**files, **(elsewhere or {})}.items()))
     tmp = dirpath / (MARKER + ".tmp")
     tmp.write_text(json.dumps({"format": FORMAT_VERSION, "step": step, "strategy": strategy,
                                "world_size": world_size, "final": final, "files": files},

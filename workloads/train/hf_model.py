@@ -101,15 +101,30 @@ def make_config(config: dict):
     return AutoConfig.for_model(config["model_type"], **rest)
 
 
+def meta_model(config: dict, **kw) -> nn.Module:
+    """The transformers model `config` describes, on the meta device (no memory). Also in a
+    process that built its training model under ZeRO-3: transformers would otherwise build
+    this one inside deepspeed.zero.Init too (its HfDeepSpeedConfig is process-wide, read
+    through a module global), which fails on the meta device."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(make_config(config), **kw)
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
 def count_params(config: dict, lora: dict | None = None) -> tuple[int, int]:
     """(all parameters, trainable ones) of the model a config describes, with LoRA's adapters
     when `lora` is given, counted on the meta device (no memory). ValueError (one line) when
     LoRA's targets match no module of the model."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(make_config(config))
-        if lora:
+    model = meta_model(config)
+    if lora:
+        with torch.device("meta"):
             model = add_lora(model, lora)
     return (sum(p.numel() for p in model.parameters()),
             sum(p.numel() for p in model.parameters() if p.requires_grad))
@@ -179,15 +194,32 @@ class HFCausalLM(nn.Module):
 
 
 def build(source: str | None, config: dict, activation_checkpointing: bool = False,
-          endpoint: str | None = None, lora: dict | None = None) -> HFCausalLM:
+          endpoint: str | None = None, lora: dict | None = None, *, meta: bool = False,
+          zero3_config: dict | None = None) -> HFCausalLM:
     """The model in fp32 (master weights; autocast gives bf16 compute on GPU): pretrained
     weights from `source`, or fresh ones from `config` (seeded by the caller); with `lora`,
-    frozen, with LoRA adapters on its targets."""
+    frozen, with LoRA adapters on its targets.
+
+    `meta`: the same model on the meta device, from `config` alone (no weights read, no
+    memory): FSDP2's ranks other than 0 shard it and receive their rows from rank 0
+    (hf_io.broadcast_into_shards). `zero3_config`: a ZeRO-3 DeepSpeed config; the model is
+    built inside deepspeed.zero.Init (transformers' HfDeepSpeedConfig, kept alive with the
+    model), each rank holding only its partition, and from_pretrained copies the weights in
+    one parameter group at a time from rank 0."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if source:
+    keep = None
+    if zero3_config is not None:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        # transformers reads it through a weak reference (is_deepspeed_zero3_enabled): it
+        # must outlive from_pretrained, and whatever transformers code runs on the model later.
+        keep = HfDeepSpeedConfig(zero3_config)
+    if meta:
+        lm = meta_model(config, dtype=torch.float32)
+    elif source:
         lm = AutoModelForCausalLM.from_pretrained(str(fetch(source, "--model", endpoint)),
                                                   dtype=torch.float32)
     else:
@@ -198,7 +230,10 @@ def build(source: str | None, config: dict, activation_checkpointing: bool = Fal
     lm.config.use_cache = False
     if lora:
         lm = add_lora(lm, lora)
-    return HFCausalLM(lm)
+    model = HFCausalLM(lm)
+    if keep is not None:
+        model.__dict__["_hf_deepspeed_config"] = keep
+    return model
 
 
 def export(state_dict: dict, config: dict, tokenizer: str | None, out: Path,
@@ -206,13 +241,11 @@ def export(state_dict: dict, config: dict, tokenizer: str | None, out: Path,
     """Write `out` as a Hugging Face model folder: the full weights (keys of the wrapper, whose
     `lm.` prefix is dropped) with save_pretrained (safetensors) in the config's own dtype, and
     the tokenizer beside them."""
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    cfg = make_config(config)
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(cfg)
+    lm = meta_model(config)
+    cfg = lm.config
     sd = {k.removeprefix("lm."): v.detach().cpu().float() for k, v in state_dict.items()}
     missing, unexpected = lm.load_state_dict(sd, strict=False, assign=True)
     # Tied output embeddings are one tensor under two names: one of them may be absent.

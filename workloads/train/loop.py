@@ -32,7 +32,7 @@ from rayfleet.errors import CheckpointError
 from workloads.common import runs
 from workloads.common.corpus import stdlib_corpus
 from workloads.common.model import GPT, GPTConfig
-from workloads.train import ds_config, hf_model, preempt
+from workloads.train import ds_config, hf_io, hf_model, preempt
 from workloads.train.context import startup
 from workloads.train.data import ByteBlocks, ParquetRows, split_batch
 from workloads.train.rng import load_rng, save_rng
@@ -107,10 +107,49 @@ def peak_flops(device: torch.device) -> float | None:
     return catalog.peak_bf16_flops(torch.cuda.get_device_name(device))
 
 
+def _ndim(p: torch.Tensor) -> int:
+    """A parameter's dimensions, also of one ZeRO-3 built partitioned (its data is empty)."""
+    return len(getattr(p, "ds_shape", p.shape))
+
+
+def _deepspeed(cfg: LoopConfig, cuda: bool):
+    """(the deepspeed module, the run's DeepSpeed config), DeepSpeed imported the kit's way."""
+    import warnings
+
+    if not cuda:
+        # Said, not guessed: otherwise DeepSpeed warns on every worker that it found no
+        # GPU ("Setting accelerator to CPU. If you have GPU ...").
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed 0.19 still calls torch.distributed's deprecated all_gather_into_tensor
+    # name: harmless, but a FutureWarning from every rank reads like a failure.
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r".*all_gather_into_tensor.* is deprecated")
+    import deepspeed
+
+    if not cuda and os.environ.get("RAYFLEET_DS_SHM_COMM") != "1":
+        # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce kernel
+        # on first use (~90 s of g++ per fresh machine, in every CI run); gloo does
+        # the same job. RAYFLEET_DS_SHM_COMM=1 builds and uses it.
+        import importlib
+
+        # (`import deepspeed.comm.torch as m` would bind the torch package that
+        # deepspeed.comm imports under the same name.)
+        ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+        if hasattr(ds_torch_comm, "build_shm_op"):
+            ds_torch_comm.build_shm_op = lambda: None
+
+    config = ds_config.merge(ds_config.defaults(
+        batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, grad_clip=cfg.grad_clip,
+        zero_stage=cfg.zero_stage, offload=cfg.offload,
+        offload_params=cfg.offload_params, cuda=cuda), cfg.deepspeed_config)
+    return deepspeed, config
+
+
 class _Engine:
     """The strategy-specific parts: wrapping, stepping, saving and loading state."""
 
-    def __init__(self, cfg: LoopConfig, ctx: Context, model: torch.nn.Module):
+    def __init__(self, cfg: LoopConfig, ctx: Context, model: torch.nn.Module,
+                 from_rank0: bool = False):
         self.cfg, self.ctx, self.strategy = cfg, ctx, cfg.strategy
         cuda = ctx.device.type == "cuda"
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda
@@ -118,43 +157,17 @@ class _Engine:
         # What the forward pass actually computed in (the logits' dtype), for the summary:
         # bf16 on GPU is measured, not assumed from the settings.
         self.compute_dtype = ""
+        self.files_elsewhere: dict[str, int] = {}   # the final hf/ shards other ranks wrote
 
         # LoRA: the frozen base has no gradients and no optimizer state; checkpoints hold
         # only what trains (the base is loaded from its source again on resume).
         self.lora = hf_model.is_hf(cfg.model) and bool(cfg.model.get("lora"))
         self.trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+        decay = [p for n, p in model.named_parameters() if p.requires_grad and _ndim(p) >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.requires_grad and _ndim(p) < 2]
         self.raw = model
         if self.strategy == "deepspeed":
-            import warnings
-
-            if not cuda:
-                # Said, not guessed: otherwise DeepSpeed warns on every worker that it found no
-                # GPU ("Setting accelerator to CPU. If you have GPU ...").
-                os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            # DeepSpeed 0.19 still calls torch.distributed's deprecated all_gather_into_tensor
-            # name: harmless, but a FutureWarning from every rank reads like a failure.
-            warnings.filterwarnings("ignore", category=FutureWarning,
-                                    message=r".*all_gather_into_tensor.* is deprecated")
-            import deepspeed
-
-            if not cuda and os.environ.get("RAYFLEET_DS_SHM_COMM") != "1":
-                # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce kernel
-                # on first use (~90 s of g++ per fresh machine, in every CI run); gloo does
-                # the same job. RAYFLEET_DS_SHM_COMM=1 builds and uses it.
-                import importlib
-
-                # (`import deepspeed.comm.torch as m` would bind the torch package that
-                # deepspeed.comm imports under the same name.)
-                ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
-                if hasattr(ds_torch_comm, "build_shm_op"):
-                    ds_torch_comm.build_shm_op = lambda: None
-
-            config = ds_config.merge(ds_config.defaults(
-                batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, grad_clip=cfg.grad_clip,
-                zero_stage=cfg.zero_stage, offload=cfg.offload,
-                offload_params=cfg.offload_params, cuda=cuda), cfg.deepspeed_config)
+            deepspeed, config = _deepspeed(cfg, cuda)
             groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                       {"params": no_decay, "weight_decay": 0.0}]
             opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
@@ -171,16 +184,29 @@ class _Engine:
         if self.strategy == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
-            model = model.to(ctx.device)
             mp = None
             if cuda:
                 from torch.distributed.fsdp import MixedPrecisionPolicy
 
                 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            # FSDP2: shard each block, then the root (embeddings, final norm).
-            for block in model.blocks:
-                fully_shard(block, mp_policy=mp) if mp else fully_shard(block)
-            fully_shard(model, mp_policy=mp) if mp else fully_shard(model)
+
+            def shard(model):
+                # FSDP2: shard each block, then the root (embeddings, final norm).
+                for block in model.blocks:
+                    fully_shard(block, mp_policy=mp) if mp else fully_shard(block)
+                fully_shard(model, mp_policy=mp) if mp else fully_shard(model)
+
+            if next(model.parameters()).is_meta:
+                # Built on the meta device (prepare): this rank allocates only its shards and
+                # gets their values from rank 0, which shards its own copy afterwards.
+                shard(model)
+                model.to_empty(device=ctx.device)
+                hf_io.broadcast_into_shards(model, ctx.rank, ctx.device)
+            else:
+                model = model.to(ctx.device)
+                if from_rank0:
+                    hf_io.broadcast_into_shards(model, ctx.rank, ctx.device)
+                shard(model)
             self.model = model
         else:
             self.model = ctx.prepare_ddp(model)
@@ -224,6 +250,10 @@ class _Engine:
     def save(self, d: Path, final: bool) -> None:
         rank = self.ctx.rank
         full = None
+        # A Hugging Face run's final checkpoint (not LoRA's): hf/ is its full-weight export,
+        # written shard by shard by every rank (export_hf), never gathered into one process.
+        hf_full = final and hf_model.is_hf(self.cfg.model) and not self.lora
+        self.files_elsewhere = {}
         if self.strategy == "ddp":
             if rank == 0:
                 full = self.raw.state_dict()
@@ -239,15 +269,19 @@ class _Engine:
             # Each rank writes only its own shard (rank 0 adds .metadata); Ray merges the
             # per-rank folders into one checkpoint in storage.
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(d / runs.DCP_DIR))
-            if final:
+            if final and not hf_full:
                 full = self._save_full(d)
         else:
             client = {"rayfleet": True}
             self.model.save_checkpoint(str(d / runs.DS_DIR), tag="ckpt", client_state=client,
                                        exclude_frozen_parameters=self.lora)
-            if final:
+            if final and not hf_full:
                 full = self._save_full(d)
-        if final and rank == 0 and self.lora:
+        if hf_full:
+            # The run's result in Hugging Face format: what `lm`, vLLM and from_pretrained
+            # load.
+            self.export_hf(d / runs.HF_DIR)
+        elif final and rank == 0 and self.lora:
             # The adapter (PEFT's folder), and with --lora-merge the base with it merged in.
             lora = self.cfg.model["lora"]
             hf_model.export_adapter(full, lora, self.cfg.tokenizer, d / runs.ADAPTER_DIR,
@@ -255,11 +289,48 @@ class _Engine:
             if self.cfg.lora_merge:
                 hf_model.export_merged(d / runs.ADAPTER_DIR, self.cfg.model[runs.HF_MODEL_KEY],
                                        self.cfg.tokenizer, d / runs.HF_DIR, self.cfg.s3_endpoint)
-        elif final and rank == 0 and hf_model.is_hf(self.cfg.model):
-            # The run's result in Hugging Face format, gathered from the shards: what `lm`,
-            # vLLM and from_pretrained load.
-            hf_model.export(full, self.cfg.model[runs.HF_MODEL_KEY], self.cfg.tokenizer,
-                            d / runs.HF_DIR, self.cfg.s3_endpoint)
+
+    def export_hf(self, out: Path, max_shard_bytes: int = hf_io.MAX_SHARD_BYTES) -> None:
+        """Write the model as a Hugging Face folder at `out` (hf_io.export_sharded): every rank
+        calls it and writes its shards; rank 0 learns the others' files and sizes
+        (files_elsewhere, for the checkpoint's marker). The files land in each rank's own
+        checkpoint folder, which Ray (or TorchrunContext) merges into one."""
+        written = hf_io.export_sharded(
+            self._full_tensors(), self.cfg.model[runs.HF_MODEL_KEY], self.cfg.tokenizer, out,
+            rank=self.ctx.rank, world_size=self.ctx.world_size,
+            endpoint=self.cfg.s3_endpoint, max_shard_bytes=max_shard_bytes)
+        self.files_elsewhere = {}
+        if self.ctx.world_size > 1:
+            every: list = [None] * self.ctx.world_size
+            dist.all_gather_object(every, written)
+            rel = out.name
+            self.files_elsewhere = {f"{rel}/{f}": size for r, w in enumerate(every)
+                                    if r != self.ctx.rank for f, size in w.items()}
+
+    def _full_tensors(self):
+        """full(name): the full value of the model's tensor `name` (save_pretrained's key) on
+        this rank; a collective for sharded weights (FSDP2's DTensors, ZeRO-3's partitions),
+        so every rank asks for every tensor in the same order."""
+        from torch.distributed.tensor import DTensor
+
+        module = {"deepspeed": lambda: self.model.module, "fsdp": lambda: self.model}.get(
+            self.strategy, lambda: self.raw)()
+        # Tied tensors under each of their names.
+        named = {**dict(module.named_parameters(remove_duplicate=False)),
+                 **dict(module.named_buffers(remove_duplicate=False))}
+
+        def full(name: str) -> torch.Tensor:
+            t = named[f"lm.{name}"]
+            if isinstance(t, DTensor):
+                return t.full_tensor()
+            if hasattr(t, "ds_id"):   # a ZeRO-3 partitioned parameter
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([t], modifier_rank=None):
+                    return t.data.detach().clone()
+            return t.detach()
+
+        return full
 
     def _sd_options(self, **kw):
         """torch.distributed.checkpoint's state-dict options: LoRA leaves the frozen base out."""
@@ -359,20 +430,44 @@ class _WaitTimer:
             yield batch
 
 
+def prepare(cfg: LoopConfig, ctx: Context, full_copy_per_rank: bool = False):
+    """(the model's config, the engine holding the model wrapped for cfg.strategy) on this rank.
+
+    A Hugging Face model is loaded without a full copy in every rank where the strategy shards
+    it: with FSDP2 rank 0 builds it (from_pretrained, or fresh weights) and the others on the
+    meta device, getting their shards from rank 0 (hf_io.broadcast_into_shards); with ZeRO-3 it
+    is built inside deepspeed.zero.Init, each rank holding its partition (hf_model.build).
+    DDP keeps a full copy per rank, as it trains one. `full_copy_per_rank`: every rank builds
+    the whole model first, as before (bench.hf_memory's "before" row)."""
+    if not hf_model.is_hf(cfg.model):
+        model_cfg = GPTConfig.from_dict(cfg.model)
+        return model_cfg, _Engine(cfg, ctx, GPT(model_cfg))
+    model_cfg = hf_model.HFSpec.from_dict(cfg.model)
+    sharded = (not full_copy_per_rank and ctx.world_size > 1 and dist.is_available()
+               and dist.is_initialized())
+    kw: dict = {}
+    from_rank0 = sharded and cfg.strategy == "fsdp"
+    if from_rank0:
+        kw["meta"] = ctx.rank != 0
+    elif sharded and cfg.strategy == "deepspeed":
+        _, config = _deepspeed(cfg, ctx.device.type == "cuda")
+        if config["zero_optimization"].get("stage") == 3:
+            kw["zero3_config"] = config
+    # Building draws random numbers on some ranks and not on others (meta, or weights that
+    # come from elsewhere): every rank goes on from the same RNG state, as the seed left it.
+    with torch.random.fork_rng(devices=[]):
+        model = hf_model.build(cfg.hf_source, model_cfg.config, cfg.activation_checkpointing,
+                               cfg.s3_endpoint, lora=model_cfg.lora, **kw)
+    return model_cfg, _Engine(cfg, ctx, model, from_rank0=from_rank0)
+
+
 def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
     """Train to cfg.max_steps, resuming from ctx's latest checkpoint. Returns final metrics."""
     startup.mark("loop_entered")
     torch.manual_seed(cfg.seed)  # same init on every rank; DDP broadcasts rank 0's anyway
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    if hf_model.is_hf(cfg.model):
-        model_cfg = hf_model.HFSpec.from_dict(cfg.model)
-        model = hf_model.build(cfg.hf_source, model_cfg.config, cfg.activation_checkpointing,
-                               cfg.s3_endpoint, lora=model_cfg.lora)
-    else:
-        model_cfg = GPTConfig.from_dict(cfg.model)
-        model = GPT(model_cfg)
-    engine = _Engine(cfg, ctx, model)
+    model_cfg, engine = prepare(cfg, ctx)
     startup.mark("model_ready")
 
     step, epoch, batch_in_epoch, history = 0, 0, 0, []
@@ -486,7 +581,8 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
                             "loop_config": cfg.to_dict()}))
                         (d / runs.METRICS).write_text(runs.history_csv(history))
                         runs.write_marker(d, step=step, strategy=cfg.strategy,
-                                          world_size=ctx.world_size, final=is_final)
+                                          world_size=ctx.world_size, final=is_final,
+                                          elsewhere=engine.files_elsewhere)
                     ctx.report(metrics, d)
             if step % cfg.log_every == 0 or save:
                 # Step time and tokens/s measure training only; checkpoint time is not in them.

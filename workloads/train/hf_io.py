@@ -1,0 +1,179 @@
+"""Hugging Face weights into and out of sharded training without a full copy in every process.
+
+Loading (FSDP2): rank 0 builds the model as before (`from_pretrained`, or fresh weights from the
+config); every other rank builds it on the meta device, shards it with `fully_shard` and
+allocates only its own shards (`to_empty`). `broadcast_into_shards` then sends rank 0's tensors
+one at a time; each rank keeps its rows of each parameter and every buffer whole (also the
+non-persistent ones, such as RoPE's inv_freq, which no state dict carries and `to_empty` leaves
+as garbage). Rank 0 shards its own model afterwards, tensor by tensor, so no process ever holds
+more than one full copy. (ZeRO-3 needs none of this: `from_pretrained` under transformers'
+HfDeepSpeedConfig builds the model inside `deepspeed.zero.Init`, see hf_model.build.)
+
+Export: `export_sharded` writes the final checkpoint's `hf/` as save_pretrained would
+(safetensors shards of at most `max_shard_bytes` plus `model.safetensors.index.json`, or one
+`model.safetensors` when the model fits one shard; config.json, generation_config.json), but
+shard by shard: every rank walks the same plan, the full value of each tensor is gathered
+tensor by tensor (a collective for FSDP2's DTensors and ZeRO-3's partitions), and the shard's
+owner (shard i belongs to rank i % world) keeps it and writes the file. A process holds at
+most one shard plus the tensor being gathered.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from workloads.common.hf import load_tokenizer
+from workloads.train import hf_model
+
+# A shard of the export is at most this many bytes (one tensor bigger than that is a shard of
+# its own): the most any process holds of the export at once. Hub models commonly come in a
+# few GB per file; transformers' own default (50 GB) would make every model one file, written
+# by one process.
+MAX_SHARD_BYTES = 2 << 30
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+# ------------------------------------------------------------------------------ loading
+
+def broadcast_into_shards(model: nn.Module, rank: int, device: torch.device) -> None:
+    """Copy rank 0's parameters and buffers into every rank's `model` (a collective: every rank
+    calls it). On rank 0 `model` is the whole model (not yet sharded); on the others it is the
+    same model sharded with fully_shard and allocated with to_empty: each keeps its own rows of
+    every parameter (DTensor) and the whole of every buffer. One full tensor at a time is in
+    flight. RuntimeError when the ranks' models do not have the same tensors."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    entries = list(model.named_parameters()) + list(model.named_buffers())
+    names = [(n, tuple(t.shape), str(t.dtype)) for n, t in entries]
+    got = [names if rank == 0 else None]
+    dist.broadcast_object_list(got, src=0)
+    if got[0] != names:
+        theirs = set(got[0]) ^ set(names)
+        raise RuntimeError(f"rank {rank}'s model differs from rank 0's ({len(theirs)} tensors "
+                           f"differ, e.g. {sorted(theirs)[:2]})")
+    with torch.no_grad():
+        for _, t in entries:
+            if rank == 0:
+                dist.broadcast(t.detach().contiguous(), src=0)
+            elif isinstance(t, DTensor):
+                full = torch.empty(t.shape, dtype=t.dtype, device=device)
+                dist.broadcast(full, src=0)
+                # This rank's rows of it, as its mesh and placements cut it (no communication
+                # with src_data_rank=None).
+                mine = distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)
+                t.to_local().copy_(mine.to_local())
+                del full, mine
+            else:
+                buf = t.detach()
+                if buf.is_contiguous():
+                    dist.broadcast(buf, src=0)
+                else:
+                    tmp = buf.contiguous()
+                    dist.broadcast(tmp, src=0)
+                    buf.copy_(tmp)
+
+
+# ------------------------------------------------------------------------------- export
+
+def _export_dtype(cfg) -> torch.dtype:
+    """The dtype save_pretrained would write: the config's own, else float32 (training's)."""
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def export_keys(config: dict) -> tuple[object, list[tuple[str, tuple[int, ...]]]]:
+    """(the model built on the meta device from `config`, [(name, shape)] of what
+    save_pretrained writes for it, in its order): the state dict without tied duplicates
+    (the name a loader expects is kept) and without non-persistent buffers."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    lm = hf_model.meta_model(config)
+    lm.tie_weights()
+    sd = remove_tied_weights_from_state_dict(lm.state_dict(), lm)
+    return lm, [(k, tuple(v.shape)) for k, v in sd.items()]
+
+
+def plan_shards(keys: list[tuple[str, tuple[int, ...]]], itemsize: int,
+                max_shard_bytes: int) -> list[list[str]]:
+    """Tensors in order, cut into consecutive shards of at most max_shard_bytes (a tensor
+    bigger than that alone in its own)."""
+    shards: list[list[str]] = []
+    size = 0
+    for name, shape in keys:
+        n = itemsize * int(torch.Size(shape).numel())
+        if not shards or (size + n > max_shard_bytes and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def shard_names(n: int) -> list[str]:
+    return [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                                         for i in range(n)]
+
+
+def export_sharded(full_tensor: Callable[[str], torch.Tensor], config: dict,
+                   tokenizer: str | None, out: Path, *, rank: int = 0, world_size: int = 1,
+                   endpoint: str | None = None,
+                   max_shard_bytes: int = MAX_SHARD_BYTES) -> dict[str, int]:
+    """Write `out` as a Hugging Face model folder, shard by shard (see the module's doc).
+    `full_tensor(name)` returns the full value of the model's tensor `name` (a key of
+    save_pretrained's state dict: no `lm.` prefix); every rank calls it for every tensor in
+    the same order, so it may be a collective. Rank 0 also writes config.json,
+    generation_config.json, the index and the tokenizer. Returns {file name: size} of the
+    files this rank wrote."""
+    from safetensors.torch import save_file
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    lm, keys = export_keys(config)
+    dtype = _export_dtype(lm.config)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards = plan_shards(keys, itemsize, max_shard_bytes)
+    files = shard_names(len(shards))
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, int] = {}
+    shapes = dict(keys)
+    for i, (file, names) in enumerate(zip(files, shards, strict=True)):
+        mine = i % world_size == rank
+        tensors = {}
+        for name in names:
+            t = full_tensor(name)
+            if tuple(t.shape) != shapes[name]:
+                raise RuntimeError(f"export: {name} is {tuple(t.shape)}, the config says "
+                                   f"{shapes[name]}")
+            if mine:
+                tensors[name] = t.detach().to("cpu", dtype).contiguous()
+            del t
+        if mine:
+            save_file(tensors, str(out / file), metadata={"format": "pt"})
+            written[file] = (out / file).stat().st_size
+        del tensors
+    if rank == 0:
+        # As save_pretrained writes them: the class that loads it, the weights' dtype.
+        lm.config.architectures = [type(lm).__name__]
+        lm.config.dtype = str(dtype).removeprefix("torch.")
+        lm.config.save_pretrained(str(out))
+        if lm.can_generate():
+            lm.generation_config.save_pretrained(str(out))
+        if len(files) > 1:
+            total = sum(itemsize * int(torch.Size(s).numel()) for _, s in keys)
+            index = {"metadata": {"total_size": total,
+                                  "total_parameters": sum(int(torch.Size(s).numel())
+                                                          for _, s in keys)},
+                     "weight_map": {n: f for f, ns in zip(files, shards, strict=True) for n in ns}}
+            (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        if tokenizer:
+            load_tokenizer(tokenizer, "--tokenizer", endpoint).save_pretrained(str(out))
+    return written
