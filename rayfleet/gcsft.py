@@ -26,15 +26,16 @@ import socket
 import stat
 from pathlib import Path
 
-# Ray 2.60's names: ray/_private/node.py reads RAY_REDIS_ADDRESS at the head's start;
-# gcs_server and every raylet read RAY_<config> variables.
-REDIS_ADDRESS_ENV = "RAY_REDIS_ADDRESS"
-RECONNECT_TIMEOUT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
-# How long a raylet (and a driver or worker process) retries a GCS it lost before it exits.
-# The supervisor starts gcs_server again at once, and the GCS reads its tables back from Redis
-# in a few seconds; Ray's default (60 s) is set explicitly and doubled for a busy laptop (on
-# 2 shared cores the restarted GCS took up to 10 s to answer): past it, the nodes give up
-# rather than hang on a head that is not coming back.
+# Ray 2.60's variable names have their one home in raystart (the cloud's HA head uses them
+# too); the values here are the local cluster's.
+from rayfleet.raystart import GCS_RECONNECT_TIMEOUT_ENV as RECONNECT_TIMEOUT_ENV
+from rayfleet.raystart import REDIS_ADDRESS_ENV
+
+# How long a raylet (and a driver or worker process) retries a GCS it lost before it exits,
+# on a local cluster. The supervisor starts gcs_server again at once and the GCS reads its
+# tables back from Redis in a second or two; Ray's default (60 s) is set explicitly and
+# doubled for a busy laptop. Past it the nodes give up rather than hang on a head that is not
+# coming back. (A cloud head is replaced by `ray up`, minutes: raystart's 1800 s.)
 RECONNECT_TIMEOUT_S = 120
 
 REDIS_BINARY = "redis-server"
