@@ -14,7 +14,8 @@ flow-log log group (+ retention, KMS key), flow log, IAM roles, inline role poli
 attachments of customer managed policies, instance profiles, security groups, ingress/egress
 rules, KMS keys (+ key policy, rotation), S3 buckets, ownership controls, public access block,
 versioning, default encryption, lifecycle, server access logging, launch templates, the
-budget.
+budget; with rayfleet:headHa, the ElastiCache subnet group and replication group, the Secrets
+Manager secret and its version, and the head address's subnet CIDR reservation.
 
 Placeholders (an id is returned, nothing is created): the ``pulumi:providers:aws`` provider
 (its ``defaultTags`` are applied to every resource, as the real provider does), the program's
@@ -99,6 +100,17 @@ class _Inputs:
         return sorted(set(self._raw) - self._read)
 
 
+# Pulumi's marker of a secret value, as the mock monitor hands one over: {SIG: ..., "value": v}.
+_SECRET_SIG = "4dabf18193072939515e22adb298388d"
+
+
+def _unsecret(value: Any) -> Any:
+    """The value inside a Pulumi secret (what the provider would send AWS)."""
+    if isinstance(value, dict) and _SECRET_SIG in value:
+        return value["value"]
+    return value
+
+
 def _ec2_tags(resource_type: str, tags: dict[str, str]) -> list[dict]:
     if not tags:
         return []
@@ -139,6 +151,8 @@ class MotoMocks(pulumi.runtime.Mocks):
         self.kms = session.client("kms", region_name=region)
         self.logs = session.client("logs", region_name=region)
         self.budgets = session.client("budgets", region_name=region)
+        self.elasticache = session.client("elasticache", region_name=region)
+        self.secretsmanager = session.client("secretsmanager", region_name=region)
         self.account = session.client("sts", region_name=region).get_caller_identity()["Account"]
         # Pulumi registers resources from a thread pool; moto's backends are not meant for
         # concurrent writers, and the order of creation is easier to read in a failure.
@@ -552,6 +566,64 @@ class MotoMocks(pulumi.runtime.Mocks):
                      "latestVersion": lt["LatestVersionNumber"],
                      "defaultVersion": lt["DefaultVersionNumber"], "tagsAll": tags}
 
+    # -- rayfleet:headHa
+
+    def _cache_subnet_group(self, name, i, tags):
+        group = i.get("name") or f"{name}-{secrets.token_hex(4)[:7]}"
+        out = self.elasticache.create_cache_subnet_group(
+            CacheSubnetGroupName=group, CacheSubnetGroupDescription=i["description"],
+            SubnetIds=i["subnetIds"],
+            Tags=[{"Key": k, "Value": v} for k, v in tags.items()])["CacheSubnetGroup"]
+        return group, {"name": group, "arn": out.get("ARN") or self._arn(
+            "elasticache", f"subnetgroup:{group}"), "tagsAll": tags}
+
+    def _replication_group(self, name, i, tags):
+        rgid = i["replicationGroupId"]
+        # Settings of the update, not of the group.
+        i.ignore("applyImmediately")
+        kwargs = {"KmsKeyId": i.get("kmsKeyId")} if i.get("kmsKeyId") else {}
+        rg = self.elasticache.create_replication_group(
+            ReplicationGroupId=rgid, ReplicationGroupDescription=i["description"],
+            Engine=i["engine"], EngineVersion=i["engineVersion"], CacheNodeType=i["nodeType"],
+            Port=i["port"], NumCacheClusters=i["numCacheClusters"],
+            AutomaticFailoverEnabled=i["automaticFailoverEnabled"],
+            MultiAZEnabled=i["multiAzEnabled"], CacheSubnetGroupName=i["subnetGroupName"],
+            SecurityGroupIds=i["securityGroupIds"],
+            AtRestEncryptionEnabled=i["atRestEncryptionEnabled"],
+            TransitEncryptionEnabled=i["transitEncryptionEnabled"],
+            TransitEncryptionMode=i["transitEncryptionMode"],
+            AuthToken=_unsecret(i["authToken"]),
+            SnapshotRetentionLimit=i["snapshotRetentionLimit"],
+            Tags=[{"Key": k, "Value": v} for k, v in tags.items()], **kwargs)["ReplicationGroup"]
+        groups = rg.get("NodeGroups") or [{}]
+        endpoint = (groups[0].get("PrimaryEndpoint") or {}).get("Address") or \
+            f"master.{rgid}.moto.use1.cache.amazonaws.com"
+        return rgid, {"arn": rg.get("ARN") or self._arn("elasticache", f"replicationgroup:{rgid}"),
+                      "primaryEndpointAddress": endpoint, "tagsAll": tags}
+
+    def _secret(self, name, i, tags):
+        secret_name = i.get("name") or f"{name}-{secrets.token_hex(4)[:7]}"
+        # The deletion window applies when the secret is deleted, which no mock does.
+        i.ignore("recoveryWindowInDays")
+        kwargs = {"KmsKeyId": i.get("kmsKeyId")} if i.get("kmsKeyId") else {}
+        out = self.secretsmanager.create_secret(
+            Name=secret_name, Description=i.get("description") or "",
+            Tags=[{"Key": k, "Value": v} for k, v in tags.items()], **kwargs)
+        # The provider's id of a secret is its ARN.
+        return out["ARN"], {"arn": out["ARN"], "name": secret_name, "tagsAll": tags}
+
+    def _secret_version(self, name, i, tags):
+        out = self.secretsmanager.put_secret_value(SecretId=i["secretId"],
+                                                   SecretString=_unsecret(i["secretString"]))
+        return f"{i['secretId']}|{out['VersionId']}", {"versionId": out["VersionId"],
+                                                       "arn": out["ARN"]}
+
+    def _subnet_cidr_reservation(self, name, i, tags):
+        out = self.ec2.create_subnet_cidr_reservation(
+            SubnetId=i["subnetId"], Cidr=i["cidrBlock"], ReservationType=i["reservationType"],
+            Description=i.get("description") or "")["SubnetCidrReservation"]
+        return out["SubnetCidrReservationId"], {}
+
     def _budget(self, name, i, tags):
         budget_name = i.get("name") or i["namePrefix"] + secrets.token_hex(4)
         notifications = [{
@@ -605,6 +677,11 @@ _HANDLERS = {
     "aws:ec2/placementGroup:PlacementGroup": MotoMocks._placement_group,
     "aws:ec2/launchTemplate:LaunchTemplate": MotoMocks._launch_template,
     "aws:budgets/budget:Budget": MotoMocks._budget,
+    "aws:elasticache/subnetGroup:SubnetGroup": MotoMocks._cache_subnet_group,
+    "aws:elasticache/replicationGroup:ReplicationGroup": MotoMocks._replication_group,
+    "aws:secretsmanager/secret:Secret": MotoMocks._secret,
+    "aws:secretsmanager/secretVersion:SecretVersion": MotoMocks._secret_version,
+    "aws:ec2/subnetCidrReservation:SubnetCidrReservation": MotoMocks._subnet_cidr_reservation,
 }
 
 
