@@ -163,22 +163,25 @@ class Supervisor:
         return 0
 
     def stop(self) -> None:
-        """Every process of the group, the raylet first as Ray's own teardown does (it ends its
-        workers; the GCS it reports to is still up): SIGTERM, then the others, then SIGKILL to
-        what is left after the grace period."""
+        """Every process of the group in three waves, each given its share of the grace period:
+        the raylet first, as Ray's own teardown does (it ends its workers), then the other
+        processes while the GCS they may still report to is up (the autoscaler's monitor
+        waits on it and would otherwise sit out the whole period), then the GCS; SIGKILL to
+        whatever is left at the end."""
         self.stopping = True
         started, pgid = time.time(), os.getpgrp()
-        deadline = started + self.grace_s
-        for first in (True, False):
+        waves = (lambda name: name == "raylet", lambda name: name != GCS_COMM,
+                 lambda name: True)
+        for i, wave in enumerate(waves):
+            end = started + self.grace_s * (i + 1) / len(waves)
             for pid in group_pids(pgid):
-                if (comm(pid) == "raylet") == first:
+                if wave(comm(pid)):
                     signal_pid(pid, signal.SIGTERM)
-            end = min(deadline, time.time() + self.grace_s / 2) if first else deadline
-            while time.time() < end and any(
-                    comm(p) == "raylet" or not first for p in group_pids(pgid)):
+            while time.time() < end and any(wave(comm(p)) for p in group_pids(pgid)):
                 reap()
                 time.sleep(0.1)
         left = group_pids(pgid)
+        names = [f"{comm(pid)} ({pid})" for pid in left]
         for pid in left:
             signal_pid(pid, signal.SIGKILL)
         end = time.time() + 5
@@ -186,7 +189,7 @@ class Supervisor:
             reap()
             time.sleep(0.1)
         log(f"stopped the head in {time.time() - started:.1f} s"
-            + (f" ({len(left)} process(es) killed after {self.grace_s:g} s)" if left else ""))
+            + (f" (killed after {self.grace_s:g} s: {', '.join(names)})" if left else ""))
 
 
 def signal_pid(pid: int, sig: int) -> None:
