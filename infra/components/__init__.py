@@ -125,7 +125,6 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
             private_subnet_ids=network.private_subnet_ids,
             cluster_security_group_id=security.cluster.id,
             head_role_name=iam.head_role.name,
-            kms_key_arn=storage.kms_key_arn,
         ), opts)
         address = HeadAddress(f"{c}-head-address", HeadAddressArgs(
             cluster_name=c,

@@ -65,9 +65,6 @@ class GcsStoreArgs:
     private_subnet_ids: Sequence[pulumi.Input[str]]   # one per AZ
     cluster_security_group_id: pulumi.Input[str]
     head_role_name: pulumi.Input[str]
-    # The stack's customer-managed key (rayfleet:bucketEncryption kms), for the secret and the
-    # cache's storage; None: AWS-managed keys.
-    kms_key_arn: pulumi.Input[str] | None = None
     port: int = GCS_STORE_PORT
     node_type: str = GCS_STORE_NODE_TYPE
 
@@ -113,7 +110,8 @@ class GcsStore(pulumi.ComponentResource):
             f"{name}-auth",
             description=(f"Auth token of the GCS store of {c}: read by the head role only, at "
                          "boot, into a 0600 file"),
-            kms_key_id=args.kms_key_arn,
+            # AWS's aws/secretsmanager key: the stack's own key serves S3 alone (its key policy
+            # allows no other service, rule 29), and the head needs no KMS grant for this one.
             recovery_window_in_days=7,
             opts=child,
         )
@@ -141,8 +139,8 @@ class GcsStore(pulumi.ComponentResource):
             multi_az_enabled=multi_az,
             subnet_group_name=self.subnet_group.name,
             security_group_ids=[self.security_group.id],
+            # ElastiCache's own key, for the reason the secret has AWS's.
             at_rest_encryption_enabled=True,
-            kms_key_id=args.kms_key_arn,
             transit_encryption_enabled=True,
             transit_encryption_mode="required",
             auth_token=pulumi.Output.secret(self.secret_version.secret_string),
@@ -151,23 +149,12 @@ class GcsStore(pulumi.ComponentResource):
             opts=child,
         )
 
-        ha_secret = self.secret.arn
-        statements: list[dict] = [{
+        statements = [{
             "Sid": "ReadTheGcsStoreToken",
             "Effect": "Allow",
             "Action": "secretsmanager:GetSecretValue",
-            "Resource": ha_secret,
+            "Resource": self.secret.arn,
         }]
-        if args.kms_key_arn is not None:
-            statements.append({
-                # The stack's key, and only when Secrets Manager uses it for the head.
-                "Sid": "DecryptTheTokenThroughSecretsManager",
-                "Effect": "Allow",
-                "Action": "kms:Decrypt",
-                "Resource": args.kms_key_arn,
-                "Condition": {"StringEquals": {
-                    "kms:ViaService": f"secretsmanager.{args.region}.amazonaws.com"}},
-            })
         self.head_policy = aws.iam.RolePolicy(
             f"{name}-head-token",
             role=args.head_role_name,
