@@ -353,7 +353,9 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
         # And `ray start` names the cluster in <temp dir>/ray_current_cluster only after the
         # dashboard is up; a job submitted before that has its driver pointed elsewhere.
         if (jobs_api_ready(cluster.dashboard_url, secret) and _listening(agent_port)
-                and (ray_temp_dir() / "ray_current_cluster").exists()):
+                and (ray_temp_dir() / "ray_current_cluster").exists()
+                # HA: up once the supervisor watches gcs_server (after `ray start` exited).
+                and (not ha or _supervised())):
             try:
                 prom = _start_metrics(*prepared, haproxy_metrics_port) if prepared else None
             except RayfleetError:
@@ -449,6 +451,13 @@ def _stop_redis(pid: int | None, timeout: float = 10.0) -> None:
             except ProcessLookupError:
                 pass
     shutil.rmtree(_redis_folder(), ignore_errors=True)
+
+
+def _supervised() -> bool:
+    try:
+        return bool(json.loads(_supervisor_status().read_text())["gcs_pid"])
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def _comm(pid: int) -> str:

@@ -211,6 +211,7 @@ def _serve_app(env: dict) -> dict:
     return (yaml.safe_load(out) or {}).get("applications", {}).get("echo", {})
 
 
+@pytest.mark.slow
 def test_gcs_killed_under_serve_load(ha_cluster, tmp_path):
     c = ha_cluster
     env, token, password_file = c["env"], c["token"], c["home"] / "local" / "redis" / "password"
