@@ -66,6 +66,7 @@ def test_ha_stack_store_token_and_head_address_in_moto(moto_account, tmp_path):
     rendered = tmp_path / "cluster.yaml"
     assert cli.main(["render", str(stack.path), "--out", str(rendered),
                      "--token-file", str(tmp_path / "token")]) == 0
+    assert cli.main(["preflight", str(rendered), "--num-gpus", "8"]) == 0
     cfg = ray_launch_config(rendered)
     head_type = cfg["head_node_type"]
     ec2 = moto_account.client("ec2")
