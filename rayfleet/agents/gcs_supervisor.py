@@ -16,7 +16,8 @@ So the HA head is started without ``--block``, under this program:
   its children: it reaps them and sees gcs_server's exit at once. It reads gcs_server's command
   line, environment, working folder and log files from /proc when it starts supervising, and
   on an exit starts the same command again (not logged: it holds the password), at most once
-  a second, recording each restart in ``--status`` (JSON);
+  a second, recording each restart in ``--status`` (JSON); after MAX_RESTARTS exits within
+  RESTART_WINDOW_S it stops the head instead and exits 1;
 - SIGTERM (`rayfleet local down`) stops the group: SIGTERM to every process, SIGKILL to what
   is left after ``--grace-s``, then it exits 0.
 
@@ -40,6 +41,9 @@ from pathlib import Path
 PR_SET_CHILD_SUBREAPER = 36
 GCS_COMM = "gcs_server"
 MIN_RESTART_INTERVAL_S = 1.0
+# A GCS that dies this often (say its Redis is gone) is not coming back by being started
+# again: the supervisor stops the head instead, and `rayfleet local status` says it is down.
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
 
 
 def log(msg: str) -> None:
@@ -147,6 +151,12 @@ class Supervisor:
             died = time.time()
             how = (f"signal {os.WTERMSIG(code)}" if os.WIFSIGNALED(code)
                    else f"exit code {os.WEXITSTATUS(code)}")
+            recent = [r for r in self.restarts if r["died_at"] > died - RESTART_WINDOW_S]
+            if len(recent) >= MAX_RESTARTS:
+                log(f"gcs_server (pid {pid}) ended ({how}), its {len(recent) + 1}th exit in "
+                    f"{RESTART_WINDOW_S:g} s: not starting it again; stopping the head")
+                self.stop()
+                return 1
             time.sleep(max(0.0, last_start + MIN_RESTART_INTERVAL_S - died))
             if self.stopping:
                 break

@@ -211,3 +211,76 @@ def test_redis_config_is_loopback_and_password_only(tmp_path):
         assert stat.S_IMODE(f.stat().st_mode) == 0o600
     again = gcsft.make_folder(tmp_path / "redis")  # a previous cluster's files are gone
     assert not any(again.iterdir())
+
+
+FAKE_RAY_START = """
+import os, shutil, subprocess, sys
+out = sys.argv[1]
+open(os.path.join(out, "start-argv"), "w").write("\\n".join(sys.argv))
+# A process whose name is gcs_server (a copy of sleep), left running in the group as Ray's is.
+binary = os.path.join(out, "gcs_server")
+shutil.copy(shutil.which("sleep"), binary)
+subprocess.Popen([binary, "600"], stdout=open(os.path.join(out, "gcs.out"), "ab"),
+                 stderr=open(os.path.join(out, "gcs.err"), "ab"))
+"""
+
+
+def test_gcs_supervisor_starts_the_gcs_again_then_gives_up_on_a_crash_loop(tmp_path):
+    """The head's supervisor (rayfleet/agents/gcs_supervisor.py), over a stand-in for `ray
+    start` that leaves a process named gcs_server behind: the password reaches `ray start`
+    from the file and is not on the supervisor's own command line; a killed gcs_server is
+    started again with the same command line, in the head's process group; after
+    MAX_RESTARTS exits in a minute it stops the head and exits 1."""
+    import json
+    import signal
+    import time
+
+    from rayfleet.agents import gcs_supervisor as sup
+
+    (tmp_path / "start.py").write_text(FAKE_RAY_START)
+    password = tmp_path / "password"
+    password.write_text("s3cret-pw")
+    status = tmp_path / "status.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(local._agent("gcs_supervisor")), "--password-file", str(password),
+         "--status", str(status), "--grace-s", "3", "--", sys.executable,
+         str(tmp_path / "start.py"), str(tmp_path)], start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def wait(what, fn, timeout=30):
+        end = time.time() + timeout
+        while time.time() < end:
+            try:
+                got = fn()
+            except (OSError, ValueError, KeyError, IndexError):
+                got = None
+            if got:
+                return got
+            time.sleep(0.1)
+        proc.kill()
+        raise AssertionError(f"timed out waiting for {what}: {proc.stdout.read()}")
+
+    try:
+        gcs = wait("the supervisor to watch gcs_server",
+                   lambda: json.loads(status.read_text())["gcs_pid"])
+        argv = (tmp_path / "start-argv").read_text().splitlines()
+        assert argv[-1] == "--redis-password=s3cret-pw"
+        assert b"s3cret-pw" not in open(f"/proc/{proc.pid}/cmdline", "rb").read()
+        cmdline = open(f"/proc/{gcs}/cmdline", "rb").read()
+        for i in range(sup.MAX_RESTARTS):
+            os.kill(gcs, signal.SIGKILL)
+            restarts = wait(f"restart {i + 1}", lambda n=i + 1: (
+                r := json.loads(status.read_text())["restarts"]) and len(r) == n and r)
+            assert restarts[-1]["old_pid"] == gcs and restarts[-1]["exit"] == "signal 9"
+            gcs = restarts[-1]["new_pid"]
+            assert open(f"/proc/{gcs}/cmdline", "rb").read() == cmdline
+            assert os.getpgid(gcs) == proc.pid
+        os.kill(gcs, signal.SIGKILL)  # one exit too many within the window
+        assert proc.wait(timeout=30) == 1
+        out = proc.stdout.read()
+        assert "not starting it again; stopping the head" in out and "s3cret-pw" not in out
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)  # nothing of the head's group is left
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
