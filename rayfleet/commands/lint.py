@@ -323,7 +323,7 @@ def _gcs_store_findings(head_start: str) -> list[Finding]:
         f.append(Finding(ERROR, 33, "head_start_ray_commands",
                          f"{REDIS_ADDRESS_ENV}={address.group(1)}: the GCS talks to Redis in "
                          "plain text, its password and the cluster's state readable on the "
-                         "wire", f"name the store as rediss://<endpoint>:<port> (TLS), as "
+                         "wire", "name the store as rediss://<endpoint>:<port> (TLS), as "
                                   "`rayfleet render` does for rayfleet:headHa"))
     for m in re.finditer(r"--redis-password[= ]+(\S+)", head_start):
         value = m.group(1).strip("'\"")
