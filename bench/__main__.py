@@ -1,9 +1,9 @@
 """`make bench`: run benchmarks 1-3 (2 with the byte and a BPE tokenizer) side by side on one
 throwaway local cluster, then 5 (spot notice) on two-node ones, and write BENCHMARKS.md (not
-tests: nothing asserts these numbers). Sections 4 (GPU), 6 (Serve LLM) and 7 (Serve's ingress)
-come from their own commands and are kept as they are. BENCHMARKS.md holds the numbers and
-short captions; what each benchmark means, its goals and the one-off profiling behind them are
-in docs/benchmarks.md.
+tests: nothing asserts these numbers). Sections 4 (GPU), 6 (Serve LLM), 7 (Serve's ingress)
+and 8 (Hugging Face memory) come from their own commands and are kept as they are.
+BENCHMARKS.md holds the numbers and short captions; what each benchmark means, its goals and
+the one-off profiling behind them are in docs/benchmarks.md.
 
     python -m bench [--quick]      # --quick: fewer steps/requests, for a smoke run
 """
@@ -24,6 +24,7 @@ from bench import (
     data_tokenize,
     goal,
     gpu,
+    hf_memory,
     ingress,
     llm_serve,
     machine,
@@ -269,14 +270,17 @@ def main(argv: list[str] | None = None) -> None:
     text = render(t, d, s, args.quick, (time.perf_counter() - t0) / 60)
     # The GPU section comes from `python -m bench.gpu` on a CUDA machine, the Serve LLM one
     # from `python -m bench.llm_serve --write` (vLLM, ~15 min), the ingress one from
-    # `python -m bench.ingress --write`: all kept as they are.
+    # `python -m bench.ingress --write`, the Hugging Face memory one from
+    # `python -m bench.hf_memory --write`: all kept as they are.
     md = REPO / "BENCHMARKS.md"
     old = md.read_text() if md.exists() else ""
     llm, ing = llm_serve.section_of(old), ingress.section_of(old)
+    hfm = hf_memory.section_of(old)
     text = (text.rstrip("\n") + "\n\n" + gpu.gpu_section_of(old) + "\n\n"
             + spot_notice.section(sp, sp["notice_at"], sp["kill_at"],
                                   datetime.date.today().isoformat(), machine()) + "\n"
-            + (f"\n{llm}\n" if llm else "") + (f"\n{ing}\n" if ing else ""))
+            + (f"\n{llm}\n" if llm else "") + (f"\n{ing}\n" if ing else "")
+            + (f"\n{hfm}\n" if hfm else ""))
     md.write_text(text)
     print(text)
 
