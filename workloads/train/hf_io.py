@@ -1,13 +1,14 @@
 """Hugging Face weights into and out of sharded training without a full copy in every process.
 
-Loading (FSDP2): rank 0 builds the model as before (`from_pretrained`, or fresh weights from the
-config); every other rank builds it on the meta device, shards it with `fully_shard` and
-allocates only its own shards (`to_empty`). `broadcast_into_shards` then sends rank 0's tensors
-one at a time; each rank keeps its rows of each parameter and every buffer whole (also the
-non-persistent ones, such as RoPE's inv_freq, which no state dict carries and `to_empty` leaves
-as garbage). Rank 0 shards its own model afterwards, tensor by tensor, so no process ever holds
-more than one full copy. (ZeRO-3 needs none of this: `from_pretrained` under transformers'
-HfDeepSpeedConfig builds the model inside `deepspeed.zero.Init`, see hf_model.build.)
+Loading (FSDP2): rank 0 builds the model as before (`from_pretrained`, or fresh weights from
+the config); every other rank builds it on the meta device, shards it with `fully_shard` and
+allocates only its own shards (`to_empty`). `scatter_into_shards` then scatters rank 0's
+parameters one at a time, each rank receiving only its rows, and broadcasts every buffer whole
+(also the non-persistent ones, such as RoPE's inv_freq, which no state dict carries and
+`to_empty` leaves as garbage). Rank 0 shards its own model afterwards, tensor by tensor, so no
+process ever holds more than one full copy. (ZeRO-3 needs none of this: `from_pretrained` under
+transformers' HfDeepSpeedConfig builds the model inside `deepspeed.zero.Init`, see
+hf_model.build.)
 
 Export: `export_sharded` writes the final checkpoint's `hf/` as save_pretrained would
 (safetensors shards of at most `max_shard_bytes` plus `model.safetensors.index.json`, or one
@@ -42,15 +43,25 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # ------------------------------------------------------------------------------ loading
 
-def broadcast_into_shards(model: nn.Module, rank: int, device: torch.device) -> None:
+def _rows(n: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows [start, stop) of a tensor's dim 0 that FSDP2's Shard(0) gives `rank`: the
+    chunks of torch.chunk, ceil(n / world) rows each, the last ones shorter or empty."""
+    size = -(-n // world)
+    return min(rank * size, n), min((rank + 1) * size, n)
+
+
+def scatter_into_shards(model: nn.Module, rank: int, device: torch.device) -> None:
     """Copy rank 0's parameters and buffers into every rank's `model` (a collective: every rank
     calls it). On rank 0 `model` is the whole model (not yet sharded); on the others it is the
-    same model sharded with fully_shard and allocated with to_empty: each keeps its own rows of
-    every parameter (DTensor) and the whole of every buffer. One full tensor at a time is in
-    flight. RuntimeError when the ranks' models do not have the same tensors."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    same model sharded with fully_shard (each parameter a DTensor, Shard(0) over all ranks)
+    and allocated with to_empty. Each parameter is scattered: a rank receives only its own
+    rows, straight into its shard; buffers are broadcast whole. RuntimeError when the ranks'
+    models do not have the same tensors."""
+    from torch.distributed.tensor import DTensor, Shard
 
+    world = dist.get_world_size()
     entries = list(model.named_parameters()) + list(model.named_buffers())
+    n_params = len(list(model.parameters()))
     names = [(n, tuple(t.shape), str(t.dtype)) for n, t in entries]
     got = [names if rank == 0 else None]
     dist.broadcast_object_list(got, src=0)
@@ -59,25 +70,44 @@ def broadcast_into_shards(model: nn.Module, rank: int, device: torch.device) -> 
         raise RuntimeError(f"rank {rank}'s model differs from rank 0's ({len(theirs)} tensors "
                            f"differ, e.g. {sorted(theirs)[:2]})")
     with torch.no_grad():
-        for _, t in entries:
-            if rank == 0:
-                dist.broadcast(t.detach().contiguous(), src=0)
-            elif isinstance(t, DTensor):
-                full = torch.empty(t.shape, dtype=t.dtype, device=device)
-                dist.broadcast(full, src=0)
-                # This rank's rows of it, as its mesh and placements cut it (no communication
-                # with src_data_rank=None).
-                mine = distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)
-                t.to_local().copy_(mine.to_local())
-                del full, mine
-            else:
+        for i, (name, t) in enumerate(entries):
+            if i >= n_params:                              # a buffer: whole on every rank
                 buf = t.detach()
-                if buf.is_contiguous():
-                    dist.broadcast(buf, src=0)
-                else:
-                    tmp = buf.contiguous()
-                    dist.broadcast(tmp, src=0)
+                tmp = buf if buf.is_contiguous() else buf.contiguous()
+                dist.broadcast(tmp, src=0)
+                if tmp is not buf:
                     buf.copy_(tmp)
+                continue
+            n = t.shape[0]
+            size = -(-n // world)
+            if rank == 0:
+                full = t.detach().contiguous()
+                chunks = []
+                for r in range(world):
+                    start, stop = _rows(n, world, r)
+                    chunk = full[start:stop]
+                    if stop - start < size:                # gloo scatters equal sizes
+                        pad = full.new_zeros((size - (stop - start), *full.shape[1:]))
+                        chunk = torch.cat([chunk, pad])
+                    chunks.append(chunk)
+                mine = torch.empty_like(chunks[0])
+                dist.scatter(mine, chunks, src=0)
+                del chunks, mine
+                continue
+            if not isinstance(t, DTensor) or tuple(t.placements) != (Shard(0),):
+                raise RuntimeError(f"{name}: expected an FSDP2 shard (Shard(0)), got "
+                                   f"{type(t).__name__} {getattr(t, 'placements', '')}")
+            local = t.to_local()
+            start, stop = _rows(n, world, rank)
+            if local.shape[0] != stop - start:
+                raise RuntimeError(f"{name}: this rank holds {local.shape[0]} rows, expected "
+                                   f"{stop - start} of {n}")
+            if stop - start == size and local.is_contiguous():
+                dist.scatter(local, None, src=0)           # straight into the shard
+            else:
+                recv = torch.empty((size, *t.shape[1:]), dtype=t.dtype, device=device)
+                dist.scatter(recv, None, src=0)
+                local.copy_(recv[:stop - start])
 
 
 # ------------------------------------------------------------------------------- export

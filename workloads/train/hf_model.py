@@ -202,7 +202,7 @@ def build(source: str | None, config: dict, activation_checkpointing: bool = Fal
 
     `meta`: the same model on the meta device, from `config` alone (no weights read, no
     memory): FSDP2's ranks other than 0 shard it and receive their rows from rank 0
-    (hf_io.broadcast_into_shards). `zero3_config`: a ZeRO-3 DeepSpeed config; the model is
+    (hf_io.scatter_into_shards). `zero3_config`: a ZeRO-3 DeepSpeed config; the model is
     built inside deepspeed.zero.Init (transformers' HfDeepSpeedConfig, kept alive with the
     model), each rank holding only its partition, and from_pretrained copies the weights in
     one parameter group at a time from rank 0."""

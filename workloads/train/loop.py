@@ -201,11 +201,11 @@ class _Engine:
                 # gets their values from rank 0, which shards its own copy afterwards.
                 shard(model)
                 model.to_empty(device=ctx.device)
-                hf_io.broadcast_into_shards(model, ctx.rank, ctx.device)
+                hf_io.scatter_into_shards(model, ctx.rank, ctx.device)
             else:
                 model = model.to(ctx.device)
                 if from_rank0:
-                    hf_io.broadcast_into_shards(model, ctx.rank, ctx.device)
+                    hf_io.scatter_into_shards(model, ctx.rank, ctx.device)
                 shard(model)
             self.model = model
         else:
@@ -435,7 +435,7 @@ def prepare(cfg: LoopConfig, ctx: Context, full_copy_per_rank: bool = False):
 
     A Hugging Face model is loaded without a full copy in every rank where the strategy shards
     it: with FSDP2 rank 0 builds it (from_pretrained, or fresh weights) and the others on the
-    meta device, getting their shards from rank 0 (hf_io.broadcast_into_shards); with ZeRO-3 it
+    meta device, getting their shards from rank 0 (hf_io.scatter_into_shards); with ZeRO-3 it
     is built inside deepspeed.zero.Init, each rank holding its partition (hf_model.build).
     DDP keeps a full copy per rank, as it trains one. `full_copy_per_rank`: every rank builds
     the whole model first, as before (bench.hf_memory's "before" row)."""
