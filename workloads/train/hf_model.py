@@ -5,9 +5,10 @@ from a model folder / s3:// prefix (`--model`) or from a config with fresh weigh
 one and `--compile` compiles).
 
 The loss ignores label -100 (prompt and padding tokens of instruction data). The final
-checkpoint also carries `hf/`: the gathered weights written with `save_pretrained`
-(safetensors) and the tokenizer, loadable with `AutoModelForCausalLM.from_pretrained` and
-served by `lm` and by vLLM (`ray.serve.llm`).
+checkpoint also carries `hf/`: the weights as `save_pretrained` writes them (safetensors, one
+file or shards plus an index, written shard by shard by every rank: workloads.train.hf_io) and
+the tokenizer, loadable with `AutoModelForCausalLM.from_pretrained` and served by `lm` and by
+vLLM (`ray.serve.llm`).
 
 LoRA (`--lora-r`, PEFT): the base weights are frozen and only low-rank adapters train.
 Checkpoints hold the adapter's weights and optimizer state only (the base is loaded from

@@ -163,11 +163,11 @@ class _Engine:
         # only what trains (the base is loaded from its source again on resume).
         self.lora = hf_model.is_hf(cfg.model) and bool(cfg.model.get("lora"))
         self.trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        decay = [p for n, p in model.named_parameters() if p.requires_grad and _ndim(p) >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.requires_grad and _ndim(p) < 2]
         self.raw = model
         if self.strategy == "deepspeed":
             deepspeed, config = _deepspeed(cfg, cuda)
+            decay = [p for p in model.parameters() if p.requires_grad and _ndim(p) >= 2]
+            no_decay = [p for p in model.parameters() if p.requires_grad and _ndim(p) < 2]
             groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                       {"params": no_decay, "weight_decay": 0.0}]
             opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
