@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -167,6 +168,7 @@ def run_ranks(model: Path, strategy: str, path: str, tmp: Path, timeout: float) 
             errors.append(f"exit {proc.returncode}: {stderr.strip().splitlines()[-1:]}")
         else:
             results.append(json.loads(lines[-1][len(TAG):]))
+    shutil.rmtree(out, ignore_errors=True)           # up to 2x the model on disk per case
     if errors:
         raise SystemExit(f"bench.hf_memory: {strategy}/{path} failed: {errors[0]}")
     return sorted(results, key=lambda r: r["rank"])
