@@ -131,7 +131,8 @@ class Supervisor:
                 starter.terminate()
             time.sleep(0.2)
         if starter.returncode != 0 or self.stopping:
-            self.stop()
+            # Quietly: `ray start`'s own last line is what `rayfleet local up` shows.
+            self.stop(quiet=True)
             return starter.returncode or 0
         self.gcs_pid = self.find_gcs()
         launch = Launch(self.gcs_pid)
@@ -172,7 +173,7 @@ class Supervisor:
         self.stop()
         return 0
 
-    def stop(self) -> None:
+    def stop(self, quiet: bool = False) -> None:
         """Every process of the group in three waves, each given its share of the grace period:
         the raylet first, as Ray's own teardown does (it ends its workers), then the other
         processes while the GCS they may still report to is up (the autoscaler's monitor
@@ -198,8 +199,9 @@ class Supervisor:
         while time.time() < end and group_pids(pgid):
             reap()
             time.sleep(0.1)
-        log(f"stopped the head in {time.time() - started:.1f} s"
-            + (f" (killed after {self.grace_s:g} s: {', '.join(names)})" if left else ""))
+        if not quiet or left:
+            log(f"stopped the head in {time.time() - started:.1f} s"
+                + (f" (killed after {self.grace_s:g} s: {', '.join(names)})" if left else ""))
 
 
 def signal_pid(pid: int, sig: int) -> None:

@@ -11,6 +11,7 @@ time until the GCS answers again are measured and held to what docs/faults.md st
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import shutil
@@ -262,11 +263,16 @@ def test_gcs_killed_under_serve_load(ha_cluster, tmp_path):
     load.join()
 
     restarts = json.loads(status_file.read_text())["restarts"]
+    # The worker's raylet says when it found the GCS back and re-subscribed.
+    worker_raylet = Path(c["worker_temp"]) / "session_latest" / "logs" / "raylet.out"
+    rejoined = wait_until("the worker's raylet to find the GCS back", lambda: _logged_at(
+        worker_raylet, "The GCS has restarted"), timeout=60)
     during = [a for a in load.answers if killed <= a[0] <= killed + after["recovered_s"]]
     replicas = {(r, p) for _, r, p in load.answers}
     print(f"\ngcs fault: GCS answering with both nodes alive {after['recovered_s']:.2f} s after "
           f"the kill (restarted {restarts[0]['started_at'] - restarts[0]['died_at']:.2f} s "
-          f"after it died); requests: {load.ok} answered ({answered_before_kill} before the "
+          f"after it died), the worker's raylet re-subscribed {rejoined - killed:.2f} s after "
+          f"the kill; requests: {load.ok} answered ({answered_before_kill} before the "
           f"kill, {len(during)} sent while the GCS was down), {len(load.failures)} failed "
           f"{load.failures[:3]}")
 
@@ -276,8 +282,7 @@ def test_gcs_killed_under_serve_load(ha_cluster, tmp_path):
     assert after["after"] == before
     # Well inside the reconnect timeout the kit sets: past it, the raylets would have exited.
     assert after["recovered_s"] < gcsft.RECONNECT_TIMEOUT_S / 4, after
-    worker_raylet = Path(c["worker_temp"]) / "session_latest" / "logs" / "raylet.out"
-    assert "The GCS has restarted" in worker_raylet.read_text(errors="replace")
+    assert killed < rejoined < killed + gcsft.RECONNECT_TIMEOUT_S / 4, rejoined - killed
     # Serve kept answering through the worker, from the same replica, and no request failed.
     assert len(load.failures) <= MAX_FAILED, load.failures[:5]
     assert during, "no request was sent while the GCS was down"
@@ -301,6 +306,20 @@ def test_gcs_killed_under_serve_load(ha_cluster, tmp_path):
                 if f.is_file() and not f.is_symlink() and _world_readable(f)
                 and password.encode() in f.read_bytes()]
     assert not readable, readable
+
+
+def _logged_at(log: Path, text: str) -> float | None:
+    """When Ray's log line holding ``text`` was written (its `[YYYY-mm-dd HH:MM:SS,mmm` stamp,
+    the machine's local time), or None."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if text in line:
+            stamp = line[1:24]
+            return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return None
 
 
 def _world_readable(path: Path) -> bool:
