@@ -193,3 +193,32 @@ def test_two_ranks_load_their_parts_and_export_together(hf_model_dir, tmp_path, 
     assert rank1 and set(elsewhere) == rank1           # rank 0's marker will list them
     assert all(elsewhere[f] == (tmp_path / "rank1" / f).stat().st_size for f in rank1)
     assert torch.allclose(_logits(out, x), want, atol=1e-6)
+
+
+def test_an_moe_export_is_written_in_its_files_layout(tmp_path):
+    """Mixtral's experts live fused in one tensor inside transformers 5 but as one tensor per
+    expert in its files (what vLLM and every other loader read): the shards are written in the
+    files' layout, as save_pretrained writes them, and load back to the same logits."""
+    from safetensors import safe_open
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64))
+    model.save_pretrained(str(tmp_path / "saved"))
+    with safe_open(str(tmp_path / "saved" / "model.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    sd = model.state_dict()
+    for rank in range(2):
+        hf_io.export_sharded(sd.__getitem__, model.config.to_dict(), None, tmp_path / "hf",
+                             rank=rank, world_size=2, max_shard_bytes=60_000)
+    index = json.loads((tmp_path / "hf" / hf_io.INDEX_FILE).read_text())
+    assert set(index["weight_map"]) == saved and any(".experts.3." in k for k in saved)
+    for file in set(index["weight_map"].values()):
+        with safe_open(str(tmp_path / "hf" / file), "pt") as f:
+            assert {k for k, v in index["weight_map"].items() if v == file} == set(f.keys())
+    x = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        assert torch.allclose(_logits(tmp_path / "hf", x), model(x).logits, atol=1e-6)

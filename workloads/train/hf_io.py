@@ -175,6 +175,15 @@ def export_sharded(full_tensor: Callable[[str], torch.Tensor], config: dict,
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, int] = {}
     shapes = dict(keys)
+    # transformers 5 keeps some architectures' weights in another layout than their files
+    # (Mixtral's and Qwen-MoE's experts fused into one tensor): save_pretrained writes the
+    # files' layout back (revert_weight_conversion), and so does each shard here. A tensor is
+    # never split across shards, so each converts on its own.
+    from transformers.core_model_loading import revert_weight_conversion
+
+    meta = lm.state_dict()
+    out_names = [list(revert_weight_conversion(lm, {n: meta[n] for n in names}))
+                 for names in shards]
     for i, (file, names) in enumerate(zip(files, shards, strict=True)):
         mine = i % world_size == rank
         tensors = {}
@@ -187,7 +196,9 @@ def export_sharded(full_tensor: Callable[[str], torch.Tensor], config: dict,
                 tensors[name] = t.detach().to("cpu", dtype).contiguous()
             del t
         if mine:
-            save_file(tensors, str(out / file), metadata={"format": "pt"})
+            tensors = revert_weight_conversion(lm, tensors)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / file),
+                      metadata={"format": "pt"})
             written[file] = (out / file).stat().st_size
         del tensors
     if rank == 0:
@@ -202,7 +213,8 @@ def export_sharded(full_tensor: Callable[[str], torch.Tensor], config: dict,
             index = {"metadata": {"total_size": total,
                                   "total_parameters": sum(int(torch.Size(s).numel())
                                                           for _, s in keys)},
-                     "weight_map": {n: f for f, ns in zip(files, shards, strict=True) for n in ns}}
+                     "weight_map": {n: f for f, ns in zip(files, out_names, strict=True)
+                                    for n in ns}}
             (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         if tokenizer:
             load_tokenizer(tokenizer, "--tokenizer", endpoint).save_pretrained(str(out))
