@@ -101,11 +101,22 @@ def rank_main(spec: dict) -> dict:
     ctx = TorchrunContext(out / "ckpt")
     if cfg.strategy == "deepspeed":
         loop._deepspeed(cfg, False)           # imported before the baseline, as torch is
+    # The peak while the model is built, before the strategy wraps it (FSDP2's sharding,
+    # deepspeed.initialize and its optimizer partitions): read as _Engine starts.
+    built: dict = {}
+    engine_init = loop._Engine.__init__
+
+    def traced(self, *a, **kw):
+        built["peak"] = status_kib("VmHWM")
+        return engine_init(self, *a, **kw)
+
+    loop._Engine.__init__ = traced
     gc.collect()
     idle = status_kib("VmRSS")
     reset_peak()
     torch.manual_seed(0)
     _, engine = loop.prepare(cfg, ctx, full_copy_per_rank=before)
+    loop._Engine.__init__ = engine_init
     gc.collect()
     load_peak, loaded = status_kib("VmHWM"), status_kib("VmRSS")
     dist.barrier()
@@ -125,7 +136,8 @@ def rank_main(spec: dict) -> dict:
         if (d / runs.HF_DIR).exists() else []
     dist.barrier()
     dist.destroy_process_group()
-    return {"rank": ctx.rank, "idle_kib": idle, "load_peak_kib": load_peak,
+    return {"rank": ctx.rank, "idle_kib": idle, "built_peak_kib": built["peak"],
+            "load_peak_kib": load_peak,
             "loaded_kib": loaded, "export_peak_kib": export_peak, "shards": files}
 
 
@@ -188,6 +200,7 @@ def summarize(cases: dict, model_bytes: int, world: int = WORLD) -> dict:
             out["rows"].append({
                 "strategy": strategy, "path": path, "rank": r["rank"],
                 "idle_gb": round(r["idle_kib"] * 1024 / 1e9, 2),
+                "built_gb": round(r["built_peak_kib"] * 1024 / 1e9, 2),
                 "load_gb": round(load / 1e9, 2), "load_x": round(load / model_bytes, 2),
                 "export_gb": round(export / 1e9, 2),
                 "export_x": round(export / model_bytes, 2),
@@ -203,7 +216,7 @@ def section(s: dict, date: str, where: str, load_avg: float | None = None) -> st
     rows = []
     for r in s["rows"]:
         rows.append(f"| {names.get(r['strategy'], r['strategy'])} | {r['path']} | {r['rank']} "
-                    f"| {r['idle_gb']} | {r['load_gb']} ({r['load_x']}x) | "
+                    f"| {r['idle_gb']} | {r['built_gb']} | {r['load_gb']} ({r['load_x']}x) | "
                     f"{r['export_gb']} ({r['export_x']}x) | {r['shards']} |")
     after = [r for r in s["rows"] if r["path"] == "after"]
     verdicts = []
@@ -224,14 +237,17 @@ model (fp32 safetensors on disk: the "model bytes" every share below is of), {s[
 ranks on CPU (gloo), each a fresh process running the kit's own loading
 (`workloads.train.loop.prepare`) and final export. Peak = the process's VmHWM (most resident
 memory, including what Python, torch and the libraries take: the idle column, the same
-process before any model existed), reset between loading and the export. Before: every rank
+process before any model existed), reset between loading and the export; "built" is the peak
+until the model is built, before the strategy wraps it (FSDP2's sharding, DeepSpeed's engine
+with its own fp32 partition of the weights for the optimizer), "wrapped" the peak
+of the whole of `prepare`, which the goals judge. Before: every rank
 `from_pretrained`s the whole model, and the export is gathered into rank 0 (model.pt +
 save_pretrained). After: FSDP2 ranks other than 0 build on the meta device and get their
 shards from rank 0; ZeRO-3 builds under `zero.Init`; the export is written shard by shard by
 every rank.
 
-| strategy | path | rank | idle GB | loading: peak GB (x model) | export: peak GB (x) | shards |
-|---|---|---|---|---|---|---|
+| strategy | path | rank | idle GB | built GB | wrapped GB (x model) | export GB (x) | shards |
+|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
 Goals (the after rows): {' '.join(verdicts)}
