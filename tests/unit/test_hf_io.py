@@ -19,9 +19,10 @@ from workloads.common import runs
 from workloads.train import hf_io, hf_model
 
 
-def _tied_llama(folder: Path, tokenizer_dir: Path | None = None, vocab: int = 512):
+def _tied_llama(folder: Path, tokenizer_dir: Path | None = None, vocab: int = 515):
     """A tiny Llama whose output head is its input embedding (one tensor, two names); head
-    size 32, one vLLM's CPU attention takes."""
+    size 32, one vLLM's CPU attention takes; an odd vocabulary, so two ranks' shards of the
+    embedding differ in size."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1)
