@@ -55,6 +55,34 @@ def status_kib(field: str) -> int:
         return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
 
 
+class AnonPeak:
+    """The most anonymous memory (RssAnon: what the process allocated, as opposed to pages of
+    mapped files such as safetensors weights, which the kernel can drop and read again) seen
+    by a thread sampling /proc/self/status every 20 ms; the kernel keeps no peak of it."""
+
+    def __init__(self):
+        import threading
+
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, status_kib("RssAnon"))
+
+    def take(self) -> int:
+        """The peak since the last take(), and start again from now."""
+        peak = max(self.peak, status_kib("RssAnon"))
+        self.peak = 0
+        return peak
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def reset_peak() -> None:
     """Start VmHWM again from the current resident size (Linux >= 4.0)."""
     with open("/proc/self/clear_refs", "w") as f:
@@ -113,14 +141,17 @@ def rank_main(spec: dict) -> dict:
     loop._Engine.__init__ = traced
     gc.collect()
     idle = status_kib("VmRSS")
+    anon = AnonPeak()
     reset_peak()
+    anon.take()
     torch.manual_seed(0)
     _, engine = loop.prepare(cfg, ctx, full_copy_per_rank=before)
     loop._Engine.__init__ = engine_init
     gc.collect()
-    load_peak, loaded = status_kib("VmHWM"), status_kib("VmRSS")
+    load_peak, loaded, load_anon = status_kib("VmHWM"), status_kib("VmRSS"), anon.take()
     dist.barrier()
     reset_peak()
+    anon.take()
     d = out / f"rank{ctx.rank}"
     d.mkdir(parents=True, exist_ok=True)
     if before:
@@ -131,13 +162,15 @@ def rank_main(spec: dict) -> dict:
     else:
         engine.export_hf(d / runs.HF_DIR)
     gc.collect()
-    export_peak = status_kib("VmHWM")
+    export_peak, export_anon = status_kib("VmHWM"), anon.take()
+    anon.stop()
     files = sorted(p.name for p in (d / runs.HF_DIR).glob("*.safetensors")) \
         if (d / runs.HF_DIR).exists() else []
     dist.barrier()
     dist.destroy_process_group()
     return {"rank": ctx.rank, "idle_kib": idle, "built_peak_kib": built["peak"],
-            "load_peak_kib": load_peak,
+            "load_peak_kib": load_peak, "load_anon_kib": load_anon,
+            "export_anon_kib": export_anon,
             "loaded_kib": loaded, "export_peak_kib": export_peak, "shards": files}
 
 
@@ -202,6 +235,8 @@ def summarize(cases: dict, model_bytes: int, world: int = WORLD) -> dict:
                 "idle_gb": round(r["idle_kib"] * 1024 / 1e9, 2),
                 "built_gb": round(r["built_peak_kib"] * 1024 / 1e9, 2),
                 "load_gb": round(load / 1e9, 2), "load_x": round(load / model_bytes, 2),
+                "load_anon_gb": round(r.get("load_anon_kib", 0) * 1024 / 1e9, 2),
+                "export_anon_gb": round(r.get("export_anon_kib", 0) * 1024 / 1e9, 2),
                 "export_gb": round(export / 1e9, 2),
                 "export_x": round(export / model_bytes, 2),
                 "shards": len(r["shards"]),
@@ -217,7 +252,8 @@ def section(s: dict, date: str, where: str, load_avg: float | None = None) -> st
     for r in s["rows"]:
         rows.append(f"| {names.get(r['strategy'], r['strategy'])} | {r['path']} | {r['rank']} "
                     f"| {r['idle_gb']} | {r['built_gb']} | {r['load_gb']} ({r['load_x']}x) | "
-                    f"{r['export_gb']} ({r['export_x']}x) | {r['shards']} |")
+                    f"{r['load_anon_gb']} | {r['export_gb']} ({r['export_x']}x) | "
+                    f"{r['export_anon_gb']} | {r['shards']} |")
     after = [r for r in s["rows"] if r["path"] == "after"]
     verdicts = []
     for strategy in dict.fromkeys(r["strategy"] for r in after):
@@ -240,14 +276,17 @@ memory, including what Python, torch and the libraries take: the idle column, th
 process before any model existed), reset between loading and the export; "built" is the peak
 until the model is built, before the strategy wraps it (FSDP2's sharding, DeepSpeed's engine
 with its own fp32 partition of the weights for the optimizer), "wrapped" the peak
-of the whole of `prepare`, which the goals judge. Before: every rank
+of the whole of `prepare`, which the goals judge; "anon" the most anonymous memory (RssAnon,
+sampled every 20 ms) in the same phase: the peaks minus it are pages of the memory-mapped
+safetensors files (transformers maps them and reads a tensor's pages when it is first used),
+which count as resident but which the kernel may drop and read again. Before: every rank
 `from_pretrained`s the whole model, and the export is gathered into rank 0 (model.pt +
 save_pretrained). After: FSDP2 ranks other than 0 build on the meta device and get their
 shards from rank 0; ZeRO-3 builds under `zero.Init`; the export is written shard by shard by
 every rank.
 
-| strategy | path | rank | idle GB | built GB | wrapped GB (x model) | export GB (x) | shards |
-|---|---|---|---|---|---|---|---|
+| strategy | path | rank | idle | built | wrapped (x model) | anon | export (x) | anon | shards |
+|---|---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
 Goals (the after rows): {' '.join(verdicts)}

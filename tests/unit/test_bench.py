@@ -377,13 +377,15 @@ def test_hf_memory_measures_the_kits_loading_and_export_on_a_tiny_model(tmp_path
         # Peaks are the process's own (Python and torch at least), never below its idle size.
         assert 0.05 < r["idle_gb"] <= r["built_gb"] <= r["load_gb"]
         assert r["idle_gb"] <= r["export_gb"]
+        assert 0 < r["load_anon_gb"] <= r["load_gb"] and 0 < r["export_anon_gb"] <= r["export_gb"]
     # The tiny model fits one shard: rank 0 writes it, in both paths.
     assert rows[("after", 0)]["shards"] == rows[("before", 0)]["shards"] == 1
     assert rows[("after", 1)]["shards"] == 0
 
     def row(path, rank, load_x, export_x):
         return {"strategy": "fsdp", "path": path, "rank": rank, "idle_kib": 0,
-                "built_peak_kib": int(0.5 * 1e9 / 1024),
+                "built_peak_kib": int(0.5 * 1e9 / 1024), "load_anon_kib": int(0.3 * 1e9 / 1024),
+                "export_anon_kib": int(0.4 * 1e9 / 1024),
                 "load_peak_kib": int(load_x * 1e9 / 1024), "export_peak_kib":
                 int(export_x * 1e9 / 1024), "shards": ["a"] if rank == 0 else []}
 
@@ -392,7 +394,7 @@ def test_hf_memory_measures_the_kits_loading_and_export_on_a_tiny_model(tmp_path
     s = hf_memory.summarize(cases, model_bytes=10**9)
     text = hf_memory.section(s, "2026-01-01", "a test machine")
     assert text.startswith(hf_memory.SECTION)
-    assert "| FSDP2 | after | 1 | 0.0 | 0.5 | 0.7 (0.7x) | 0.8 (0.8x) | 0 |" in text
+    assert "| FSDP2 | after | 1 | 0.0 | 0.5 | 0.7 (0.7x) | 0.3 | 0.8 (0.8x) | 0.4 | 0 |" in text
     assert "rank 0 <= 1.2x — met" in text and "the other rank(s) <= 0.65x — **missed**" in text
     assert "export, every rank <= 1.2x — met" in text
     assert hf_memory.section_of(f"# B\n\n{text}\n## 9. next\n") == text.rstrip("\n")
