@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from bench import __main__ as bench_main
 from bench import data_throughput, data_tokenize, serve_latency, train_overhead
@@ -365,6 +366,7 @@ def test_llm_serve_bad_flags_are_one_line_and_exit_2():
         assert proc.stdout == ""
 
 
+@pytest.mark.slow   # four processes, each importing torch and transformers
 def test_hf_memory_measures_the_kits_loading_and_export_on_a_tiny_model(tmp_path):
     """bench.hf_memory's measuring code end to end on a tiny Llama (2 gloo ranks per case, the
     kit's loop.prepare and export), and its table: the verdicts follow the goals."""

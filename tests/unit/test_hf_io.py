@@ -173,6 +173,7 @@ def _rank(rank: int, world: int, port: int, folder: str, strategy: str, out: str
     dist.destroy_process_group()
 
 
+@pytest.mark.slow   # two processes per case, each importing torch, transformers (DeepSpeed)
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
 def test_two_ranks_load_their_parts_and_export_together(hf_model_dir, tmp_path, strategy):
     import torch.multiprocessing as mp
