@@ -606,6 +606,15 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             llm_last: dict = {}
 
             def vllm_answered():
+                # Asked once Serve says the app is RUNNING, as a user waits on `serve status`:
+                # until its route is in the proxies' table, /llm/... goes to lm's "/" and
+                # lm's own 404 ("Not Found") comes back, not Serve's "no route yet".
+                code, body = _http(address + "/api/serve/applications/", token, timeout=30)
+                app = json.loads(body).get("applications", {}).get("llm", {}) if code == 200 \
+                    else {}
+                if app.get("status") != "RUNNING":
+                    llm_last["error"] = f"Serve's llm app: {app.get('status') or code}"
+                    return None
                 return _answer("llm", llm_last, lambda: vllm.completions.create(
                     model=LLM_MODEL, prompt=PROMPT, max_tokens=16, temperature=0))
 
