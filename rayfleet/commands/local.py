@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rayfleet import gcsft, nodeenv, raystart
+from rayfleet.agents.gcs_supervisor import comm
 # `prometheus`: up() has a `metrics` flag of its own.
 from rayfleet.commands import metrics as prometheus
 from rayfleet.commands.host import alive, free_port, free_ports, last_line, port_in_use, state_dir
@@ -437,7 +438,7 @@ def _start_redis(binary: str) -> tuple[int, int]:
 def _stop_redis(pid: int | None, timeout: float = 10.0) -> None:
     """Stop the cluster's Redis (SIGTERM, then SIGKILL) and remove its folder: the password,
     the config and the GCS's tables."""
-    if pid is not None and _comm(pid).startswith(gcsft.REDIS_BINARY):  # not a reused pid
+    if pid is not None and comm(pid).startswith(gcsft.REDIS_BINARY):  # not a reused pid
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -458,13 +459,6 @@ def _supervised() -> bool:
         return bool(json.loads(_supervisor_status().read_text())["gcs_pid"])
     except (OSError, ValueError, KeyError):
         return False
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 def _ha_lines(cluster: LocalCluster) -> list[str]:
