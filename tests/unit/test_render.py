@@ -547,15 +547,21 @@ BAD = {
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_outputs_one_line_exit_2_no_aws_call(case, tmp_path, outputs, capsys, aws_calls):
     mutate, expected = BAD[case]
+    _refused_in_one_line(_broken(outputs, mutate), expected, tmp_path, capsys)
+    assert aws_calls == []
+
+
+def _refused_in_one_line(outputs_text: str, expected: str, tmp_path, capsys) -> None:
+    """`rayfleet render` of these outputs: exit 2, one line naming ``expected``, nothing
+    written (neither the YAML nor the token file)."""
     src = tmp_path / "o.json"
-    src.write_text(_broken(outputs, mutate))
+    src.write_text(outputs_text)
     rc = cli.main(["render", str(src), "-o", str(tmp_path / "x.yaml"),
                    "--token-file", str(tmp_path / "t")])
     err = capsys.readouterr().err
     assert rc == 2
     assert len(err.strip().splitlines()) == 1 and expected in err, err
     assert not (tmp_path / "x.yaml").exists() and not (tmp_path / "t").exists()
-    assert aws_calls == []
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -702,14 +708,7 @@ HA_BAD = {
 def test_bad_head_ha_outputs_one_line_and_nothing_written(case, tmp_path, ha_outputs, capsys):
     mutate, expected = HA_BAD[case]
     mutate(ha_outputs["rayfleet"]["head_ha"])
-    src = tmp_path / "o.json"
-    src.write_text(json.dumps(ha_outputs))
-    rc = cli.main(["render", str(src), "-o", str(tmp_path / "x.yaml"),
-                   "--token-file", str(tmp_path / "t")])
-    err = capsys.readouterr().err
-    assert rc == 2
-    assert len(err.strip().splitlines()) == 1 and expected in err, err
-    assert not (tmp_path / "x.yaml").exists() and not (tmp_path / "t").exists()
+    _refused_in_one_line(json.dumps(ha_outputs), expected, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("edit,problem", [
