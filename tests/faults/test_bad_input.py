@@ -19,18 +19,24 @@ of a training or data job, a checkpoint. For each one the test asserts what the 
 
 Cases run in-process through each program's own ``main(argv)`` (the same code path as the
 console scripts, which only add ``sys.exit``); a few real subprocesses, one per entry-point
-kind, prove the no-traceback property end to end. Serve HTTP errors (malformed JSON body,
+kind, prove the no-traceback property end to end. One refusal must read S3 first (the `llm`
+generator's LoRA adapters live in cloud storage, the only place Ray fetches them from): it has
+its own test below, against the moto server. Serve HTTP errors (malformed JSON body,
 prompt over the context, unknown model, oversized request) are in tests/workloads/test_serve.py
 against the deployed app; they are not repeated here.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import hashlib
 import json
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -151,6 +157,39 @@ def _previous_run_with_truncated_checkpoint(tmp: Path) -> None:
     _truncate(d / "model.pt")
 
 
+@functools.cache
+def _hf_assets() -> Path:
+    """Made once per process (the tokenizer is trained, the rows tokenized): the tiny Llama
+    (tests/hf_fixtures.py), instruction rows for it, another model of the same architecture
+    with other weights, and a PEFT adapter folder the kit's own export wrote for the first
+    (an untrained adapter: what is refused is its base, named in rayfleet_base.json)."""
+    from tests.hf_fixtures import (instruction_records, make_hf_model_dir, make_model,
+                                   write_jsonl, write_sft_dataset)
+    from workloads.train import driver, hf_model
+
+    root = Path(tempfile.mkdtemp(prefix="rayfleet-bad-input-hf-"))
+    atexit.register(shutil.rmtree, root, True)
+    model = make_hf_model_dir(root / "tiny-llama")
+    data = write_sft_dataset(write_jsonl(root / "sft.jsonl", instruction_records()),
+                             root / "sft", str(model), 48)
+    shutil.copytree(model, root / "other-base")
+    make_model(root / "other-base", 512, seed=1)
+    opts = driver.TrainOptions.parse(["--model", str(model), "--dataset", str(data),
+                                      "--lora-r", "8", "--lora-targets", "q_proj,v_proj"])
+    spec, source, tokenizer = driver.resolve_hf(opts, driver.dataset_manifest(str(data)))
+    lm = hf_model.build(source, spec.config, lora=spec.lora)
+    hf_model.export_adapter(lm.state_dict(), spec.lora, tokenizer, root / "adapter")
+    return root
+
+
+def _hf(*names: str) -> Callable[[Path], None]:
+    """Copies of _hf_assets' folders into the case's folder."""
+    def setup(tmp: Path) -> None:
+        for name in names:
+            shutil.copytree(_hf_assets() / name, tmp / name)
+    return setup
+
+
 def _parquet_without_tokens(tmp: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -195,13 +234,15 @@ def _load_weights(tmp: Path):
     return load_full_weights(tmp / "ckpt")
 
 
-def _serve_app(**args) -> Callable[[Path], object]:
+def _serve_app(ckpt: str = "ckpt", adapter: str | None = None,
+               **args) -> Callable[[Path], object]:
     def call(tmp: Path):
         # What the Serve config's builder (`serve deploy`) and `rayfleet serve-config` check
         # before any replica exists.
         from workloads.serve.lm import check_args
 
-        return check_args({"checkpoint": str(tmp / "ckpt"), **args})
+        return check_args({"checkpoint": str(tmp / ckpt), **args,
+                           **({"adapter": str(tmp / adapter)} if adapter else {})})
     return call
 
 
@@ -210,6 +251,7 @@ RENDER = ["render", "{tmp}/outputs.json", "-o", "{tmp}/generated.yaml",
 COST_STACK = ["cost", "{yaml}", "--stack-file", "{tmp}/Pulumi.bad.yaml"]
 TRAIN = ["--storage-path", "{tmp}/runs"]
 DATA = ["--output", "{tmp}/data-out"]
+HF_TRAIN = ["--model", "{tmp}/tiny-llama", "--dataset", "{tmp}/sft", *TRAIN]
 SPOT = "ray.worker.p4d.24xlarge.spot"
 
 CASES = [
@@ -395,6 +437,22 @@ CASES = [
     Case("train-resume-truncated-checkpoint", "workloads.train",
          ["--name", "gpt", *TRAIN], "is corrupt: model.pt is",
          _previous_run_with_truncated_checkpoint),
+    # LoRA (--lora-r): refused before any worker, the model folder read but nothing written.
+    Case("train-lora-on-byte-gpt", "workloads.train", ["--smoke-test", "--lora-r", "8", *TRAIN],
+         "--lora-r: is for Hugging Face models (--model <folder>); the kit's byte GPT trains "
+         "all its weights"),
+    Case("train-lora-targets-match-no-module", "workloads.train",
+         [*HF_TRAIN, "--lora-r", "8", "--lora-targets", "q_proj,qkv_proj"],
+         "--lora-targets: Target modules ['qkv_proj'] not found in the base model",
+         _hf("tiny-llama", "sft")),
+    Case("train-lora-flag-without-rank", "workloads.train", [*HF_TRAIN, "--lora-alpha", "16"],
+         "--lora-alpha: needs --lora-r (LoRA's rank)", _hf("tiny-llama", "sft")),
+    Case("train-lora-dropout-out-of-range", "workloads.train",
+         [*HF_TRAIN, "--lora-r", "8", "--lora-dropout", "1.5"],
+         "--lora-dropout: must be in [0, 1), got 1.5", _hf("tiny-llama", "sft")),
+    Case("train-lora-on-fresh-weights", "workloads.train",
+         ["--model-config", "{tmp}/tiny-llama", *HF_TRAIN[2:], "--lora-r", "8"],
+         "--lora-r: adapts pretrained weights", _hf("tiny-llama", "sft")),
     # -- data job options and corpora
     Case("data-missing-input", "workloads.data", ["--input", "{tmp}/corpus", *DATA],
          "--input: {tmp}/corpus does not exist"),
@@ -437,6 +495,9 @@ CASES = [
     Case("serve-unknown-app-argument", "serve", [],
          'args.max_batch: unknown argument for the lm app', lambda t: _checkpoint(t),
          call=_serve_app(max_batch=4)),
+    Case("serve-lora-adapter-of-another-base", "serve", [],
+         "args.adapter: the adapter {tmp}/adapter was trained on ",
+         _hf("other-base", "adapter"), call=_serve_app("other-base", adapter="adapter")),
 ]
 
 
@@ -610,6 +671,48 @@ def test_the_guards_see_an_aws_call(tmp_path, guarded, trap, capsys):
     assert rc == 2 and "cannot list EC2 resources" in err
     assert guarded and guarded[0] == "DescribeInstances"
     assert trap.hits
+
+
+def test_llm_config_refuses_a_lora_adapter_of_another_base_in_one_line(moto_server, tmp_path,
+                                                                         monkeypatch, capsys):
+    """The `llm` generator's --lora-path is cloud storage (Ray 2.60 fetches adapters from there
+    only), so its adapters are read from S3 (the moto server) before anything is written: not
+    a CASES row, whose guard is no AWS call at all. Otherwise refused the same way: an adapter
+    the kit trained on the tiny Llama, served on other weights, is one line, exit 2, no
+    traceback, no config written, Ray not imported."""
+    import boto3
+
+    from workloads.serve import llm_config
+
+    bucket = "rayfleet-bad-input"
+    s3 = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1",
+                      aws_access_key_id="testing", aws_secret_access_key="testing")
+    s3.create_bucket(Bucket=bucket)
+    for f in (_hf_assets() / "adapter").iterdir():
+        s3.upload_file(str(f), bucket, f"adapters/sft/{f.name}")
+    _hf("other-base")(tmp_path)
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": moto_server,
+                 "RAYFLEET_HOME": str(tmp_path / "home")}.items():
+        monkeypatch.setenv(k, v)
+    for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "RAY_ADDRESS"):
+        monkeypatch.delenv(k, raising=False)
+    for name in [m for m in sys.modules if m == "ray" or m.startswith("ray.")] or ["ray"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    rc = llm_config.main(["--device", "cpu", "--model-id", "tiny", "--max-model-len", "256",
+                          "--model-source", str(tmp_path / "other-base"),
+                          "--lora-path", f"s3://{bucket}/adapters", "--max-lora-rank", "8",
+                          "--output", str(tmp_path / "llm.yaml")])
+    out, err = capsys.readouterr()
+    # (stdout may hold vLLM's import-time log lines: the generator checks the model against
+    # vLLM's own config code; the refusal is stderr's one line.)
+    line = assert_refused(rc, out, err, llm_config.PROG,
+                          f"--lora-path: the adapter s3://{bucket}/adapters/sft was trained on "
+                          f"{_hf_assets() / 'tiny-llama'} (weights ", quiet_stdout=False)
+    assert f"not on {tmp_path / 'other-base'} (weights " in line
+    assert snapshot(tmp_path) == before
 
 
 # One real process per entry-point kind: the console script or `python -m`, as a user runs

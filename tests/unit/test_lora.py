@@ -2,8 +2,9 @@
 learns as full SFT does, its checkpoints hold the adapter only and name the base, a resumed run
 continues the same curve, the final checkpoint's adapter/ (PeftModel.from_pretrained) and
 merged hf/ give the trained model's logits, `lm` serves base + adapter (greedy answers equal
-PEFT's own), and bad input is one line before any worker: LoRA on the byte GPT, targets that
-match no module, an adapter whose base differs from the served model. The slow tier runs
+PEFT's own), `llm`'s generator writes Ray's lora_config. Bad input (LoRA on the byte GPT or
+on fresh weights, targets that match no module, an adapter whose base differs from the served
+model, for `lm` and `llm`) is tests/faults/test_bad_input.py's. The slow tier runs
 FSDP2 (stopped and resumed) and ZeRO-3 with two ranks under torchrun; a killed Ray Train
 worker and vLLM's LoRA are tests/workloads/test_serve_hf.py's."""
 
@@ -148,34 +149,7 @@ def test_lora_under_fsdp2_and_zero3_resumes_agrees_and_exports_the_same_adapter(
     assert all(torch.allclose(got[k], ref[k], atol=1e-4) for k in ref)
 
 
-# --------------------------------------------------------------------------- bad input
-
-def _main(capsys, *argv) -> tuple[int, str]:
-    code = driver.main(list(argv))
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err          # one line, no traceback
-    return code, err[0]
-
-
-def test_bad_lora_input_is_one_line_before_any_worker(hf_model_dir, sft_data, tmp_path, capsys,
-                                                      monkeypatch):
-    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")   # a run that got past the checks fails
-    storage = ["--storage-path", str(tmp_path / "runs")]
-    hf_run = ["--model", str(hf_model_dir), "--dataset", str(sft_data), *storage]
-    code, line = _main(capsys, "--smoke-test", "--lora-r", "8", *storage)
-    assert code == 2 and "--lora-r: is for Hugging Face models" in line and "byte GPT" in line
-    code, line = _main(capsys, *hf_run, "--lora-r", "8", "--lora-targets", "q_proj,qkv_proj")
-    assert code == 2 and line.startswith("workloads.train: error: --lora-targets: ")
-    assert "qkv_proj" in line and "not found in the base model" in line and "llama" in line
-    code, line = _main(capsys, *hf_run, "--lora-alpha", "16")
-    assert code == 2 and "--lora-alpha: needs --lora-r" in line
-    code, line = _main(capsys, *hf_run, "--lora-r", "8", "--lora-dropout", "1.5")
-    assert code == 2 and "--lora-dropout: must be in [0, 1)" in line
-    code, line = _main(capsys, "--model-config", str(hf_model_dir), "--dataset", str(sft_data),
-                       *storage, "--lora-r", "8")
-    assert code == 2 and "adapts pretrained weights" in line
-    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
-
+# --------------------------------------------------------------------------- fingerprint
 
 def test_weights_fingerprint_names_the_weights_not_their_dtype(hf_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -211,14 +185,7 @@ def test_lm_serves_a_lora_runs_base_and_adapter_checked_against_its_base(lora_ru
                        "adapter": str(tmp_path / "ckpt")})["adapter"] == \
         str(tmp_path / "ckpt" / "adapter")
 
-    # An adapter trained on another base: the same architecture, other weights.
-    from tests.hf_fixtures import make_model
-
-    other = tmp_path / "other-base"
-    shutil.copytree(hf_model_dir, other)
-    make_model(other, 512, seed=1)
-    msg = _refusal({"checkpoint": str(other), "adapter": adapter})
-    assert f"the adapter {adapter} was trained on {hf_model_dir}" in msg and str(other) in msg
+    # (An adapter trained on other weights: tests/faults/test_bad_input.py's table.)
     msg = _refusal({"checkpoint": str(tmp_path / "ckpt"), "adapter": adapter})
     assert "brings its own adapter" in msg
     msg = _refusal({"checkpoint": str(hf_model_dir), "adapter": str(hf_model_dir)})
@@ -278,11 +245,6 @@ def test_llm_config_serves_adapters_from_s3_checked_against_the_model(
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     adapter = ckpt.local_checkpoints(lora_run[0])[-1] / "adapter"
-    other_base = tmp_path / "other-base"
-    shutil.copytree(hf_model_dir, other_base)
-    from tests.hf_fixtures import make_model
-
-    make_model(other_base, 512, seed=1)
 
     def upload(folder, prefix):
         for f in folder.rglob("*"):
@@ -324,9 +286,6 @@ def test_llm_config_serves_adapters_from_s3_checked_against_the_model(
     assert "vLLM takes one of 1, 8, 16" in refused("--lora-path", path, "--max-lora-rank", "4")
     assert "is itself an adapter folder" in refused("--lora-path", f"{path}/sft")
     assert "holds no adapter folders" in refused("--lora-path", f"{path}-none")
-    # The adapters were trained on hf_model_dir: served on other weights, refused by name.
-    err = refused(*[a if a != str(hf_model_dir) else str(other_base) for a in base[:4]],
-                  "--lora-path", path)
-    assert f"the adapter {path}/neg was trained on {hf_model_dir}" in err
+    # (Adapters served on other weights than theirs: tests/faults/test_bad_input.py.)
     rc, _, err = generate("--lora-path", path, "--model-id", "a:b")
     assert rc == 2 and "may not hold ':'" in err
