@@ -57,6 +57,27 @@ def summary_of(stdout: str) -> dict:
     return json.loads(lines[-1].split(" ", 1)[1])
 
 
+def ensure_redis_server() -> None:
+    """Debian's redis-server, installed with apt-get when missing (CI and this suite run as
+    root); a machine that cannot install it fails the test, never skips it."""
+    from rayfleet import gcsft
+
+    if gcsft.redis_binary():
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if Path("/run/systemd/system").is_dir():
+        # The package's service would start a second Redis, on 6379.
+        subprocess.run(["systemctl", "mask", "redis-server.service"], capture_output=True)
+    install = ["apt-get", "-q", "-y", "install", "--no-install-recommends", "redis-server"]
+    proc = subprocess.run(install, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        subprocess.run(["apt-get", "-q", "update"], env=env, capture_output=True)
+        proc = subprocess.run(install, env=env, capture_output=True, text=True)
+    if not gcsft.redis_binary():
+        pytest.fail(f"redis-server is missing and `{gcsft.INSTALL_HINT}` failed: "
+                    f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}", pytrace=False)
+
+
 def pytest_collection_finish(session):
     # The fake cloud's wheelhouse (tests/fakecloud/test_ray_up.py) is built in the background
     # from now on.

@@ -55,6 +55,7 @@ TOOLS = {"ip": "iproute2", "unshare": "util-linux", "sshd": "openssh-server",
          "ssh": "openssh-client", "ssh-keygen": "openssh-client", "rsync": "rsync",
          "nft": "nftables"}
 REGION = "us-east-1"
+CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"   # Debian's (and Ubuntu's) system bundle
 # Where a proxy would take HTTP (boto3, urllib, requests, pip all read these): the fake cloud's
 # traffic goes to its own addresses, never through a proxy host.
 PROXY_VARS = tuple(v for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy",
@@ -167,6 +168,11 @@ class FakeCloud:
         self._lock = threading.Lock()
         self.capacity: CapacityFaults | None = None
         self._azs: dict[str, str] = {}
+        # Managed services (redis()): their namespaces, the VPC's private DNS names, and the
+        # CA that signed their certificates, which every node's image trusts.
+        self.services: list[str] = []
+        self.dns: dict[str, str] = {}
+        self.ca: Path | None = None
 
     # ------------------------------------------------------------------ network + moto
 
@@ -198,7 +204,11 @@ class FakeCloud:
         log = open(self.root / "moto.log", "wb")
         # moto's recorder (off until record_calls()) writes the requests it serves here.
         self.recording = self.root / "moto-recording.jsonl"
-        self.moto_proc = subprocess.Popen([moto_server, "-H", self.gateway, "-p", str(port)],
+        # moto_server's own code, with EC2's release of a terminated instance's address
+        # (motoserver.py), run by the Python moto_server is installed in.
+        python = Path(moto_server).with_name("python")
+        self.moto_proc = subprocess.Popen([str(python), str(HERE / "motoserver.py"),
+                                           "-H", self.gateway, "-p", str(port)],
                                           stdout=log, stderr=subprocess.STDOUT,
                                           env={**without_proxies(os.environ),
                                                "MOTO_RECORDER_FILEPATH": str(self.recording)})
@@ -220,14 +230,7 @@ class FakeCloud:
 
     def _subnet_az(self, subnet_id: str) -> str:
         if subnet_id not in self._azs:
-            import boto3
-            from botocore.config import Config
-
-            # Direct, whatever proxy variables the caller has (the fences).
-            ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=self.endpoint,
-                               aws_access_key_id="testing", aws_secret_access_key="testing",
-                               config=Config(proxies={}))
-            for sn in ec2.describe_subnets()["Subnets"]:
+            for sn in self._ec2().describe_subnets()["Subnets"]:
                 self._azs[sn["SubnetId"]] = sn["AvailabilityZone"]
         return self._azs.get(subnet_id, "?")
 
@@ -344,7 +347,15 @@ class FakeCloud:
         (home / ".config" / "pip" / "pip.conf").write_text(
             f"[global]\nno-index = true\nfind-links = {self.wheelhouse}\n")
         hostname = "ip-" + ip.replace(".", "-")
-        (root / "etc" / "hosts").write_text(f"127.0.0.1 localhost\n{ip} {hostname}\n")
+        # The VPC's private DNS: the node's own name, and the managed services' endpoints.
+        (root / "etc" / "hosts").write_text(
+            f"127.0.0.1 localhost\n{ip} {hostname}\n"
+            + "".join(f"{addr} {name}\n" for name, addr in self.dns.items()))
+        # The image's CA bundle: the system's, and the fake cloud's CA when a managed service
+        # has one (as an AMI's bundle holds the CA that signs AWS's endpoints).
+        bundle = Path(CA_BUNDLE).read_bytes() if Path(CA_BUNDLE).exists() else b""
+        (root / "etc" / "ca-certificates.crt").write_bytes(
+            bundle + (self.ca.read_bytes() if self.ca else b""))
         # The image's login user. uid 0 (the node's files and the shared wheelhouse are root's),
         # listed first so that OpenSSH, which finds ~ through getpwuid(), takes /home/ubuntu
         # for it (the head's `ssh -i ~/ray_bootstrap_key.pem` to its workers).
@@ -403,6 +414,86 @@ class FakeCloud:
         except subprocess.TimeoutExpired:
             node.proc.kill()
 
+    # ------------------------------------------------------------------ managed services
+
+    def redis(self, name: str, port: int, password: str) -> str:
+        """ElastiCache's stand-in: a Redis answering at DNS ``name``:``port`` in the VPC, TLS
+        only, ``password`` its AUTH token. Debian's redis-server (the caller installs it) in a
+        fenced namespace of its own, at an address of the VPC that no subnet holds (moto never
+        hands it out); its certificate names ``name`` and is signed by the fake cloud's CA,
+        which every node started from now on trusts (its image's CA bundle), and ``name``
+        resolves on those nodes (their /etc/hosts: the VPC's private DNS). The password is in
+        a 0600 file. Returns the address. It lives until close()."""
+        addr = str(self.vpc.network_address + (self.vpc.num_addresses - 3))
+        for sn in self._ec2().describe_subnets()["Subnets"]:
+            if ipaddress.ip_address(addr) in ipaddress.ip_network(sn["CidrBlock"]):
+                raise RuntimeError(f"{addr} lies in {sn['SubnetId']}: not a service address")
+        self.check_route(addr)
+        folder = self.root / "services" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(0o700)
+        self.ca = self._ca()
+        key, crt = folder / "server.key", folder / "server.crt"
+        (folder / "san.ext").write_text(f"subjectAltName=DNS:{name},IP:{addr}\n")
+        sh("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+           str(folder / "server.csr"), "-subj", f"/CN={name}")
+        sh("openssl", "x509", "-req", "-in", str(folder / "server.csr"), "-CA", str(self.ca),
+           "-CAkey", str(self.ca.with_suffix(".key")), "-CAcreateserial", "-days", "2",
+           "-out", str(crt), "-extfile", str(folder / "san.ext"))
+        conf = folder / "redis.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"bind {addr}\nport 0\ntls-port {port}\ntls-cert-file {crt}\n"
+                    f"tls-key-file {key}\ntls-ca-cert-file {self.ca}\ntls-auth-clients no\n"
+                    f"requirepass {password}\nprotected-mode yes\nsave \"\"\n"
+                    f"appendonly no\ndaemonize no\ndir {folder}\n"
+                    f"logfile {folder / 'redis.log'}\n")
+        with self._lock:
+            self._counter += 1
+            n = self._counter
+        netns, veth = f"rfn{self.suffix}r{n}", f"rfv{self.suffix}r{n}"
+        sh("ip", "netns", "add", netns)
+        self.services.append(netns)
+        sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        sh("ip", "link", "set", veth, "master", self.bridge, "up")
+        sh("ip", "-n", netns, "addr", "add", f"{addr}/{self.vpc.prefixlen}", "dev", "eth0")
+        sh("ip", "-n", netns, "link", "set", "eth0", "up")
+        sh("ip", "-n", netns, "link", "set", "lo", "up")
+        self.fence(netns)
+        server = shutil.which("redis-server") or "/usr/bin/redis-server"
+        subprocess.Popen(["ip", "netns", "exec", netns, server, str(conf)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                         start_new_session=True, env=without_proxies(os.environ))
+        deadline = time.time() + 30
+        while redis_ping(addr, port, password, self.ca, name) is not True:
+            if time.time() > deadline:
+                log = folder / "redis.log"
+                raise RuntimeError(f"the managed Redis at {addr}:{port} did not answer: "
+                                   f"{log.read_text()[-500:] if log.exists() else ''}")
+            time.sleep(0.2)
+        self.dns[name] = addr
+        self.events.append(f"redis {name} {addr}:{port}")
+        return addr
+
+    def _ca(self) -> Path:
+        """The fake cloud's CA (made once): what its managed services' certificates chain to."""
+        ca = self.root / "ca" / "ca.crt"
+        if not ca.exists():
+            ca.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            sh("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+               "-keyout", str(ca.with_suffix(".key")), "-out", str(ca),
+               "-subj", "/CN=rayfleet fake cloud CA")
+        return ca
+
+    def _ec2(self):
+        import boto3
+        from botocore.config import Config
+
+        # Direct, whatever proxy variables the caller has (the fences).
+        return boto3.client("ec2", region_name=REGION, endpoint_url=self.endpoint,
+                            aws_access_key_id="testing", aws_secret_access_key="testing",
+                            config=Config(proxies={}))
+
     # ------------------------------------------------------------------ teardown
 
     def close(self) -> list[str]:
@@ -420,6 +511,8 @@ class FakeCloud:
             if sh("ip", "netns", "pids", node.netns, check=False).returncode == 0:
                 _kill_netns(node.netns)
             sh("ip", "netns", "del", node.netns, check=False)
+        for netns in self.services:
+            _kill_netns(netns)
         if self.capacity is not None:
             self.capacity.close()
             self.capacity = None
@@ -599,6 +692,30 @@ def _kill_netns(netns: str) -> None:
     sh("ip", "netns", "del", netns, check=False)
 
 
+def redis_ping(addr: str, port: int, password: str, ca: Path, name: str,
+               timeout: float = 2) -> bool | str:
+    """AUTH and PING over TLS, the certificate checked against ``ca`` for ``name``: True, or
+    what went wrong."""
+    import socket
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=str(ca))
+    try:
+        with socket.create_connection((addr, port), timeout=timeout) as raw, \
+                ctx.wrap_socket(raw, server_hostname=name) as s:
+            s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n*1\r\n$4\r\nPING\r\n"
+                      % (len(password), password.encode()))
+            got = b""
+            while got.count(b"\r\n") < 2:
+                chunk = s.recv(256)
+                if not chunk:
+                    break
+                got += chunk
+        return True if got == b"+OK\r\n+PONG\r\n" else got.decode(errors="replace")
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def _free_port(host: str) -> int:
     import socket
 
@@ -619,6 +736,9 @@ chmod 1777 /tmp
 mount -t tmpfs -o size=8g rf-shm /dev/shm
 mount --bind {root}/etc/hosts /etc/hosts
 mount --bind {root}/etc/passwd /etc/passwd
+if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+  mount --bind {root}/etc/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
+fi
 exec /usr/sbin/sshd -D -e -f {root}/sshd_config
 """
 

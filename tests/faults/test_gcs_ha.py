@@ -30,7 +30,7 @@ import yaml
 
 from rayfleet import gcsft, raystart
 from rayfleet.commands import local
-from tests.conftest import BIN, free_port, run, wait_until
+from tests.conftest import BIN, ensure_redis_server, free_port, run, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray]
 
@@ -78,25 +78,6 @@ while True:
         break
     time.sleep(0.05)
 """
-
-
-def ensure_redis_server() -> None:
-    """Debian's redis-server, installed with apt-get when missing (CI and this suite run as
-    root); a machine that cannot install it fails the test, never skips it."""
-    if gcsft.redis_binary():
-        return
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if Path("/run/systemd/system").is_dir():
-        # The package's service would start a second Redis, on 6379.
-        subprocess.run(["systemctl", "mask", "redis-server.service"], capture_output=True)
-    install = ["apt-get", "-q", "-y", "install", "--no-install-recommends", "redis-server"]
-    proc = subprocess.run(install, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        subprocess.run(["apt-get", "-q", "update"], env=env, capture_output=True)
-        proc = subprocess.run(install, env=env, capture_output=True, text=True)
-    if not gcsft.redis_binary():
-        pytest.fail(f"redis-server is missing and `{gcsft.INSTALL_HINT}` failed: "
-                    f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}", pytrace=False)
 
 
 def _get(url: str, token: str | None = None, timeout: float = 5):

@@ -1,0 +1,37 @@
+"""moto_server, with EC2's address release: the fake cloud's moto (tests/fakecloud/cloud.py).
+
+EC2 frees a terminated instance's private address (a new instance may take it, as a replaced
+head of a rayfleet:headHa stack does, at its fixed address). moto 5.2 keeps it until the
+Instance object is garbage-collected, which never happens while DescribeInstances lists the
+terminated instance, so RunInstances with that PrivateIpAddress fails with "IP already in
+use". Here TerminateInstances releases the addresses as EC2 does; nothing else changes.
+
+Run as moto_server is: ``python motoserver.py -H HOST -p PORT``."""
+
+from __future__ import annotations
+
+import sys
+
+from moto.ec2.models.instances import Instance
+from moto.server import main
+
+_terminate = Instance.terminate
+
+
+def _terminate_and_release(self):
+    state = _terminate(self)
+    try:
+        subnet = self.ec2_backend.get_subnet(self.subnet_id)
+    except Exception:   # noqa: BLE001  (an instance outside any subnet holds none)
+        subnet = None
+    if subnet is not None:
+        for ip in self._private_ips:
+            subnet.del_subnet_ip(ip)
+        self._private_ips.clear()
+    return state
+
+
+Instance.terminate = _terminate_and_release
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
