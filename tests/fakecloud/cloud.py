@@ -13,6 +13,12 @@
   home: the AWS config files (the fake keys, the region, moto as the endpoint) and a pip
   configuration pointing at a wheelhouse of the node environment (the machine's stand-in for
   a package mirror; nodes have no route off the bridge).
+- **Managed services** (``redis()``): ElastiCache's stand-in, Debian's redis-server in a
+  fenced namespace of its own at the store's endpoint, TLS only with a certificate from the
+  fake cloud's CA; the endpoint's name in every node's /etc/hosts (the VPC's private DNS) and
+  the CA in every node's CA bundle (as an AMI's bundle holds AWS's).
+- **moto** runs with one change (motoserver.py): a terminated instance's private address is
+  freed, as EC2 frees it, so an instance may launch at it again.
 - **Addresses**: everything lives in 198.18.0.0/15 (RFC 2544's benchmarking range). The
   harness refuses to start if anything on the machine already uses that range, and checks
   that the range routes to its own bridge before it starts a node.

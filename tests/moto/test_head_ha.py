@@ -2,8 +2,8 @@
 exists as the program asked (TLS, at-rest encryption, auth token, its own group), only the
 head role may read its token, the head's token command fetches it with the head's client
 environment into a 0600 file, and Ray's own bootstrap and node provider launch the head at
-its fixed address. (A replacement head is not launched here: moto keeps a terminated
-instance's address, where EC2 frees it once the instance is terminated.)"""
+its fixed address. (A replacement head at that address, on a cluster that lost its head, is
+fault 10: tests/fakecloud/test_head_loss.py.)"""
 
 from __future__ import annotations
 
