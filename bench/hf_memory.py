@@ -43,6 +43,8 @@ STRATEGIES = ("fsdp", "deepspeed")
 TINY = ({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64},
         512)
+# --size small: the 1.1B's shape with 8 of its 22 layers (~0.6B, ~2.5 GB), to iterate on.
+SMALL_LAYERS = 8
 # The goals (docs/benchmarks.md): while loading, a rank other than 0 holds at most its share
 # of the model plus 15% of it, rank 0 at most 1.2 x the model; writing the export, no process
 # more than 1.2 x the model.
@@ -97,6 +99,8 @@ def make_model(folder: Path, size: str) -> int:
 
     hf_logging.disable_progress_bar()
     shape, vocab = TINY if size == "tiny" else HF_MODELS["llama-1b"][:2]
+    if size == "small":
+        shape = {**shape, "num_hidden_layers": SMALL_LAYERS}
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, tie_word_embeddings=False,
                                          dtype="float32", **shape))
@@ -301,8 +305,11 @@ def section_of(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = ArgumentParser(prog="bench.hf_memory")
-    ap.add_argument("--size", choices=("1b", "tiny"), default="1b",
-                    help="the 1.1B Llama (~4.4 GB in fp32) or a tiny one (smoke run)")
+    ap.add_argument("--size", choices=("1b", "small", "tiny"), default="1b",
+                    help="the 1.1B Llama (~4.4 GB in fp32), the same with 8 of its 22 layers "
+                         "(~2.5 GB) or a tiny one (smoke run)")
+    ap.add_argument("--paths", default="before,after",
+                    help="comma-separated, of: before, after")
     ap.add_argument("--strategies", default=",".join(STRATEGIES),
                     help="comma-separated, of: " + ", ".join(STRATEGIES))
     ap.add_argument("--tmp", default="/var/tmp",
@@ -319,6 +326,11 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad or not strategies:
         ap.error(f"--strategies: {bad or 'none'} not among {', '.join(STRATEGIES)}")
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if not paths or any(p not in ("before", "after") for p in paths):
+        ap.error(f"--paths: {args.paths!r}: give before, after or both")
+    if args.write and (args.size != "1b" or len(paths) < 2):
+        ap.error("--write: only a full run (--size 1b, both --paths) replaces the section")
     if not Path(args.tmp).is_dir():
         ap.error(f"--tmp: {args.tmp} is not a folder")
     with tempfile.TemporaryDirectory(prefix="rayfleet-bench-hfmem-", dir=args.tmp) as t:
@@ -326,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
         model_bytes = make_model(tmp / "model", args.size)
         cases = {}
         for strategy in strategies:
-            for path in ("before", "after"):
+            for path in paths:
                 cases[(strategy, path)] = run_ranks(tmp / "model", strategy, path, tmp,
                                                     args.timeout)
                 print(f"[bench.hf_memory] {strategy}/{path}: "

@@ -224,3 +224,108 @@ def test_an_moe_export_is_written_in_its_files_layout(tmp_path):
     x = torch.randint(0, 128, (2, 8))
     with torch.no_grad():
         assert torch.allclose(_logits(tmp_path / "hf", x), model(x).logits, atol=1e-6)
+
+
+# ------------------------------------------- FSDP2 loading: rows read from the files
+
+def test_a_mapped_weight_is_found_in_its_file_and_one_written_since_is_not(tmp_path):
+    """from_pretrained leaves fp32 weights as views of the mapped safetensors file: found at
+    the offset the file's header gives, and read back from there with plain reads; a weight
+    this process wrote since (its own copy of the page now) or one in ordinary memory has no
+    file location."""
+    import struct
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "m"
+    _tied_llama(folder)
+    lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    raw = (folder / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    name = "model.layers.1.mlp.up_proj.weight"
+    w = lm.get_parameter(name)
+    where = hf_io.file_location(w.detach(), hf_io._file_maps())
+    assert where == (str(folder.resolve() / "model.safetensors"),
+                     8 + n + header[name]["data_offsets"][0])
+    back = torch.empty_like(w)
+    fd = os.open(where[0], os.O_RDONLY)
+    try:
+        hf_io._pread_into(fd, where[1], back)
+    finally:
+        os.close(fd)
+    assert torch.equal(back, w)
+    with torch.no_grad():
+        w[0, 0] += 1
+    assert hf_io.file_location(w.detach(), hf_io._file_maps()) is None
+    assert hf_io.file_location(torch.ones(64, 64), hf_io._file_maps()) is None
+
+
+def _scatter_rank(rank: int, world: int, port: int, folder: str, out: str,
+                  elsewhere: bool) -> None:
+    """FSDP2's loading as loop.prepare does it: rank 0 from_pretrained, the other on the meta
+    device, sharded, then scatter_into_shards. `elsewhere`: rank 1 does not see rank 0's
+    files (another node), so rank 0 scatters every row."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    if elsewhere and rank == 1:
+        hf_io._fingerprint = lambda path: None
+    model = hf_model.build(folder, AutoConfig.from_pretrained(folder).to_dict(),
+                           meta=rank != 0)
+
+    def shard(m):
+        for block in m.blocks:
+            fully_shard(block)
+        fully_shard(m)
+
+    if rank != 0:
+        shard(model)
+        model.to_empty(device="cpu")
+    counts = hf_io.scatter_into_shards(model, rank, torch.device("cpu"))
+    if rank == 0:
+        shard(model)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.load(Path(out) / "x.pt"))
+    torch.save({"counts": counts, "n": len(full), "full": full if rank == 0 else None,
+                "logits": logits}, Path(out) / f"scatter{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow   # two processes per case, each importing torch and transformers
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_fsdp_ranks_read_their_own_rows_from_the_files_or_get_them_from_rank0(
+        hf_model_dir, tmp_path, elsewhere):
+    """Every rank reads its rows of each weight straight from the safetensors file when all
+    ranks see the same file; when one does not, rank 0 scatters them. Either way the sharded
+    model holds exactly the file's weights (the tied head too) and gives from_pretrained's
+    logits."""
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "tied"
+    _tied_llama(folder, hf_model_dir)
+    x = torch.randint(0, 512, (2, 12))
+    torch.save(x, tmp_path / "x.pt")
+    want = _logits(folder, x)
+    mp.spawn(_scatter_rank, args=(2, free_port(), str(folder), str(tmp_path), elsewhere),
+             nprocs=2)
+    got = [torch.load(tmp_path / f"scatter{rank}.pt") for rank in range(2)]
+    n = got[0]["n"]
+    for g in got:
+        assert g["counts"] == ({"read": 0, "scattered": n} if elsewhere
+                               else {"read": n, "scattered": 0}), g["counts"]
+        assert torch.allclose(g["logits"], want, atol=1e-5)
+    on_disk = load_file(str(folder / "model.safetensors"))
+    full = {k.removeprefix("lm."): v for k, v in got[0]["full"].items()}
+    assert set(on_disk) <= set(full)
+    for name, value in on_disk.items():
+        assert torch.equal(full[name], value), name

@@ -22,6 +22,9 @@ most one shard plus the tensor being gathered.
 from __future__ import annotations
 
 import json
+import mmap
+import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,64 +53,235 @@ def _rows(n: int, world: int, rank: int) -> tuple[int, int]:
     return min(rank * size, n), min((rank + 1) * size, n)
 
 
-def scatter_into_shards(model: nn.Module, rank: int, device: torch.device) -> None:
+# Rank 0's from_pretrained leaves a parameter whose dtype is the file's as a view of the
+# safetensors file, memory-mapped (transformers 5). Reading it through that mapping makes its
+# pages this process's resident memory (all of them, as rank 0 scatters every row), and they
+# stay so while the mapping lives. Such a parameter's bytes are read with plain reads
+# (os.preadv) instead: its rows land in the page cache, not in the process.
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_READ_MAX = 1 << 30                      # Linux reads at most ~2 GiB per call
+
+
+def _file_maps() -> list[tuple[int, int, int, int, str]]:
+    """This process's mappings of regular files: (start, end, file offset, inode, path)."""
+    maps = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6 or not parts[5].startswith("/"):
+                    continue
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                maps.append((start, end, int(parts[2], 16), int(parts[4]),
+                             parts[5].rstrip("\n")))
+    except OSError:
+        pass
+    return maps
+
+
+def _never_written(ptr: int, nbytes: int) -> bool:
+    """Whether no page of [ptr, ptr + nbytes) is this process's own copy (a private mapping's
+    page it wrote, or one swapped out): /proc/self/pagemap, bit 61 file page, 62 swapped,
+    63 present. False when pagemap cannot be read."""
+    first, last = ptr // _PAGE, (ptr + nbytes - 1) // _PAGE
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            raw = f.read((last - first + 1) * 8)
+    except OSError:
+        return False
+    if len(raw) != (last - first + 1) * 8:
+        return False
+    flags = torch.frombuffer(bytearray(raw), dtype=torch.int64) >> 61
+    present, swapped, file = flags & 4 != 0, flags & 2 != 0, flags & 1 != 0
+    return not bool((swapped | (present & ~file)).any())
+
+
+def file_location(t: torch.Tensor, maps: list) -> tuple[str, int] | None:
+    """(path, byte offset) when `t`'s bytes are exactly a file's: a contiguous CPU tensor
+    viewing a mapping of a regular file (the same file still at that path), none of whose
+    pages this process wrote. None otherwise."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0 or t.dim() == 0:
+        return None
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    for start, end, offset, inode, path in maps:
+        if start <= ptr and ptr + nbytes <= end:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            if st.st_ino != inode or not stat.S_ISREG(st.st_mode):
+                return None
+            if not _never_written(ptr, nbytes):
+                return None
+            return path, offset + ptr - start
+    return None
+
+
+def _fingerprint(path: str) -> tuple[int, str] | None:
+    """(size, hash of 64 samples of 4 KiB spread over the file): that another process's file
+    at the same path is the same one. None when it cannot be read."""
+    import hashlib
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        h = hashlib.sha256()
+        for i in range(64):
+            h.update(os.pread(fd, 4096, size * i // 64))
+        return size, h.hexdigest()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _pread_into(fd: int, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor `out` with the file's bytes from `offset`."""
+    buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:done + _READ_MAX]], offset + done)
+        if n <= 0:
+            raise RuntimeError(f"reading weights: file ended at {offset + done}")
+        done += n
+
+
+def _anon(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in fresh anonymous memory of its own (mmap): pages
+    nobody writes are never allocated, and all of it goes back to the system when the tensor
+    goes (a malloc'd one of tens of MB may stay in the heap). Rank 0 keeps one per parameter
+    with only its own rows written for fully_shard, which copies those and drops it."""
+    numel = int(torch.Size(shape).numel())
+    mm = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size(),
+                   flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(mm, dtype=dtype, count=numel).view(shape)
+
+
+def scatter_into_shards(model: nn.Module, rank: int, device: torch.device) -> dict[str, int]:
     """Copy rank 0's parameters and buffers into every rank's `model` (a collective: every rank
     calls it). On rank 0 `model` is the whole model (not yet sharded); on the others it is the
     same model sharded with fully_shard (each parameter a DTensor, Shard(0) over all ranks)
-    and allocated with to_empty. Each parameter is scattered: a rank receives only its own
-    rows, straight into its shard; buffers are broadcast whole. RuntimeError when the ranks'
-    models do not have the same tensors."""
+    and allocated with to_empty. Each rank gets only its own rows of each parameter: read
+    straight from the safetensors file when rank 0's parameter is a view of one (mapped by
+    from_pretrained) and every rank sees that same file, else scattered from rank 0; buffers
+    are broadcast whole. Rank 0 reads file-backed parameters with plain reads and keeps only
+    its own rows of them (the rest of the tensor never allocated), so neither the mapped file
+    nor a second copy of the model becomes its resident memory. Returns how many parameters
+    each rank read from the files ("read") and how many rank 0 scattered ("scattered").
+    RuntimeError when the ranks' models do not have the same tensors."""
     from torch.distributed.tensor import DTensor, Shard
 
     world = dist.get_world_size()
     entries = list(model.named_parameters()) + list(model.named_buffers())
     n_params = len(list(model.parameters()))
     names = [(n, tuple(t.shape), str(t.dtype)) for n, t in entries]
-    got = [names if rank == 0 else None]
+    locs: list = [None] * len(entries)
+    prints: dict = {}
+    if rank == 0:
+        maps = _file_maps()
+        for i, (_, t) in enumerate(entries[:n_params]):
+            locs[i] = file_location(t.detach(), maps) if maps else None
+        prints = {path: _fingerprint(path) for path in {loc[0] for loc in locs if loc}}
+        locs = [loc if loc and prints.get(loc[0]) else None for loc in locs]
+    got = [(names, locs, prints) if rank == 0 else None]
     dist.broadcast_object_list(got, src=0)
-    if got[0] != names:
-        theirs = set(got[0]) ^ set(names)
+    if got[0][0] != names:
+        theirs = set(got[0][0]) ^ set(names)
         raise RuntimeError(f"rank {rank}'s model differs from rank 0's ({len(theirs)} tensors "
                            f"differ, e.g. {sorted(theirs)[:2]})")
-    with torch.no_grad():
-        for i, (name, t) in enumerate(entries):
-            if i >= n_params:                              # a buffer: whole on every rank
-                buf = t.detach()
-                tmp = buf if buf.is_contiguous() else buf.contiguous()
-                dist.broadcast(tmp, src=0)
-                if tmp is not buf:
-                    buf.copy_(tmp)
-                continue
-            n = t.shape[0]
-            size = -(-n // world)
-            if rank == 0:
-                full = t.detach().contiguous()
-                chunks = []
-                for r in range(world):
-                    start, stop = _rows(n, world, r)
-                    chunk = full[start:stop]
-                    if stop - start < size:                # gloo scatters equal sizes
-                        pad = full.new_zeros((size - (stop - start), *full.shape[1:]))
-                        chunk = torch.cat([chunk, pad])
-                    chunks.append(chunk)
-                mine = torch.empty_like(chunks[0])
-                dist.scatter(mine, chunks, src=0)
-                del chunks, mine
-                continue
-            if not isinstance(t, DTensor) or tuple(t.placements) != (Shard(0),):
-                raise RuntimeError(f"{name}: expected an FSDP2 shard (Shard(0)), got "
-                                   f"{type(t).__name__} {getattr(t, 'placements', '')}")
-            local = t.to_local()
-            start, stop = _rows(n, world, rank)
-            if local.shape[0] != stop - start:
-                raise RuntimeError(f"{name}: this rank holds {local.shape[0]} rows, expected "
-                                   f"{stop - start} of {n}")
-            if stop - start == size and local.is_contiguous():
-                dist.scatter(local, None, src=0)           # straight into the shard
-            else:
-                recv = torch.empty((size, *t.shape[1:]), dtype=t.dtype, device=device)
-                dist.scatter(recv, None, src=0)
-                local.copy_(recv[:stop - start])
+    locs, prints = got[0][1], got[0][2]
+    # Every rank reads from the files only if every rank sees the same files (another node
+    # may have no copy at that path, or another version of it).
+    ok = all(_fingerprint(path) == fp for path, fp in prints.items()) if rank else True
+    flag = torch.tensor([1 if ok and prints else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    from_files = bool(flag.item())
+    fds: dict[str, int] = {}
+    counts = {"read": 0, "scattered": 0}
+
+    def fd(path: str) -> int:
+        if path not in fds:
+            fds[path] = os.open(path, os.O_RDONLY)
+        return fds[path]
+
+    try:
+        with torch.no_grad():
+            for i, (name, t) in enumerate(entries):
+                if i >= n_params:                              # a buffer: whole on every rank
+                    buf = t.detach()
+                    tmp = buf if buf.is_contiguous() else buf.contiguous()
+                    dist.broadcast(tmp, src=0)
+                    if tmp is not buf:
+                        buf.copy_(tmp)
+                    continue
+                n = t.shape[0]
+                size = -(-n // world)
+                loc = locs[i]
+                row_bytes = (t.numel() // n if n else 0) * t.element_size()
+                if rank == 0:
+                    own = slice(0, size)                       # rank 0's rows (n >= 1)
+                    if loc:
+                        # Only its own rows are ever written: the rest takes no memory.
+                        hold = _anon(t.shape, t.dtype)
+                        if from_files:                         # every rank reads its rows
+                            counts["read"] += 1
+                            _pread_into(fd(loc[0]), loc[1], hold[own])
+                            t.data = hold
+                            continue
+                        full = _anon(t.shape, t.dtype)         # read, not through the mapping
+                        _pread_into(fd(loc[0]), loc[1], full)
+                    else:
+                        full = t.detach().contiguous()
+                    chunks = []
+                    for r in range(world):
+                        a, b = _rows(n, world, r)
+                        chunk = full[a:b]
+                        if b - a < size:                       # gloo scatters equal sizes
+                            pad = full.new_zeros((size - (b - a), *full.shape[1:]))
+                            chunk = torch.cat([chunk, pad])
+                        chunks.append(chunk)
+                    mine = hold[own] if loc else torch.empty_like(chunks[0])
+                    counts["scattered"] += 1
+                    dist.scatter(mine, chunks, src=0)
+                    if loc:
+                        t.data = hold
+                    del chunks, mine, full
+                    continue
+                if not isinstance(t, DTensor) or tuple(t.placements) != (Shard(0),):
+                    raise RuntimeError(f"{name}: expected an FSDP2 shard (Shard(0)), got "
+                                       f"{type(t).__name__} {getattr(t, 'placements', '')}")
+                local = t.to_local()
+                start, stop = _rows(n, world, rank)
+                if local.shape[0] != stop - start:
+                    raise RuntimeError(f"{name}: this rank holds {local.shape[0]} rows, "
+                                       f"expected {stop - start} of {n}")
+                if loc and from_files:
+                    counts["read"] += 1
+                    if stop == start:
+                        continue
+                    if local.device.type == "cpu" and local.is_contiguous():
+                        _pread_into(fd(loc[0]), loc[1] + start * row_bytes, local)
+                    else:
+                        tmp = torch.empty(local.shape, dtype=local.dtype)
+                        _pread_into(fd(loc[0]), loc[1] + start * row_bytes, tmp)
+                        local.copy_(tmp)
+                    continue
+                counts["scattered"] += 1
+                if stop - start == size and local.is_contiguous():
+                    dist.scatter(local, None, src=0)           # straight into the shard
+                else:
+                    recv = torch.empty((size, *t.shape[1:]), dtype=t.dtype, device=device)
+                    dist.scatter(recv, None, src=0)
+                    local.copy_(recv[:stop - start])
+    finally:
+        for f in fds.values():
+            os.close(f)
+    return counts
 
 
 # ------------------------------------------------------------------------------- export
