@@ -102,27 +102,23 @@ def argv(ray: str, *, head: bool, address: str | None = None,
          num_cpus: int | None = None, num_gpus: int | None = None,
          object_store_memory: int | None = None, resources: Mapping[str, float] | None = None,
          temp_dir: str | None = None, extra: Sequence[str] = (), block: bool = False,
-         usage_stats: bool = True, log_style: str | None = None,
-         redis_password: str | None = None) -> list[str]:
+         usage_stats: bool = True, log_style: str | None = None) -> list[str]:
     """``[ray, "start", ...]``: a head (``head=True``) or a worker joining ``address``.
 
     ``ports``: RAY_PORTS name -> number (a range: (from, to)); default :func:`pinned_ports`.
     Options left at None (or empty) are left to Ray. The flags come in one order: ``--block``,
     what the node is (``--head`` with the autoscaling config and the dashboard's host, or
     ``--address``), its ports, then its address, resources, temp folder, ``extra`` verbatim,
-    usage stats, log style and the GCS's Redis password.
+    usage stats and log style.
 
-    ``redis_password``: a head whose GCS keeps its tables in Redis (the address is
-    :data:`REDIS_ADDRESS_ENV` in its environment); pass a shell expansion such as
-    ``"$(cat FILE)"``, never the password itself, so that it stays out of the cluster YAML.
-    Ray hands it on to gcs_server, the raylet and the client server on their command lines.
-    No ``--redis-username``: Ray then sends ``AUTH <password>``, which an ElastiCache auth
-    token expects.
+    A head whose GCS keeps its tables in Redis (:data:`REDIS_ADDRESS_ENV` in its environment)
+    gets its password from the kit's supervisor (rayfleet/agents/gcs_supervisor.py), which
+    appends ``--redis-password`` read from a 0600 file, so it is in no YAML and no command
+    line the kit writes. No ``--redis-username``: Ray then sends ``AUTH <password>``, which an
+    ElastiCache auth token expects.
     """
     if head == (address is not None):
         raise ValueError("a head has no address to join; a worker needs one")
-    if redis_password is not None and not head:
-        raise ValueError("only the head's GCS talks to Redis")
     ports = pinned_ports(head) if ports is None else ports
     head_only = set(ports) & set(HEAD_ONLY_PORTS)
     if head_only and not head:
@@ -147,7 +143,5 @@ def argv(ray: str, *, head: bool, address: str | None = None,
         cmd.append("--disable-usage-stats")
     if log_style:
         cmd.append(f"--log-style={log_style}")
-    if redis_password:
-        cmd.append(f"--redis-password={redis_password}")
     return cmd
 

@@ -18,10 +18,19 @@ So the HA head is started without ``--block``, under this program:
   on an exit starts the same command again (not logged: it holds the password), at most once
   a second, recording each restart in ``--status`` (JSON); after MAX_RESTARTS exits within
   RESTART_WINDOW_S it stops the head instead and exits 1;
-- SIGTERM (`rayfleet local down`) stops the group: SIGTERM to every process, SIGKILL to what
-  is left after ``--grace-s``, then it exits 0.
+- SIGTERM (`rayfleet local down`, or the next `ray up`'s first head command) stops the group:
+  SIGTERM to every process, SIGKILL to what is left after ``--grace-s``, then it exits 0.
 
     gcs_supervisor.py --password-file F --status S [--grace-s 14] -- ray start --head ...
+
+Its status file is written from its start (``gcs_pid`` null until `ray start` has exited and
+gcs_server is found; ``exit`` set when `ray start` failed). On a cloud head, which `ray up`
+starts over SSH, the supervisor is started detached and a second call waits for it:
+
+    gcs_supervisor.py --status S --wait SECONDS
+
+exits 0 once gcs_server is supervised, or 1 in one line when the supervisor ended first (its
+`ray start` failed: its log says why) or the time ran out.
 
 Standard library only: a node agent (rayfleet/agents/__init__.py).
 """
@@ -105,11 +114,11 @@ class Supervisor:
         self.gcs_proc: subprocess.Popen | None = None
         self.started_at = time.time()
 
-    def write_status(self) -> None:
+    def write_status(self, **extra) -> None:
         tmp = self.status.with_suffix(".tmp")
         tmp.write_text(json.dumps({"supervisor_pid": os.getpid(), "gcs_pid": self.gcs_pid,
                                    "started_at": self.started_at,
-                                   "restarts": self.restarts}, indent=2))
+                                   "restarts": self.restarts, **extra}, indent=2))
         tmp.replace(self.status)
 
     def on_sigterm(self, *_) -> None:
@@ -125,6 +134,7 @@ class Supervisor:
         raise RuntimeError("no gcs_server in the head's process group after `ray start`")
 
     def run(self, ray_start: list[str]) -> int:
+        self.write_status()
         starter = subprocess.Popen(ray_start, stdin=subprocess.DEVNULL)
         while starter.poll() is None:
             if self.stopping:
@@ -132,6 +142,7 @@ class Supervisor:
             time.sleep(0.2)
         if starter.returncode != 0 or self.stopping:
             # Quietly: `ray start`'s own last line is what `rayfleet local up` shows.
+            self.write_status(exit=f"`ray start` exited {starter.returncode}")
             self.stop(quiet=True)
             return starter.returncode or 0
         self.gcs_pid = self.find_gcs()
@@ -219,11 +230,49 @@ def reap() -> None:
         pass
 
 
+def wait(status: Path, timeout_s: float) -> int:
+    """Until the supervisor that writes ``status`` supervises gcs_server: 0, or 1 with one line
+    on stderr when it ended first or ``timeout_s`` ran out."""
+    deadline = time.time() + timeout_s
+    seen: dict = {}
+    while time.time() < deadline:
+        try:
+            seen = json.loads(status.read_text())
+        except (OSError, ValueError):
+            seen = {}
+        if seen.get("gcs_pid"):
+            print(f"gcs_supervisor: supervising gcs_server (pid {seen['gcs_pid']})")
+            return 0
+        if seen.get("exit"):
+            print(f"gcs_supervisor: {seen['exit']}: the head did not start", file=sys.stderr)
+            return 1
+        pid = seen.get("supervisor_pid")
+        if pid and not comm(pid):
+            print(f"gcs_supervisor: the supervisor (pid {pid}) ended before gcs_server started",
+                  file=sys.stderr)
+            return 1
+        time.sleep(0.5)
+    print(f"gcs_supervisor: no supervised gcs_server after {timeout_s:g} s ({status}: "
+          f"{'not written' if not seen else 'gcs_pid still null'})", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv and "--wait" in argv:
+        parser = argparse.ArgumentParser(prog="gcs_supervisor.py")
+        parser.add_argument("--status", required=True, type=Path)
+        parser.add_argument("--wait", required=True, type=float, metavar="SECONDS")
+        args = parser.parse_args(argv)
+        return wait(args.status, args.wait)
+    if "--" not in argv and {"-h", "--help"} & set(argv):
+        print("usage: gcs_supervisor.py --password-file F --status S [--grace-s 14] -- "
+              "ray start --head ...\n       gcs_supervisor.py --status S --wait SECONDS")
+        return 0
     if "--" not in argv:
         print("gcs_supervisor: usage: gcs_supervisor.py --password-file F --status S -- "
-              "ray start --head ...", file=sys.stderr)
+              "ray start --head ...  |  gcs_supervisor.py --status S --wait SECONDS",
+              file=sys.stderr)
         return 2
     split = argv.index("--")
     parser = argparse.ArgumentParser(prog="gcs_supervisor.py")

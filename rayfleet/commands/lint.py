@@ -325,13 +325,24 @@ def _gcs_store_findings(head_start: str) -> list[Finding]:
                          "plain text, its password and the cluster's state readable on the "
                          "wire", "name the store as rediss://<endpoint>:<port> (TLS), as "
                                   "`rayfleet render` does for rayfleet:headHa"))
+    # The command that starts the head's Ray: under the supervisor, in that same command.
+    starts = [c for c in head_start.splitlines() if re.search(r"\bray start\b.*--head", c)]
+    if address and any(not re.search(r"gcs_supervisor\.py\b.*\s--\s.*\bray start\b", c)
+                       for c in starts):
+        f.append(Finding(ERROR, 33, "head_start_ray_commands",
+                         f"the head's Ray keeps its GCS in Redis ({REDIS_ADDRESS_ENV}) but is "
+                         "not under the kit's supervisor: a gcs_server crash is not restarted "
+                         "on the node", "start `ray start --head` under "
+                         "~/rayfleet-agents/gcs_supervisor.py, as `rayfleet render` does for "
+                         "rayfleet:headHa"))
     for m in re.finditer(r"--redis-password[= ]+(\S+)", head_start):
         value = m.group(1).strip("'\"")
         if value and not value.startswith("$"):
             f.append(Finding(ERROR, 33, "head_start_ray_commands",
                              "--redis-password is written into the YAML",
-                             "read it at boot from Secrets Manager into a 0600 file and pass "
-                             "\"$(cat <file>)\", as `rayfleet render` does"))
+                             "read it at boot from Secrets Manager into a 0600 file that the "
+                             "kit's supervisor hands to `ray start` (--password-file), as "
+                             "`rayfleet render` does"))
     return f
 
 

@@ -40,7 +40,7 @@ import yaml
 
 from rayfleet.commands import metrics as prometheus
 from rayfleet.commands.local import ensure_token
-from rayfleet import nodeenv, raystart
+from rayfleet import gcsft, nodeenv, raystart
 from rayfleet.agents import fallover
 from rayfleet.errors import ConfigError, RayfleetError
 from rayfleet.facts import (
@@ -68,7 +68,7 @@ RAY_BIN = f"{VENV}/bin/ray"
 # YAML names a folder of the operator's, not the kit's install path.
 REMOTE_AGENTS = "~/rayfleet-agents"
 AGENTS = Path(__file__).resolve().parent.parent / "agents"
-AGENT_NAMES = ("autostop", "logship", "spot", GUARD_NAME)
+AGENT_NAMES = ("autostop", "logship", "spot", GUARD_NAME, gcsft.SUPERVISOR_NAME)
 
 # ----------------------------------------------------------------------------- outputs
 
@@ -440,13 +440,13 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
             "node, so every worker gets it, whether its type declares GPUs or not.")
         if llm_commands and vllm == "cpu" else [],
         "head_start_ray_commands": Why([
-            f"{RAY_BIN} stop; {STOP_AGENTS}",
+            # headHa: the supervisor first, or it starts again the GCS that `ray stop` ends.
+            f"{STOP_AGENTS}; {RAY_BIN} stop" if o.head_ha else f"{RAY_BIN} stop; {STOP_AGENTS}",
             *([gcs_store_token_command(o)] if o.head_ha else []),
-            f"ulimit -n {raystart.NOFILE}; {auth_env}{serve_env}; {scorer_env(o)}"
-            f"{gcs_env(o, head=True)} "
-            + ray_start(head=True, autoscaling_config="~/ray_bootstrap_config.yaml",
-                        redis_password=(f'"$(cat {REMOTE_GCS_STORE_TOKEN_ENV})"'
-                                        if o.head_ha else None)),
+            *head_ray_start(o, f"ulimit -n {raystart.NOFILE}; {auth_env}{serve_env}; "
+                               f"{scorer_env(o)}{gcs_env(o, head=True)} ",
+                            ray_start(head=True,
+                                      autoscaling_config="~/ray_bootstrap_config.yaml")),
             *head_agents(o, auth_env, autostop_minutes),
             *(prometheus.head_commands(haproxy=ingress == "haproxy") if metrics else []),
         ], HA_HEAD_WHY * bool(o.head_ha)
@@ -487,13 +487,22 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
 REMOTE_GCS_STORE_TOKEN = "~/.rayfleet/gcs_store_token"
 REMOTE_GCS_STORE_TOKEN_ENV = REMOTE_GCS_STORE_TOKEN.replace("~", "$HOME", 1)
 
+# rayfleet:headHa: the head's supervisor (rayfleet/agents/gcs_supervisor.py) and its status.
+REMOTE_GCS_SUPERVISOR_STATUS = f"$HOME/.rayfleet/{gcsft.SUPERVISOR_STATUS}"
+# How long the head's start waits for its supervised gcs_server (`ray start` of a head takes
+# seconds; a cold node's first imports, tens).
+GCS_SUPERVISOR_WAIT_S = 300
+
 HA_HEAD_WHY = (
     "rayfleet:headHa: first the GCS store's auth token, read from Secrets Manager with the head "
     "role into a 0600 file (never this YAML, never echoed); then the GCS keeps its tables in "
     "the stack's Redis over TLS (rediss://, verified against the image's CA bundle), so a "
-    "replaced head at the same address finds the cluster as it was (rule 33). Ray passes the "
-    "password on to gcs_server, the raylet and the client server on their command lines, "
-    "which local users of the head can read in /proc. ")
+    "replaced head at the same address finds the cluster as it was (rule 33). The head's Ray "
+    "runs under the kit's supervisor (rayfleet/agents/gcs_supervisor.py), which starts "
+    "gcs_server again on this node when it dies, and reads the token from its file into "
+    "`ray start --redis-password`; the next command waits until it supervises gcs_server. Ray "
+    "passes the password on to gcs_server, the raylet and the client server on their command "
+    "lines, which local users of the head can read in /proc. ")
 HA_WORKER_WHY = (
     "rayfleet:headHa: a worker's raylet waits "
     f"{raystart.GCS_RECONNECT_TIMEOUT_S} s for a lost head (Ray's default is 60 s), time for "
@@ -520,6 +529,20 @@ def head_placement(o: StackOutputs) -> dict[str, Why]:
                                 "(its bootstrap needs each entry's subnet, which EC2 refuses "
                                 "beside an interface id)."),
     }
+
+
+def head_ray_start(o: StackOutputs, prefix: str, start: str) -> list[str]:
+    """The head's `ray start` (``prefix`` before it: limits and environment); under
+    rayfleet:headHa, detached under the kit's supervisor (the token appended by it, from its
+    0600 file), then a command that waits until the supervisor watches gcs_server."""
+    if o.head_ha is None:
+        return [prefix + start]
+    sup = f"{VENV}/bin/python {REMOTE_AGENTS}/{gcsft.SUPERVISOR_NAME}.py"
+    return [f"rm -f {REMOTE_GCS_SUPERVISOR_STATUS}; {prefix}setsid nohup {sup} "
+            f"--password-file {REMOTE_GCS_STORE_TOKEN_ENV} --status "
+            f"{REMOTE_GCS_SUPERVISOR_STATUS} -- {start} > ~/rayfleet-{gcsft.SUPERVISOR_NAME}.log "
+            "2>&1 < /dev/null &",
+            f"{sup} --status {REMOTE_GCS_SUPERVISOR_STATUS} --wait {GCS_SUPERVISOR_WAIT_S}"]
 
 
 def gcs_env(o: StackOutputs, head: bool) -> str:

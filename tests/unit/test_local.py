@@ -263,6 +263,12 @@ def test_gcs_supervisor_starts_the_gcs_again_then_gives_up_on_a_crash_loop(tmp_p
     try:
         gcs = wait("the supervisor to watch gcs_server",
                    lambda: json.loads(status.read_text())["gcs_pid"])
+        # What a cloud head's start runs after it (rayfleet render, rayfleet:headHa).
+        waited = subprocess.run([sys.executable, str(local._agent("gcs_supervisor")),
+                                 "--status", str(status), "--wait", "10"],
+                                capture_output=True, text=True, timeout=30)
+        assert (waited.returncode, waited.stdout) == (0, f"gcs_supervisor: supervising "
+                                                         f"gcs_server (pid {gcs})\n")
         argv = (tmp_path / "start-argv").read_text().splitlines()
         assert argv[-1] == "--redis-password=s3cret-pw"
         assert b"s3cret-pw" not in open(f"/proc/{proc.pid}/cmdline", "rb").read()
@@ -284,3 +290,26 @@ def test_gcs_supervisor_starts_the_gcs_again_then_gives_up_on_a_crash_loop(tmp_p
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("start,expected", [
+    ("import sys; sys.exit(3)", "`ray start` exited 3: the head did not start"),
+    (None, "no supervised gcs_server after 2 s"),
+])
+def test_gcs_supervisor_wait_fails_in_one_line(tmp_path, start, expected):
+    """`--wait` (a cloud head's start, after launching the supervisor detached): a `ray start`
+    that fails, or a supervisor that never wrote its status, is one line and exit 1."""
+    status = tmp_path / "status.json"
+    if start is not None:
+        (tmp_path / "password").write_text("pw")
+        sup = subprocess.run(
+            [sys.executable, str(local._agent("gcs_supervisor")), "--password-file",
+             str(tmp_path / "password"), "--status", str(status), "--grace-s", "1", "--",
+             sys.executable, "-c", start], capture_output=True, text=True, timeout=60,
+            start_new_session=True)   # it stops its own process group on the way out
+        assert sup.returncode == 3
+    waited = subprocess.run([sys.executable, str(local._agent("gcs_supervisor")), "--status",
+                             str(status), "--wait", "2"], capture_output=True, text=True,
+                            timeout=30)
+    assert waited.returncode == 1 and waited.stdout == ""
+    assert expected in waited.stderr and waited.stderr.count("\n") == 1, waited.stderr

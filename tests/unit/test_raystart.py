@@ -144,16 +144,6 @@ def test_the_role_raises_the_open_files_limit_and_refuses_a_tiny_store_as_the_ki
     assert f"ray_node_object_store_memory | int >= {raystart.MIN_OBJECT_STORE_BYTES} " in validate
 
 
-def test_a_head_on_a_gcs_store_takes_its_password_as_a_shell_expansion_last():
-    cmd = raystart.argv("ray", head=True, ports={}, redis_password='"$(cat $HOME/t)"')
-    assert cmd[-1] == '--redis-password="$(cat $HOME/t)"'
-    assert not any(c.startswith("--redis-username") for c in cmd)
-    # Without a store, nothing changes: the role's launch script stays equal (above).
-    assert "--redis-password" not in " ".join(raystart.argv("ray", head=True))
-    with pytest.raises(ValueError):
-        raystart.argv("ray", head=False, address="h:6379", redis_password="$(cat x)")
-
-
 def test_gcs_fault_tolerance_env_names_rays_variables_once():
     assert raystart.gcs_ft_env() == {
         "RAY_gcs_rpc_server_reconnect_timeout_s": str(raystart.GCS_RECONNECT_TIMEOUT_S)}

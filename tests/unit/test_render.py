@@ -203,6 +203,7 @@ def test_node_agents_are_shipped_beside_the_token_and_started(tmp_path, outputs)
     assert folder == tmp_path / "agents"
     # The autoscaler's scorer alone in its folder (the head's PYTHONPATH names only it).
     assert sorted(p.name for p in folder.iterdir()) == ["autoscaler", "autostop.py",
+                                                        "gcs_supervisor.py",
                                                         "haproxy_guard.py", "logship.py",
                                                         "spot.py"]
     assert os.access(folder / "haproxy_guard.py", os.X_OK)  # Ray runs it as HAProxy
@@ -641,8 +642,21 @@ def test_ha_head_reads_the_token_at_boot_and_the_yaml_never_holds_it(tmp_path, h
     assert f"RAY_REDIS_ADDRESS=rediss://{store['endpoint']}:{store['port']}" in head
     assert "RAY_REDIS_CA_CERT=/etc/ssl/certs/ca-certificates.crt" in head
     assert "RAY_external_storage_namespace=rayfleet-dev" in head
-    assert head.endswith('--redis-password="$(cat $HOME/.rayfleet/gcs_store_token)"')
-    assert "--redis-username" not in head
+    # The head's Ray under the kit's supervisor, detached, which reads the token from its file
+    # into `ray start` (tests/unit/test_local.py runs it); the YAML has no password at all.
+    sup = "~/rayfleet-venv/bin/python ~/rayfleet-agents/gcs_supervisor.py"
+    assert (f"setsid nohup {sup} --password-file $HOME/.rayfleet/gcs_store_token --status "
+            "$HOME/.rayfleet/gcs-supervisor.json -- ~/rayfleet-venv/bin/ray start --head ") \
+        in head
+    assert head.endswith("> ~/rayfleet-gcs_supervisor.log 2>&1 < /dev/null &")
+    commands = yaml.safe_dump(cfg["head_start_ray_commands"])
+    assert "--redis-password" not in commands and "--redis-username" not in commands
+    assert "--block" not in head   # `ray start --block` ends the head when gcs_server dies
+    # Ray stays down until the supervisor is stopped (the next `ray up`), and the start waits
+    # until gcs_server is supervised.
+    assert starts[0].index(render.STOP_AGENTS) < starts[0].index("ray stop")
+    assert starts[start_at + 1] == (f"{sup} --status $HOME/.rayfleet/gcs-supervisor.json "
+                                    f"--wait {render.GCS_SUPERVISOR_WAIT_S}")
     assert store["auth_secret_arn"] in starts[token_at]
     # Nothing that reads as a secret, and nothing rule 33's lint refuses.
     from rayfleet.commands import lint
@@ -713,8 +727,12 @@ def test_bad_head_ha_outputs_one_line_and_nothing_written(case, tmp_path, ha_out
 
 @pytest.mark.parametrize("edit,problem", [
     (lambda c: c.replace("rediss://", "redis://"), "plain text"),
-    (lambda c: c.replace('"$(cat $HOME/.rayfleet/gcs_store_token)"', "0123456789abcdef"),
+    (lambda c: c.replace("/bin/ray start --head", "/bin/ray start --head "
+                         "--redis-password=0123456789abcdef"),
      "--redis-password is written into the YAML"),
+    (lambda c: c.replace("setsid nohup ~/rayfleet-venv/bin/python "
+                         "~/rayfleet-agents/gcs_supervisor.py", "setsid nohup"),
+     "not under the kit's supervisor"),
 ])
 def test_lint_refuses_a_plain_text_or_inlined_gcs_store(tmp_path, ha_outputs, edit, problem):
     from rayfleet.commands import lint
