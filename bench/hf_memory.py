@@ -3,11 +3,13 @@ export, before (every rank `from_pretrained`s the whole model; the export gather
 0) and after (workloads.train's loading without a full copy per rank, and its shard-by-shard
 export), for FSDP2 and DeepSpeed ZeRO-3, with 2 ranks on CPU (gloo), side by side in one run.
 
-    python -m bench.hf_memory [--size 1b|tiny] [--strategies fsdp,deepspeed] [--write]
+    python -m bench.hf_memory [--size 1b|small|tiny] [--strategies fsdp,deepspeed]
+                              [--paths before,after] [--write]
 
 The model is a TinyLlama-shaped 1.1B Llama (bench.gpu's), fp32, fresh weights, written with
 `save_pretrained` into a temporary folder under /var/tmp (about 4.4 GB; `--size tiny` is a
-0.1M-parameter one, for a smoke run). Each case starts 2 fresh processes (`torchrun`'s
+0.1M-parameter one, for a smoke run; `--size small` the 1.1B's shape with 8 of its layers, to
+iterate on). Each case starts 2 fresh processes (`torchrun`'s
 environment, the kit's TorchrunContext) that run the kit's own code: `loop.prepare` (with
 `full_copy_per_rank` for the before rows), then the final checkpoint's export (before:
 `_Engine._save_full` + `hf_model.export`, what the final checkpoint did; after:
@@ -138,8 +140,13 @@ def rank_main(spec: dict) -> dict:
     built: dict = {}
     engine_init = loop._Engine.__init__
 
+    class BuiltOnly(Exception):
+        pass
+
     def traced(self, *a, **kw):
         built["peak"] = status_kib("VmHWM")
+        if spec.get("built_only"):
+            raise BuiltOnly
         return engine_init(self, *a, **kw)
 
     loop._Engine.__init__ = traced
@@ -149,7 +156,15 @@ def rank_main(spec: dict) -> dict:
     reset_peak()
     anon.take()
     torch.manual_seed(0)
-    _, engine = loop.prepare(cfg, ctx, full_copy_per_rank=before)
+    try:
+        _, engine = loop.prepare(cfg, ctx, full_copy_per_rank=before)
+    except BuiltOnly:                  # --until built: the model built, nothing wrapped
+        built_anon = anon.take()
+        anon.stop()
+        dist.barrier()
+        dist.destroy_process_group()
+        return {"rank": ctx.rank, "idle_kib": idle, "built_peak_kib": built["peak"],
+                "built_anon_kib": built_anon}
     loop._Engine.__init__ = engine_init
     gc.collect()
     load_peak, loaded, load_anon = status_kib("VmHWM"), status_kib("VmRSS"), anon.take()
@@ -188,10 +203,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(model: Path, strategy: str, path: str, tmp: Path, timeout: float) -> list[dict]:
+def run_ranks(model: Path, strategy: str, path: str, tmp: Path, timeout: float,
+              built_only: bool = False) -> list[dict]:
     """2 ranks of one case, started as torchrun would start them; each rank's numbers."""
     out = tmp / f"{strategy}-{path}"
     spec = json.dumps({"model": str(model), "strategy": strategy, "path": path,
+                       "built_only": built_only,
                        "out": str(out)})
     port = _free_port()
     procs = []
@@ -245,6 +262,7 @@ def summarize(cases: dict, model_bytes: int, world: int = WORLD) -> dict:
                 "export_x": round(export / model_bytes, 2),
                 "shards": len(r["shards"]),
                 "load_ok": load <= limit * model_bytes,
+                "built_ok": r["built_peak_kib"] * 1024 <= limit * model_bytes,
                 "export_ok": export <= RANK0_MAX * model_bytes})
     return out
 
@@ -270,6 +288,13 @@ def section(s: dict, date: str, where: str, load_avg: float | None = None) -> st
             f"{s['share_goal']}x — {goal(all(r['load_ok'] for r in others), load_avg)}; "
             f"export, every rank <= {s['rank0_goal']}x — "
             f"{goal(all(r['export_ok'] for r in mine), load_avg)}.")
+        if strategy == "deepspeed":
+            # ZeRO-3's "wrapped" adds deepspeed.initialize's training state to the loading.
+            verdicts.append(
+                f"ZeRO-3's loading alone (built: up to deepspeed.initialize), rank 0 <= "
+                f"{s['rank0_goal']}x — {goal(all(r['built_ok'] for r in r0), load_avg)}; the "
+                f"other rank(s) <= {s['share_goal']}x — "
+                f"{goal(all(r['built_ok'] for r in others), load_avg)}.")
     return f"""{SECTION}
 
 Measured by `python -m bench.hf_memory --write` on {date}: {where}. A {s['model_gb']} GB
@@ -285,9 +310,17 @@ sampled every 20 ms) in the same phase: the peaks minus it are pages of the memo
 safetensors files (transformers maps them and reads a tensor's pages when it is first used),
 which count as resident but which the kernel may drop and read again. Before: every rank
 `from_pretrained`s the whole model, and the export is gathered into rank 0 (model.pt +
-save_pretrained). After: FSDP2 ranks other than 0 build on the meta device and get their
-shards from rank 0; ZeRO-3 builds under `zero.Init`; the export is written shard by shard by
-every rank.
+save_pretrained). After: FSDP2 ranks other than 0 build on the meta device, every rank
+reads its own rows of each weight straight from the safetensors files (plain reads: the
+pages stay in the page cache, out of the process) and rank 0, whose `from_pretrained` model
+is never read through its mapping, keeps only its own rows until it shards; ZeRO-3 builds
+under `zero.Init` and every rank reads its own partitions from the files; the export is
+written shard by shard by every rank. ZeRO-3's "wrapped" is its loading plus
+`deepspeed.initialize`, which allocates the training state beside the weights' partition:
+an fp32 copy of the partition for the optimizer and AdamW's two moments (about 3 more
+partitions, 1.5x the model per rank with 2 ranks) — accelerator memory on a GPU, but host
+memory with DeepSpeed's CPU accelerator, so on CPU that phase cannot fit 1.2x whatever the
+loading does; "built" is the loading alone. The export runs with that training state alive.
 
 | strategy | path | rank | idle | built | wrapped (x model) | anon | export (x) | anon | shards |
 |---|---|---|---|---|---|---|---|---|---|
@@ -315,6 +348,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tmp", default="/var/tmp",
                     help="where the model folder and the exports are written (~3x the model)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per case")
+    ap.add_argument("--until", choices=("export", "built"), default="export",
+                    help="built: stop each rank once the model is built, before the strategy "
+                         "wraps it (DeepSpeed's engine and its training state), and print "
+                         "that peak only")
     ap.add_argument("--write", action="store_true", help="replace BENCHMARKS.md's section")
     ap.add_argument("--rank", default=None, help=argparse.SUPPRESS)   # one rank of a case
     args = ap.parse_args(argv)
@@ -329,8 +366,9 @@ def main(argv: list[str] | None = None) -> dict:
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not paths or any(p not in ("before", "after") for p in paths):
         ap.error(f"--paths: {args.paths!r}: give before, after or both")
-    if args.write and (args.size != "1b" or len(paths) < 2):
-        ap.error("--write: only a full run (--size 1b, both --paths) replaces the section")
+    if args.write and (args.size != "1b" or len(paths) < 2 or args.until != "export"):
+        ap.error("--write: only a full run (--size 1b, both --paths, --until export) "
+                 "replaces the section")
     if not Path(args.tmp).is_dir():
         ap.error(f"--tmp: {args.tmp} is not a folder")
     with tempfile.TemporaryDirectory(prefix="rayfleet-bench-hfmem-", dir=args.tmp) as t:
@@ -340,9 +378,20 @@ def main(argv: list[str] | None = None) -> dict:
         for strategy in strategies:
             for path in paths:
                 cases[(strategy, path)] = run_ranks(tmp / "model", strategy, path, tmp,
-                                                    args.timeout)
+                                                    args.timeout, args.until == "built")
                 print(f"[bench.hf_memory] {strategy}/{path}: "
                       + json.dumps(cases[(strategy, path)]), flush=True)
+    if args.until == "built":
+        rows = [{"strategy": strategy, "path": path, "rank": r["rank"],
+                 "idle_gb": round(r["idle_kib"] * 1024 / 1e9, 2),
+                 "built_gb": round(r["built_peak_kib"] * 1024 / 1e9, 2),
+                 "built_x": round(r["built_peak_kib"] * 1024 / model_bytes, 2),
+                 "built_anon_gb": round(r["built_anon_kib"] * 1024 / 1e9, 2)}
+                for (strategy, path), ranks in cases.items() for r in ranks]
+        s = {"model_gb": round(model_bytes / 1e9, 2), "until": "built", "size": args.size,
+             "rows": rows}
+        print(json.dumps(s))
+        return s
     s = summarize(cases, model_bytes)
     s["size"] = args.size
     s["load_avg"] = round(os.getloadavg()[0], 1)

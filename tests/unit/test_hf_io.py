@@ -133,6 +133,10 @@ def _rank(rank: int, world: int, port: int, folder: str, strategy: str, out: str
 
     torch.set_num_threads(1)
     out_dir = Path(out)
+    # ZeRO-3: each rank reads its partitions from the files (hf_model.zero3_from_files).
+    built = []
+    zero3_from_files = hf_model.zero3_from_files
+    hf_model.zero3_from_files = lambda folder: built.append(zero3_from_files(folder)) or built[-1]
     spec = hf_model.HFSpec(config=AutoConfig.from_pretrained(folder).to_dict(), seq_len=12,
                            n_params=0)
     cfg = loop.LoopConfig(model=spec.to_dict(), hf_source=folder, strategy=strategy,
@@ -140,6 +144,7 @@ def _rank(rank: int, world: int, port: int, folder: str, strategy: str, out: str
     ctx = TorchrunContext(out_dir / "ckpt")
     torch.manual_seed(0)
     _, engine = loop.prepare(cfg, ctx)
+    assert [m is not None for m in built] == ([True] if strategy == "deepspeed" else [])
 
     # Each rank holds its part of the weights only.
     params = list(engine.model.parameters())
@@ -329,3 +334,30 @@ def test_fsdp_ranks_read_their_own_rows_from_the_files_or_get_them_from_rank0(
     assert set(on_disk) <= set(full)
     for name, value in on_disk.items():
         assert torch.equal(full[name], value), name
+
+
+def test_zero3_reads_the_files_only_when_they_hold_exactly_from_pretraineds_weights(tmp_path):
+    """ZeRO-3's ranks read their partitions straight from the files only when every parameter
+    is one tensor of the files under one of its names (a tied head under the embedding's),
+    with its shape, and every tensor of the files is a parameter; otherwise from_pretrained
+    loads (a file with another tensor, or one missing, or none)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    folder = tmp_path / "tied"
+    _tied_llama(folder)
+    cfg = AutoConfig.from_pretrained(str(folder))
+    plan = hf_model._zero3_plan(folder, cfg)
+    entries = hf_model.safetensors_entries(folder)
+    assert plan is not None and set(plan.values()) == set(entries.values())
+    assert plan["model.embed_tokens.weight"] == entries["model.embed_tokens.weight"]
+    assert "lm_head.weight" not in entries
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({**weights, "extra.weight": torch.ones(2)}, str(folder / "model.safetensors"))
+    assert hf_model._zero3_plan(folder, cfg) is None
+    del weights["model.norm.weight"]
+    save_file(weights, str(folder / "model.safetensors"))
+    assert hf_model._zero3_plan(folder, cfg) is None
+    (folder / "model.safetensors").unlink()
+    assert hf_model.safetensors_entries(folder) is None
+    assert hf_model._zero3_plan(folder, cfg) is None

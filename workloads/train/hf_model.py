@@ -194,6 +194,152 @@ class HFCausalLM(nn.Module):
         return logits, loss
 
 
+def safetensors_entries(folder: Path) -> dict[str, tuple[str, str, tuple[int, ...], int]] | None:
+    """{tensor name: (file, safetensors dtype, shape, byte offset in the file)} of the model
+    folder's safetensors weights (model.safetensors, or the shards its index names), read
+    from the files' headers; None when the folder has none or one cannot be read."""
+    import json
+    import struct
+
+    index = folder / "model.safetensors.index.json"
+    try:
+        files = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                 if index.exists() else ["model.safetensors"])
+        entries = {}
+        for name in files:
+            path = folder / name
+            with open(path, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(n))
+            for key, v in header.items():
+                if key != "__metadata__":
+                    entries[key] = (str(path), v["dtype"], tuple(v["shape"]),
+                                    8 + n + int(v["data_offsets"][0]))
+        return entries
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "F64": torch.float64}
+
+
+def _zero3_plan(folder: Path, cfg) -> dict | None:
+    """{parameter name: its file entry} when every parameter of the model `cfg` describes
+    (on the meta device) is exactly one tensor of the folder's safetensors files under one of
+    its names, with its shape and a float dtype, every tensor of the files is a parameter,
+    the model has no persistent buffers and no weight conversion of transformers' applies
+    to the files' names: then the files hold exactly what from_pretrained would load, each
+    tensor as it is (cast to fp32). None otherwise."""
+    import re
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    entries = safetensors_entries(folder)
+    if not entries:
+        return None
+    lm = meta_model(cfg.to_dict(), dtype=torch.float32)
+    aliases: dict[int, list[str]] = {}
+    params = {}
+    for name, p in lm.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+        params.setdefault(id(p), p)
+    if set(lm.state_dict()) - {n for names in aliases.values() for n in names}:
+        return None                                        # persistent buffers
+    try:
+        patterns = [pat for conv in get_model_conversion_mapping(lm)
+                    for pat in getattr(conv, "source_patterns", [])]
+    except Exception:   # transformers' internals moved: take the path that surely works
+        return None
+    if any(re.search(pat, key) for pat in patterns for key in entries):
+        return None
+    plan, used = {}, set()
+    for pid, names in aliases.items():
+        found = [n for n in names if n in entries]
+        if not found or entries[found[0]][1] not in _ST_DTYPES \
+                or entries[found[0]][2] != tuple(params[pid].shape):
+            return None
+        plan[names[0]] = entries[found[0]]
+        used.update(found)
+    return plan if used == set(entries) else None
+
+
+def _pread_into(fd: int, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor `out` with the file's bytes from `offset` (plain reads:
+    the pages go to the page cache, not to this process)."""
+    import os
+
+    buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:done + (1 << 30)]], offset + done)
+        if n <= 0:
+            raise RuntimeError(f"reading weights: file ended at {offset + done}")
+        done += n
+
+
+def zero3_from_files(folder: Path) -> nn.Module | None:
+    """The model of the folder built inside deepspeed.zero.Init as from_pretrained builds it
+    under ZeRO-3, with every rank reading only its own partition of each weight straight
+    from the safetensors files (one plain read per weight), instead of from_pretrained's way
+    (rank 0 reads every tensor through the mapped file, and every rank gathers each layer's
+    full weights to have rank 0 fill them). None, on every rank alike, when any rank's files
+    do not give exactly from_pretrained's weights (_zero3_plan): the caller loads with
+    from_pretrained then."""
+    import os
+
+    import torch.distributed as dist
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cfg = AutoConfig.from_pretrained(str(folder))
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    except KeyError:
+        cls = None
+    plan = _zero3_plan(folder, cfg) if cls is not None else None
+    oks = [None] * dist.get_world_size()
+    dist.all_gather_object(oks, plan is not None)
+    if not all(oks):
+        return None
+    from transformers.monkey_patching import patch_output_recorders
+    from transformers.utils.generic import ContextManagers
+
+    with ContextManagers(cls.get_init_context(torch.float32, False, False, None)):
+        lm = cls(cfg)
+        patch_output_recorders(lm)
+    lm.tie_weights()
+    fds: dict[str, int] = {}
+    try:
+        with torch.no_grad():
+            for name, p in lm.named_parameters():
+                path, st_dtype, shape, offset = plan[name]
+                part = p.ds_tensor
+                size = part.numel()
+                numel = int(torch.Size(shape).numel())
+                start = size * dist.get_rank(group=getattr(p, "ds_process_group", None))
+                n = max(0, min(size, numel - start))
+                dtype = _ST_DTYPES[st_dtype]
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_RDONLY)
+                if n:
+                    at = offset + start * torch.empty((), dtype=dtype).element_size()
+                    if dtype == part.dtype and part.device.type == "cpu":
+                        _pread_into(fds[path], at, part[:n])
+                    else:
+                        tmp = torch.empty(n, dtype=dtype)
+                        _pread_into(fds[path], at, tmp)
+                        part[:n].copy_(tmp)
+                part[n:].zero_()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if lm.can_generate() and (folder / "generation_config.json").exists():
+        lm.generation_config = GenerationConfig.from_pretrained(str(folder))
+    lm.eval()                                      # as from_pretrained leaves it
+    return lm
+
+
 def build(source: str | None, config: dict, activation_checkpointing: bool = False,
           endpoint: str | None = None, lora: dict | None = None, *, meta: bool = False,
           zero3_config: dict | None = None) -> HFCausalLM:
@@ -202,11 +348,12 @@ def build(source: str | None, config: dict, activation_checkpointing: bool = Fal
     frozen, with LoRA adapters on its targets.
 
     `meta`: the same model on the meta device, from `config` alone (no weights read, no
-    memory): FSDP2's ranks other than 0 shard it and receive their rows from rank 0
+    memory): FSDP2's ranks other than 0 shard it and read or receive their rows
     (hf_io.scatter_into_shards). `zero3_config`: a ZeRO-3 DeepSpeed config; the model is
     built inside deepspeed.zero.Init (transformers' HfDeepSpeedConfig, kept alive with the
-    model), each rank holding only its partition, and from_pretrained copies the weights in
-    one parameter group at a time from rank 0."""
+    model), each rank holding only its partition, which it reads straight from the
+    safetensors files (zero3_from_files), or, where the files are not exactly the model's
+    weights, from_pretrained copies them in one parameter group at a time from rank 0."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -221,8 +368,13 @@ def build(source: str | None, config: dict, activation_checkpointing: bool = Fal
     if meta:
         lm = meta_model(config, dtype=torch.float32)
     elif source:
-        lm = AutoModelForCausalLM.from_pretrained(str(fetch(source, "--model", endpoint)),
-                                                  dtype=torch.float32)
+        folder = fetch(source, "--model", endpoint)
+        # (Not with partitions offloaded to NVMe: they live in DeepSpeed's swap buffers.)
+        nvme = ((zero3_config or {}).get("zero_optimization", {}).get("offload_param")
+                or {}).get("device") == "nvme"
+        lm = zero3_from_files(Path(folder)) if zero3_config is not None and not nvme else None
+        if lm is None:
+            lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     else:
         lm = AutoModelForCausalLM.from_config(make_config(config), dtype=torch.float32)
     if activation_checkpointing:
