@@ -4,9 +4,10 @@ continues the same curve, the final checkpoint's adapter/ (PeftModel.from_pretra
 merged hf/ give the trained model's logits, `lm` serves base + adapter (greedy answers equal
 PEFT's own), `llm`'s generator writes Ray's lora_config. Bad input (LoRA on the byte GPT or
 on fresh weights, targets that match no module, an adapter whose base differs from the served
-model, for `lm` and `llm`) is tests/faults/test_bad_input.py's. The slow tier runs
-FSDP2 (stopped and resumed) and ZeRO-3 with two ranks under torchrun; a killed Ray Train
-worker and vLLM's LoRA are tests/workloads/test_serve_hf.py's."""
+model, for `lm` and `llm`) is tests/faults/test_bad_input.py's. The slow tier runs FSDP2
+(stopped and resumed), ZeRO-3, and ZeRO-2 with activation checkpointing, two ranks each under
+torchrun; a killed Ray Train worker and vLLM's LoRA are tests/workloads/test_serve_hf.py's;
+`lm` deployed with an adapter by `serve deploy` is tests/cluster/test_readme.py's."""
 
 from __future__ import annotations
 
@@ -129,24 +130,31 @@ def _torchrun(model_dir, data, out, max_steps, *args) -> list[float]:
 
 
 @pytest.mark.slow
-def test_lora_under_fsdp2_and_zero3_resumes_agrees_and_exports_the_same_adapter(
+def test_lora_under_fsdp2_zero3_and_zero2_resumes_agrees_and_exports_the_same_adapter(
         hf_model_dir, sft_data, tmp_path):
     """Two ranks each: FSDP2 stopped at step 2 and resumed to 4 (its sharded checkpoint holds
-    the adapter and its optimizer state, not the frozen base), ZeRO-3 straight to 4; the same
-    curve, and the adapter gathered from the shards is the same."""
+    the adapter and its optimizer state, not the frozen base), ZeRO-3 straight to 4, ZeRO-2
+    with activation checkpointing straight to 4; the same curve, and the adapter gathered
+    from the shards is the same."""
     from safetensors.torch import load_file
 
     _torchrun(hf_model_dir, sft_data, tmp_path / "fsdp", 2, "--strategy", "fsdp")
     fsdp = _torchrun(hf_model_dir, sft_data, tmp_path / "fsdp", 4, "--strategy", "fsdp")
     zero3 = _torchrun(hf_model_dir, sft_data, tmp_path / "zero3", 4, "--strategy", "deepspeed",
                       "--zero-stage", "3")
+    zero2 = _torchrun(hf_model_dir, sft_data, tmp_path / "zero2", 4, "--strategy", "deepspeed",
+                      "--zero-stage", "2", "--activation-checkpointing")
     assert len(fsdp) == 4 and fsdp[-1] < fsdp[0] and zero3 == pytest.approx(fsdp, abs=2e-4)
+    assert zero2 == pytest.approx(fsdp, abs=2e-4)
     first = ckpt.local_checkpoints(tmp_path / "fsdp")[0]
     assert first.name.endswith("02") and ckpt.FULL_WEIGHTS not in ckpt.validate(first)["files"]
-    finals = [ckpt.local_checkpoints(tmp_path / s)[-1] for s in ("fsdp", "zero3")]
-    ref, got = (load_file(str(f / "adapter" / "adapter_model.safetensors")) for f in finals)
-    assert got.keys() == ref.keys() and all(".lora_" in k for k in ref)
-    assert all(torch.allclose(got[k], ref[k], atol=1e-4) for k in ref)
+    ref, *others = (load_file(str(ckpt.local_checkpoints(tmp_path / s)[-1] / "adapter" /
+                                  "adapter_model.safetensors"))
+                    for s in ("fsdp", "zero3", "zero2"))
+    assert all(".lora_" in k for k in ref)
+    for got in others:
+        assert got.keys() == ref.keys()
+        assert all(torch.allclose(got[k], ref[k], atol=1e-4) for k in ref)
 
 
 # --------------------------------------------------------------------------- fingerprint
