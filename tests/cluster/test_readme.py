@@ -122,13 +122,15 @@ def _reader_env(ray_cluster, home: Path) -> dict:
     return env
 
 
-def _run_blocks(blocks, shells: dict, open_shell, port: int) -> None:
+def _run_blocks(blocks, shells: dict, open_shell, port: int, outputs: list) -> None:
+    """Run `blocks` in their pages' shells; (where, body, output) of each goes to `outputs`."""
     for where, body, expects in blocks:
         page = where.split(" line ")[0]
         if page not in shells:
             shells[page] = open_shell(page)
         body = body.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         status, out = shells[page].run(body, timeout=600)
+        outputs.append((where, body, out))
         where = f"{where}: exit {status}\n{out[-4000:]}"
         assert status == 0, where
         for pattern in expects:
@@ -148,14 +150,15 @@ def readme(ray_cluster, tmp_path_factory):
     env = _reader_env(ray_cluster, root / "home")
     (root / "logs").mkdir()
     shells: dict[str, PageShell] = {}
+    outputs: list[tuple[str, str, str]] = []
     serve_shutdown(ray_cluster)   # Serve's HTTP port is fixed by the first deploy
     try:
         _run_blocks(_runnable()[:_split()], shells,
-                    lambda page: PageShell(page, work, env, root / "logs"), port)
+                    lambda page: PageShell(page, work, env, root / "logs"), port, outputs)
         yield {"work": work, "storage": ray_cluster["storage"], "port": port,
                "shells": shells, "open_shell": lambda page: PageShell(page, work, env,
                                                                         root / "logs"),
-               "rag_url": f"http://127.0.0.1:{port}"}
+               "rag_url": f"http://127.0.0.1:{port}", "outputs": outputs}
     except BaseException:
         serve_shutdown(ray_cluster)
         raise
@@ -170,7 +173,7 @@ def readme_rest(readme, ray_cluster):
     steps), once the rag tests are done, in the same checkout and the same page shells."""
     try:
         _run_blocks(_runnable()[_split():], readme["shells"], readme["open_shell"],
-                    readme["port"])
+                    readme["port"], readme["outputs"])
         yield readme
     finally:
         serve_shutdown(ray_cluster)
@@ -299,9 +302,10 @@ def test_rag_refuses_a_missing_index_before_deploying(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
-# Its fixture runs the Hugging Face line's blocks (a fine-tune, then vLLM's engine start): 7 to
-# over 10 min beside the rehearsal on 2 cores, so the suite's 600 s per test cannot hold it
-# (each block still has its own 600 s).
+# Its fixture runs the Hugging Face line's blocks (a fine-tune, then vLLM's engine start, then
+# the LoRA run and lm serving it): 7 to over 10 min beside the rehearsal on 2 cores (12.4 min
+# at a load average of 8 to 10, the LoRA blocks 3.7 min of it), so the suite's 600 s per test
+# cannot hold it (each block still has its own 600 s).
 @pytest.mark.timeout(1200)
 def test_readme_hugging_face_line_and_cloud_steps(readme_rest):
     work, storage = readme_rest["work"], readme_rest["storage"]
@@ -325,3 +329,44 @@ def test_readme_hugging_face_line_and_cloud_steps(readme_rest):
     llm = yaml.safe_load((work / "cluster-configs" / "generated" / "llm-sft.yaml").read_text())
     source = llm["applications"][0]["args"]["llm_configs"][0]["model_loading_config"]
     assert source["model_source"] == str(exports[0].parent)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(1200)   # its fixture is the test's above (the same run of the blocks)
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_readme_lora_line_serves_base_and_adapter_as_peft_answers(readme_rest):
+    """docs/workloads.md's LoRA line: the run left an adapter (and no merged hf/: no
+    --lora-merge), and what `lm`, deployed by `serve deploy` with `checkpoint: latest` on that
+    run, answered through the openai client is PEFT's greedy answer for the base with that
+    adapter, not the base's own."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    work, storage = readme_rest["work"], readme_rest["storage"]
+    adapters = list((storage / "lora-tiny-llama").glob("checkpoint_*/adapter"))
+    assert len(adapters) == 1 and not (adapters[0].parent / "hf").exists(), adapters
+    served = [out for _, body, out in readme_rest["outputs"]
+              if "serve deploy cluster-configs/serve/lm.yaml" in body and "lora-tiny-llama" in body]
+    assert len(served) == 1, "docs/workloads.md: no (or more than one) LoRA serve block"
+    answers = [ln for ln in served[0].splitlines() if ln.startswith("A: ")]
+    assert len(answers) == 1, served[0][-2000:]
+
+    base = work / "runs" / "tiny-llama"
+    tok = AutoTokenizer.from_pretrained(str(base))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Repeat the word golf twice."}],
+                                     tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok(prompt, add_special_tokens=False).input_ids])
+
+    def greedy(model) -> str:   # the block's request: max_tokens 16, temperature 0
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=16, do_sample=False)
+        return tok.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True,
+                          clean_up_tokenization_spaces=False)
+
+    with torch.no_grad():
+        own = greedy(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32))
+        peft = greedy(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+            str(base), dtype=torch.float32), str(adapters[0])))
+    assert answers[0] == f"A: {peft}" and peft != own, (answers[0], peft, own)
