@@ -105,21 +105,27 @@ def write_config(folder: Path, port: int) -> Path:
     return path
 
 
-def redis_ping(port: int, password: str, timeout: float = 1.0) -> bool:
-    """Whether the Redis on 127.0.0.1:port answers PING after AUTH with ``password``."""
+def auth_ping(s: socket.socket, password: str) -> bool:
+    """AUTH with ``password``, then PING, on a connected socket (plain or TLS): whether Redis
+    answered +OK and +PONG."""
     def command(*args: str) -> bytes:
         return b"*%d\r\n" % len(args) + b"".join(
             b"$%d\r\n%s\r\n" % (len(a.encode()), a.encode()) for a in args)
+    s.sendall(command("AUTH", password) + command("PING"))
+    data = b""
+    while data.count(b"\r\n") < 2:
+        chunk = s.recv(256)
+        if not chunk:
+            break
+        data += chunk
+    return data == b"+OK\r\n+PONG\r\n"
+
+
+def redis_ping(port: int, password: str, timeout: float = 1.0) -> bool:
+    """Whether the Redis on 127.0.0.1:port answers PING after AUTH with ``password``."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-            s.sendall(command("AUTH", password) + command("PING"))
-            data = b""
-            while data.count(b"\r\n") < 2:
-                chunk = s.recv(256)
-                if not chunk:
-                    break
-                data += chunk
-            return data == b"+OK\r\n+PONG\r\n"
+            return auth_ping(s, password)
     except OSError:
         return False
 

@@ -369,13 +369,7 @@ class FakeCloud:
             "ubuntu:x:0:0:ubuntu:/home/ubuntu:/bin/bash\n" + Path("/etc/passwd").read_text())
         (root / "sshd_config").write_text(_SSHD_CONFIG.format(ip=ip, key=self.host_key))
 
-        sh("ip", "netns", "add", netns)
-        sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
-        sh("ip", "link", "set", veth, "master", self.bridge, "up")
-        sh("ip", "-n", netns, "addr", "add", f"{ip}/{self.vpc.prefixlen}", "dev", "eth0")
-        sh("ip", "-n", netns, "link", "set", "eth0", "up")
-        sh("ip", "-n", netns, "link", "set", "lo", "up")
-        self.fence(netns)
+        self.plug(netns, veth, ip)
         script = _NODE_INIT.format(hostname=hostname, root=root)
         log = root / "node.log"
         with open(log, "wb") as f:
@@ -388,6 +382,17 @@ class FakeCloud:
         self.nodes[instance_id] = node
         self.events.append(f"start {instance_id} {ip}")
         return node
+
+    def plug(self, netns: str, veth: str, ip: str) -> None:
+        """A new namespace holding ``ip`` on a veth to the bridge, fenced before anything runs
+        in it."""
+        sh("ip", "netns", "add", netns)
+        sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        sh("ip", "link", "set", veth, "master", self.bridge, "up")
+        sh("ip", "-n", netns, "addr", "add", f"{ip}/{self.vpc.prefixlen}", "dev", "eth0")
+        sh("ip", "-n", netns, "link", "set", "eth0", "up")
+        sh("ip", "-n", netns, "link", "set", "lo", "up")
+        self.fence(netns)
 
     @staticmethod
     def fence(netns: str) -> None:
@@ -458,14 +463,8 @@ class FakeCloud:
             self._counter += 1
             n = self._counter
         netns, veth = f"rfn{self.suffix}r{n}", f"rfv{self.suffix}r{n}"
-        sh("ip", "netns", "add", netns)
         self.services.append(netns)
-        sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
-        sh("ip", "link", "set", veth, "master", self.bridge, "up")
-        sh("ip", "-n", netns, "addr", "add", f"{addr}/{self.vpc.prefixlen}", "dev", "eth0")
-        sh("ip", "-n", netns, "link", "set", "eth0", "up")
-        sh("ip", "-n", netns, "link", "set", "lo", "up")
-        self.fence(netns)
+        self.plug(netns, veth, addr)
         server = shutil.which("redis-server") or "/usr/bin/redis-server"
         subprocess.Popen(["ip", "netns", "exec", netns, server, str(conf)],
                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
@@ -705,19 +704,13 @@ def redis_ping(addr: str, port: int, password: str, ca: Path, name: str,
     import socket
     import ssl
 
+    from rayfleet.gcsft import auth_ping
+
     ctx = ssl.create_default_context(cafile=str(ca))
     try:
         with socket.create_connection((addr, port), timeout=timeout) as raw, \
                 ctx.wrap_socket(raw, server_hostname=name) as s:
-            s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n*1\r\n$4\r\nPING\r\n"
-                      % (len(password), password.encode()))
-            got = b""
-            while got.count(b"\r\n") < 2:
-                chunk = s.recv(256)
-                if not chunk:
-                    break
-                got += chunk
-        return True if got == b"+OK\r\n+PONG\r\n" else got.decode(errors="replace")
+            return auth_ping(s, password) or "no +OK and +PONG to AUTH and PING"
     except OSError as e:
         return f"{type(e).__name__}: {e}"
 

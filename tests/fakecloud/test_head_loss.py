@@ -6,13 +6,15 @@ fixed address); ElastiCache's stand-in is Debian's redis-server at the store's e
 only, with the stack's token (FakeCloud.redis). `ray up` starts the head at the fixed address,
 its GCS on that Redis -> a training job asking for an A100 makes the autoscaler launch a worker
 -> `serve deploy` of `lm` on that job's checkpoint, its replica on the worker -> a client on the
-worker sends a steady load to the worker's own Serve ingress (HAProxy, on the worker's
-loopback) -> EC2 terminates the head instance (every process on it gone) -> the client keeps
-getting answers from the worker -> `ray up` launches a new head at the same address; its GCS
-reads the cluster's tables back from Redis -> the worker's raylet rejoins under the same node
-id, Serve's app is RUNNING with the same replica, the job submitted before the loss is still
-listed -> `ray down`. The failed requests, the answers during the outage and the time from
-the head's loss to the worker's rejoin are measured and held to what docs/faults.md states.
+worker sends a steady load to the worker's own Serve ingress (HAProxy, on the worker's loopback)
+-> gcs_server SIGKILLed on the head: the kit's supervisor (the rendered head runs Ray under it)
+starts it again on the node -> EC2 terminates the head instance (every process on it gone) ->
+the client keeps getting answers from the worker -> `ray up` launches a new head at the same
+address; its GCS reads the cluster's tables back from Redis -> the worker's raylet rejoins under
+the same node id, Serve's app is RUNNING with the same replica, the job submitted before the
+loss is still listed -> `ray down`. The failed requests, the answers during the outage and the
+time from the head's loss to the worker's rejoin are measured and held to what docs/faults.md
+states.
 
 The fake nodes have no GPUs and no vLLM (rendered with --vllm none): what is lost and brought
 back is the head, its GCS and Serve's controller."""
@@ -33,13 +35,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rayfleet.agents.gcs_supervisor import comm
 from tests.conftest import BIN, REPO, ensure_redis_server, free_port, run, summary_of, wait_until
 from tests.moto.pulumi_moto import cluster_instances
 from tests.tiers import unavailable
 
-from .cloud import (BRIDGE_ENV, PROXY_VARS, REGION, FakeCloud, Unavailable, operator_command,
+from .cloud import (FakeCloud, Unavailable, operator_command,
                     require_tools, stop_on_first_sigterm, teardown, wheelhouse)
-from .test_ray_up import PREBUILD, Steps, _http, _logged, _ok, _tags, _tunnel
+from .test_ray_up import (PREBUILD, Steps, _http, _logged, _ok, _tags, _tunnel, caller_env,
+                          operator_env, operator_key)
 
 pytestmark = [pytest.mark.slow, pytest.mark.moto, pytest.mark.ray, pytest.mark.fakecloud,
               pytest.mark.timeout(2400)]
@@ -113,29 +117,13 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
         return operator_command(op_home / ".ssh", argv)
 
     previous = stop_on_first_sigterm()
-    for var in PROXY_VARS:
-        monkeypatch.delenv(var, raising=False)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RAY_", "AWS_", "RAYFLEET_"))}
+    env = caller_env(monkeypatch)
     up_started = False
     measured: dict = {}
     try:
         with step("fake cloud: bridge, route check, moto on the gateway"):
             cloud.start(str(BIN / "moto_server"))
-        aws = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": REGION, "AWS_ENDPOINT_URL": cloud.endpoint}
-        env.update(aws, HOME=str(op_home), **{BRIDGE_ENV: cloud.bridge},
-                   PATH=f"{Path(__file__).parent}:{BIN}:/usr/local/sbin:/usr/local/bin:"
-                        "/usr/sbin:/usr/bin:/sbin:/bin")
-        for k, v in aws.items():
-            monkeypatch.setenv(k, v)
-        for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_EC2"):
-            monkeypatch.delenv(k, raising=False)
-
-        import boto3
-
-        monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
-        session = boto3.Session(region_name=REGION)
+        session = operator_env(cloud, op_home, env, monkeypatch)
         ec2 = session.client("ec2")
         with step("pulumi program -> moto, with rayfleet:headHa"):
             from tests.moto.pulumi_moto import build_stack
@@ -143,12 +131,7 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
             stack = build_stack(session, root, {"rayfleet:vpcCidr": VPC,
                                                 "rayfleet:headHa": True,
                                                 "rayfleet:maxWorkers": 1})
-            pem = op_home / ".ssh" / f"{stack.key_name}.pem"
-            pem.write_text(stack.key_material)
-            pem.chmod(0o600)
-            cloud.keys[stack.key_name] = subprocess.run(
-                ["ssh-keygen", "-y", "-f", str(pem)], capture_output=True, text=True,
-                check=True).stdout.strip()
+            operator_key(cloud, stack, op_home)
             bucket, cluster = stack.outputs["bucket"], stack.outputs["cluster_name"]
             ha = stack.outputs["head_ha"]
             fixed_ip = ha["head_address"]["private_ip"]
@@ -234,6 +217,21 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
 
             wait_until("answers through the worker", lambda: sum(r["ok"] for r in records())
                        >= 5, 120, 0.5, detail=lambda: str(records()[-3:]))
+
+        with step("gcs_server SIGKILLed on the head: the supervisor starts it again"):
+            status = head.root / "home" / ".rayfleet" / "gcs-supervisor.json"
+            (gcs,) = [int(p) for p in subprocess.run(
+                ["ip", "netns", "pids", head.netns], capture_output=True, text=True
+            ).stdout.split() if comm(int(p)) == "gcs_server"]
+            killed = time.time()
+            os.kill(gcs, signal.SIGKILL)
+            (restart,) = wait_until("the supervisor's restart", lambda: json.loads(
+                status.read_text())["restarts"], 30, 0.2)
+            # Its pids are the node's (its own PID namespace); the host's is gcs.
+            assert restart["exit"] == "signal 9", restart
+            wait_until("both nodes alive through the restarted GCS", lambda: (
+                n := _nodes(client, address)) and len(n) == 2 and worker_id in n, 120, 1)
+            measured["gcs_back_s"] = round(time.time() - killed, 1)
 
         with step("EC2 terminates the head instance"):
             lost = time.time()

@@ -216,6 +216,47 @@ def _commands(netns: str) -> str:
     return "\n".join(out)
 
 
+def caller_env(monkeypatch) -> dict[str, str]:
+    """This process's environment less the caller's Ray, AWS and rayfleet settings; and no
+    proxy variable, here or there: boto3, urllib and the CLIs go straight to the fake cloud
+    (its processes and the stand-in `aws` drop them too)."""
+    for var in PROXY_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("RAY_", "AWS_", "RAYFLEET_"))}
+
+
+def operator_env(cloud: FakeCloud, op_home: Path, env: dict[str, str], monkeypatch):
+    """Once the fake cloud runs: ``env`` becomes the operator's (the fake keys, moto as every
+    AWS endpoint, HOME the operator's, this folder's stand-in `aws` first on PATH), this
+    process gets the same AWS settings; returns a boto3 session on them."""
+    aws = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": REGION, "AWS_ENDPOINT_URL": cloud.endpoint}
+    env.update(aws, HOME=str(op_home), **{BRIDGE_ENV: cloud.bridge},
+               PATH=f"{HERE}:{BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:"
+                    "/bin")
+    for k, v in aws.items():
+        monkeypatch.setenv(k, v)
+    for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_EC2"):
+        monkeypatch.delenv(k, raising=False)
+
+    import boto3
+
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+    return boto3.Session(region_name=REGION)
+
+
+def operator_key(cloud: FakeCloud, stack, op_home: Path) -> None:
+    """The stack's operator key pair in the operator's ~/.ssh (0600), and its public half in
+    the fake cloud, which installs it on the instances launched with that key pair."""
+    pem = op_home / ".ssh" / f"{stack.key_name}.pem"
+    pem.write_text(stack.key_material)
+    pem.chmod(0o600)
+    cloud.keys[stack.key_name] = subprocess.run(
+        ["ssh-keygen", "-y", "-f", str(pem)], capture_output=True, text=True,
+        check=True).stdout.strip()
+
+
 def _tags(instance: dict) -> dict[str, str]:
     return {t["Key"]: t["Value"] for t in instance.get("Tags") or []}
 
@@ -244,30 +285,12 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         return operator_command(op_home / ".ssh", argv)
 
     previous = stop_on_first_sigterm()
-    # Nothing here follows a proxy variable: boto3, urllib and the CLIs go straight to the
-    # fake cloud (its processes and the stand-in `aws` drop them too).
-    for var in PROXY_VARS:
-        monkeypatch.delenv(var, raising=False)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RAY_", "AWS_", "RAYFLEET_"))}
+    env = caller_env(monkeypatch)
     up_started = False
     try:
         with step("fake cloud: bridge, route check, moto on the gateway"):
             cloud.start(str(BIN / "moto_server"))
-        aws = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": REGION, "AWS_ENDPOINT_URL": cloud.endpoint}
-        env.update(aws, HOME=str(op_home), **{BRIDGE_ENV: cloud.bridge},
-                   PATH=f"{HERE}:{BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:"
-                        "/bin")
-        for k, v in aws.items():
-            monkeypatch.setenv(k, v)
-        for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_EC2"):
-            monkeypatch.delenv(k, raising=False)
-
-        import boto3
-
-        monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
-        session = boto3.Session(region_name=REGION)
+        session = operator_env(cloud, op_home, env, monkeypatch)
         ec2, s3 = session.client("ec2"), session.client("s3")
         with step("pulumi program -> moto (the stack, in the fake VPC)"):
             from tests.moto.pulumi_moto import build_stack
@@ -280,12 +303,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             stack = build_stack(session, root, {"rayfleet:vpcCidr": VPC,
                                                 "rayfleet:workerFallbackAzs": [FALLBACK_AZ],
                                                 "rayfleet:maxWorkers": 1})
-            pem = op_home / ".ssh" / f"{stack.key_name}.pem"
-            pem.write_text(stack.key_material)
-            pem.chmod(0o600)
-            cloud.keys[stack.key_name] = subprocess.run(
-                ["ssh-keygen", "-y", "-f", str(pem)], capture_output=True, text=True,
-                check=True).stdout.strip()
+            operator_key(cloud, stack, op_home)
             cloud.watch(ec2)
             bucket, cluster = stack.outputs["bucket"], stack.outputs["cluster_name"]
 
