@@ -2,12 +2,16 @@
 
 Loading (FSDP2): rank 0 builds the model as before (`from_pretrained`, or fresh weights from
 the config); every other rank builds it on the meta device, shards it with `fully_shard` and
-allocates only its own shards (`to_empty`). `scatter_into_shards` then scatters rank 0's
-parameters one at a time, each rank receiving only its rows, and broadcasts every buffer whole
-(also the non-persistent ones, such as RoPE's inv_freq, which no state dict carries and
-`to_empty` leaves as garbage). Rank 0 shards its own model afterwards, tensor by tensor, so no
-process ever holds more than one full copy. (ZeRO-3 needs none of this: `from_pretrained` under
-transformers' HfDeepSpeedConfig builds the model inside `deepspeed.zero.Init`, see
+allocates only its own shards (`to_empty`). `scatter_into_shards` then fills every rank's rows
+of each parameter: where rank 0's parameter is a view of a mapped safetensors file (what
+from_pretrained leaves) and every rank sees that same file, each rank reads its own rows
+straight from it with plain reads (none through the mapping, so the file's pages stay in the
+page cache, not in the process); otherwise rank 0 scatters them, one parameter at a time.
+Buffers are broadcast whole (also the non-persistent ones, such as RoPE's inv_freq, which no
+state dict carries and `to_empty` leaves as garbage). Rank 0 shards its own model afterwards,
+tensor by tensor, holding only its own rows of the file-backed parameters, so no process ever
+holds more than one full copy, and rank 0 about its share. (ZeRO-3: the model is built inside
+`deepspeed.zero.Init` and each rank reads its partitions from the files, see
 hf_model.build.)
 
 Export: `export_sharded` writes the final checkpoint's `hf/` as save_pretrained would
