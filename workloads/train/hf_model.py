@@ -305,9 +305,27 @@ def zero3_from_files(folder: Path) -> nn.Module | None:
     from transformers.monkey_patching import patch_output_recorders
     from transformers.utils.generic import ContextManagers
 
-    with ContextManagers(cls.get_init_context(torch.float32, False, False, None)):
-        lm = cls(cfg)
-        patch_output_recorders(lm)
+    # zero.Init builds each parameter whole and broadcasts it from rank 0 before keeping
+    # this rank's partition (_zero_init_param): random values every partition is about to be
+    # overwritten with from the files (the plan covers every parameter). Received whole on the
+    # other ranks, the largest (the embedding) is a transient of its full size there, and the
+    # heap keeps some: partitioned here without the broadcast.
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    zero_init_param = Init.__dict__.get("_zero_init_param")
+    if zero_init_param is not None and hasattr(Init, "_convert_to_deepspeed_param"):
+        def partition_only(self, param):
+            self._convert_to_deepspeed_param(param)
+            param.partition()
+
+        Init._zero_init_param = partition_only
+    try:
+        with ContextManagers(cls.get_init_context(torch.float32, False, False, None)):
+            lm = cls(cfg)
+            patch_output_recorders(lm)
+    finally:
+        if zero_init_param is not None:
+            Init._zero_init_param = zero_init_param
     lm.tie_weights()
     fds: dict[str, int] = {}
     try:
