@@ -28,9 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import yaml
@@ -40,14 +38,12 @@ from tests.conftest import BIN, REPO, ensure_redis_server, free_port, run, summa
 from tests.moto.pulumi_moto import cluster_instances
 from tests.tiers import unavailable
 
-from .cloud import (FakeCloud, Unavailable, operator_command,
-                    require_tools, stop_on_first_sigterm, teardown, wheelhouse)
-from .test_ray_up import (PREBUILD, Steps, _http, _logged, _ok, _tags, _tunnel, caller_env,
-                          operator_env, operator_key)
+from .cloud import Unavailable, operator_command, require_tools, stop_on_first_sigterm
+from .test_ray_up import (VPC, _http, _logged, _ok, _tags, _tunnel, caller_env, finish,
+                          operator_env, operator_key, prepare)
 
 pytestmark = [pytest.mark.slow, pytest.mark.moto, pytest.mark.ray, pytest.mark.fakecloud,
               pytest.mark.timeout(2400)]
-VPC = "198.18.0.0/16"
 MODEL = "rayfleet-lm"
 # docs/faults.md, fault 10, states these; the measured numbers are printed.
 MAX_FAILED = 0            # requests through the worker's ingress that failed (no retries)
@@ -101,16 +97,8 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
     except Unavailable as e:
         unavailable("fakecloud", str(e))   # a skip, or a failure under RAYFLEET_REQUIRE
     ensure_redis_server()
-    root = Path(tempfile.mkdtemp(prefix="rayfleet-headloss-", dir="/var/tmp"))
-    step = Steps(root)
-    with step("wheelhouse (the nodes' package mirror)"):
-        wheels = (PREBUILD["future"].result() if "future" in PREBUILD
-                  else wheelhouse(BIN / "pip"))
-    cloud = FakeCloud(root=root / "cloud", vpc_cidr=VPC, wheelhouse=wheels)
-    step.context = lambda: f"\nthe fake cloud's last events: {cloud.events[-4:]}"
+    root, step, cloud, op_home = prepare("rayfleet-headloss-")
     procs: list[subprocess.Popen] = []
-    op_home = root / "operator"
-    (op_home / ".ssh").mkdir(parents=True)
     cluster_yaml = op_home / "cluster.yaml"
 
     def op(argv: list[str]) -> list[str]:
@@ -298,14 +286,8 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
     finally:
         with contextlib.suppress(NameError, OSError):
             stop.touch()
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-        problems = teardown(cloud, op([str(BIN / "ray"), "down", "-y", str(cluster_yaml)])
-                            if up_started else None, env=env, down_timeout=300, cwd=REPO)
-        signal.signal(signal.SIGTERM, previous)
-        print("head-loss steps:", json.dumps([(n, round(t, 1)) for n, t in step.times]))
-        for venv in (root / "cloud" / "nodes").glob("*/home/rayfleet-venv"):
-            shutil.rmtree(venv, ignore_errors=True)
+        problems = finish(root, step, cloud, procs,
+                          op([str(BIN / "ray"), "down", "-y", str(cluster_yaml)])
+                          if up_started else None, env, previous)
     assert not problems, f"{problems} (logs in {root})"
     shutil.rmtree(root, ignore_errors=True)

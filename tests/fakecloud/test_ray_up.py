@@ -216,6 +216,40 @@ def _commands(netns: str) -> str:
     return "\n".join(out)
 
 
+def prepare(prefix: str) -> tuple[Path, Steps, FakeCloud, Path]:
+    """A rehearsal's folder under /var/tmp (``prefix``), its steps, its fake cloud (not started
+    yet) on the nodes' wheelhouse, and the operator's home with its ~/.ssh."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
+    step = Steps(root)
+    with step("wheelhouse (the nodes' package mirror)"):
+        wheels = (PREBUILD["future"].result() if "future" in PREBUILD
+                  else wheelhouse(BIN / "pip"))
+    cloud = FakeCloud(root=root / "cloud", vpc_cidr=VPC, wheelhouse=wheels)
+    # A node stopped under a step (auto-stop, a crash) is the first thing to know of a failure.
+    step.context = lambda: f"\nthe fake cloud's last events: {cloud.events[-4:]}"
+    op_home = root / "operator"
+    (op_home / ".ssh").mkdir(parents=True)
+    return root, step, cloud, op_home
+
+
+def finish(root: Path, step: Steps, cloud: FakeCloud, procs: list[subprocess.Popen],
+           down: list[str] | None, env: dict[str, str], previous) -> list[str]:
+    """A rehearsal's end, whatever happened: its background processes killed; a cluster still up
+    taken down the user's way (``down``), then the fake cloud removed whatever `ray down` does
+    (hangs, fails) and whatever signal comes; SIGTERM's handler put back; the steps' times
+    printed; the nodes' venvs (gigabytes) removed, their logs (and ray up's, the jobs') kept
+    for a failed run, which names the folder. Returns what could not be removed."""
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    problems = teardown(cloud, down, env=env, down_timeout=300, cwd=REPO)
+    signal.signal(signal.SIGTERM, previous)
+    print(f"{root.name} steps:", json.dumps([(n, round(t, 1)) for n, t in step.times]))
+    for venv in (root / "cloud" / "nodes").glob("*/home/rayfleet-venv"):
+        shutil.rmtree(venv, ignore_errors=True)
+    return problems
+
+
 def caller_env(monkeypatch) -> dict[str, str]:
     """This process's environment less the caller's Ray, AWS and rayfleet settings; and no
     proxy variable, here or there: boto3, urllib and the CLIs go straight to the fake cloud
@@ -266,18 +300,9 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         require_tools()
     except Unavailable as e:
         unavailable("fakecloud", str(e))   # a skip, or a failure under RAYFLEET_REQUIRE
-    root = Path(tempfile.mkdtemp(prefix="rayfleet-fakecloud-", dir="/var/tmp"))
-    step = Steps(root)
-    with step("wheelhouse (the nodes' package mirror)"):
-        wheels = (PREBUILD["future"].result() if "future" in PREBUILD
-                  else wheelhouse(BIN / "pip"))
-    cloud = FakeCloud(root=root / "cloud", vpc_cidr=VPC, wheelhouse=wheels)
-    # A node stopped under a step (auto-stop, a crash) is the first thing to know of a failure.
-    step.context = lambda: f"\nthe fake cloud's last events: {cloud.events[-4:]}"
+    root, step, cloud, op_home = prepare("rayfleet-fakecloud-")
     tunnels: list[subprocess.Popen] = []
     background: list[subprocess.Popen] = []   # a job submitted while the next steps run
-    op_home = root / "operator"
-    (op_home / ".ssh").mkdir(parents=True)
     cluster_yaml = op_home / "cluster.yaml"
     down_yaml = cluster_yaml   # what `ray down` takes down if a step fails
 
@@ -718,18 +743,8 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             _ok(swept, "rayfleet sweep")
         cloud.check()
     finally:
-        for t in tunnels + background:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(t.pid, 9)
-        # A step failed with the cluster up: take it down the user's way, then remove the
-        # fake cloud whatever `ray down` does (hangs, fails) and whatever signal comes.
-        problems = teardown(cloud, op([str(BIN / "ray"), "down", "-y", str(down_yaml)])
-                            if up_started else None, env=env, down_timeout=300, cwd=REPO)
-        signal.signal(signal.SIGTERM, previous)
-        print("rehearsal steps:", json.dumps([(n, round(t, 1)) for n, t in step.times]))
-        # The nodes' venvs are gigabytes; their logs (and ray up's, the jobs') stay for a
-        # failed run, which names this folder.
-        for venv in (root / "cloud" / "nodes").glob("*/home/rayfleet-venv"):
-            shutil.rmtree(venv, ignore_errors=True)
+        problems = finish(root, step, cloud, tunnels + background,
+                          op([str(BIN / "ray"), "down", "-y", str(down_yaml)])
+                          if up_started else None, env, previous)
     assert not problems, f"{problems} (logs in {root})"
     shutil.rmtree(root, ignore_errors=True)
