@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import sys
 from collections.abc import Callable
 
-from rayfleet.errors import RayfleetError
+from rayfleet.errors import ConfigError, RayfleetError
 
 
 class UsageError(RayfleetError):
@@ -56,6 +57,39 @@ def at_least(low: float, kind=int, unit: str = ""):
     ``unit="minute"``)."""
     return bounded(kind, lambda value: value >= low,
                    f"at least {low:g}" + (f" {unit}" if unit else ""))
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def _bytes(text: str | int) -> int | None:
+    m = _SIZE.match(str(text))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        return None
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def parse_size(text: str | int | None, key: str = "--object-store-memory") -> int | None:
+    """'2GB', '512MiB', '1000000' -> bytes."""
+    if text is None:
+        return None
+    value = _bytes(text)
+    if value is None:
+        raise ConfigError(key, f"cannot read {text!r} as a size; use e.g. 2GB or 512MiB")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: a size of at least one byte ('2GB', '512MiB', '100000')."""
+    value = _bytes(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size; use e.g. 2GB or "
+                                         "512MiB")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
+    return value
 
 
 # A TCP port to listen on (socket.bind() answers one outside it with an OverflowError).

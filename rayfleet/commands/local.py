@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -38,6 +37,7 @@ from rayfleet.agents.gcs_supervisor import comm
 # `prometheus`: up() has a `metrics` flag of its own.
 from rayfleet.commands import metrics as prometheus
 from rayfleet.commands.host import alive, free_port, free_ports, last_line, port_in_use, state_dir
+from rayfleet.entrypoint import parse_size
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError
 from rayfleet.facts import LOCAL_METRICS_EXPORT_PORT, port
 from rayfleet.ingress import (
@@ -163,21 +163,6 @@ def _save_state(cluster: LocalCluster) -> None:
 
 def _pick(default: int) -> int:
     return default if not port_in_use(default) else free_port()
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
-          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
-
-
-def parse_size(text: str | int | None, key: str = "--object-store-memory") -> int | None:
-    """'2GB', '512MiB', '1000000' -> bytes."""
-    if text is None:
-        return None
-    m = _SIZE.match(str(text))
-    if not m or (m.group(2) or "").lower() not in _UNITS:
-        raise ConfigError(key, f"cannot read {text!r} as a size; use e.g. 2GB or 512MiB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
 def _request(url: str, token: str | None, timeout: float = 2.0) -> int:

@@ -453,6 +453,14 @@ CASES = [
     Case("train-lora-on-fresh-weights", "workloads.train",
          ["--model-config", "{tmp}/tiny-llama", *HF_TRAIN[2:], "--lora-r", "8"],
          "--lora-r: adapts pretrained weights", _hf("tiny-llama", "sft")),
+    # --hf-shard-size: the hf/ export's largest file.
+    Case("train-hf-shard-size-unreadable", "workloads.train",
+         [*HF_TRAIN, "--hf-shard-size", "lots"],
+         "--hf-shard-size: cannot read 'lots' as a size; use e.g. 2GB or 512MiB",
+         _hf("tiny-llama", "sft")),
+    Case("train-hf-shard-size-on-byte-gpt", "workloads.train",
+         ["--smoke-test", "--hf-shard-size", "1GB", *TRAIN],
+         "--hf-shard-size: is for Hugging Face models (--model <folder>)"),
     # -- data job options and corpora
     Case("data-missing-input", "workloads.data", ["--input", "{tmp}/corpus", *DATA],
          "--input: {tmp}/corpus does not exist"),

@@ -38,18 +38,26 @@ DEPLOYED: dict = {}
 
 
 @pytest.fixture(scope="module")
-def trained(ray_cluster, aws_env, hf_model_dir, sft_data, checkpoint_bucket) -> dict:
+def trained(ray_cluster, aws_env, hf_model_dir, sft_data, checkpoint_bucket, s3_client) -> dict:
     """A few DDP steps of the tiny Llama on the instruction rows, checkpoints in S3 (moto): the
     final checkpoint's hf/ export is what the app serves."""
     proc = run([str(BIN / "python"), "-m", "workloads.train", "--model", str(hf_model_dir),
                 "--dataset", str(sft_data), "--max-steps", "4", "--checkpoint-every", "4",
                 "--batch-size", "8", "--lr", "3e-3", "--name", "serve-hf",
-                "--storage-path", f"s3://{checkpoint_bucket}/hf-runs"],
+                "--storage-path", f"s3://{checkpoint_bucket}/hf-runs",
+                # The 0.56 MB model in several safetensors files and their index, as a big
+                # model's export is: what lm and vLLM load below.
+                "--hf-shard-size", "200KB"],
                env={**ray_cluster["env"], **aws_env}, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     summary = summary_of(proc.stdout)
     assert summary["hf_export"] == summary["checkpoint"] + "/hf"
     assert summary["hf_export"].startswith(f"s3://{checkpoint_bucket}/hf-runs/serve-hf/")
+    prefix = summary["hf_export"].removeprefix(f"s3://{checkpoint_bucket}/") + "/"
+    keys = [o["Key"].removeprefix(prefix) for o in s3_client.list_objects_v2(
+        Bucket=checkpoint_bucket, Prefix=prefix)["Contents"]]
+    shards = [k for k in keys if k.endswith(".safetensors")]
+    assert "model.safetensors.index.json" in keys and len(shards) >= 3, keys
     return summary
 
 

@@ -30,7 +30,7 @@ from rayfleet.errors import (
     RayfleetError,
     StorageError,
 )
-from rayfleet.entrypoint import ArgumentParser, at_least, run_main
+from rayfleet.entrypoint import ArgumentParser, at_least, byte_size, run_main
 from rayfleet.facts import is_bucket_name
 from workloads.common import hf, runs
 from workloads.common.cli import parse_env_pairs
@@ -87,6 +87,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--lora-merge", action="store_true",
                    help="LoRA: the final checkpoint also carries hf/, the base with the adapter "
                         "merged in (adapter/ is written either way)")
+    p.add_argument("--hf-shard-size", type=byte_size, default=None, metavar="SIZE",
+                   help="Hugging Face models: the largest safetensors file of the final hf/ "
+                        "export (e.g. 5GB, 500MB; default 2GiB), as save_pretrained's "
+                        "max_shard_size")
     p.add_argument("--deepspeed-config", default=None, metavar="JSON",
                    help="DeepSpeed config (file or inline JSON) merged over the kit's defaults")
     p.add_argument("--offload-params", action="store_true",
@@ -156,6 +160,7 @@ class TrainOptions:
     lora_dropout: float | None
     lora_targets: str | None
     lora_merge: bool
+    hf_shard_size: int | None
     deepspeed_config: str | None
     offload_params: bool
     seq_len: int | None
@@ -233,7 +238,7 @@ def check_options(opts: TrainOptions) -> GPTConfig | None:
     if opts.deepspeed_config and opts.strategy != "deepspeed":
         raise ConfigError("--deepspeed-config", "needs --strategy deepspeed")
     if not hf:
-        for flag in ("tokenizer", "activation_checkpointing", "lora_r"):
+        for flag in ("tokenizer", "activation_checkpointing", "lora_r", "hf_shard_size"):
             if getattr(opts, flag):
                 raise ConfigError(f"--{flag.replace('_', '-')}", "is for Hugging Face models "
                                                                  "(--model <folder>)" + (
@@ -532,7 +537,7 @@ def loop_config(opts: TrainOptions, model, hf_source: str | None, tokenizer: str
         offload_params=opts.offload_params,
         deepspeed_config=ds_config.load(opts.deepspeed_config),
         dataset_path=None if ray_dataset or opts.dataset in (None, "stdlib") else opts.dataset,
-        lora_merge=opts.lora_merge)
+        lora_merge=opts.lora_merge, hf_max_shard_bytes=opts.hf_shard_size)
 
 
 def check_deepspeed(opts: TrainOptions) -> None:

@@ -72,6 +72,7 @@ class LoopConfig:
     deepspeed_config: dict = field(default_factory=dict)   # the user's, merged over the kit's
     dataset_path: str | None = None   # a local Parquet dataset without Ray Data (torchrun)
     lora_merge: bool = False          # LoRA: the final checkpoint's hf/ has the adapter merged
+    hf_max_shard_bytes: int | None = None   # the hf/ export's largest file (None: hf_io's)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -280,7 +281,8 @@ class _Engine:
         if hf_full:
             # The run's result in Hugging Face format: what `lm`, vLLM and from_pretrained
             # load.
-            self.export_hf(d / runs.HF_DIR)
+            self.export_hf(d / runs.HF_DIR,
+                           self.cfg.hf_max_shard_bytes or hf_io.MAX_SHARD_BYTES)
         elif final and rank == 0 and self.lora:
             # The adapter (PEFT's folder), and with --lora-merge the base with it merged in.
             lora = self.cfg.model["lora"]
