@@ -11,7 +11,9 @@ So the HA head is started without ``--block``, under this program:
 
 - it makes itself a child subreaper (prctl PR_SET_CHILD_SUBREAPER), runs the `ray start` command
   given after ``--`` (appending ``--redis-password`` read from the 0600 file: this program's
-  own command line, which lives as long as the cluster, never holds it), and waits for it;
+  own command line, which lives as long as the cluster, never holds it), and waits for it; a
+  `ray start` that fails is stopped and run again, START_ATTEMPTS times in all (Ray's raylet
+  gives its dashboard agent a fixed 15 s to start, which a busy node can miss);
 - Ray's processes stay in this program's process group and, once `ray start` has exited, are
   its children: it reaps them and sees gcs_server's exit at once. It reads gcs_server's command
   line, environment, working folder and log files from /proc when it starts supervising, and
@@ -53,6 +55,9 @@ MIN_RESTART_INTERVAL_S = 1.0
 # A GCS that dies this often (say its Redis is gone) is not coming back by being started
 # again: the supervisor stops the head instead, and `rayfleet local status` says it is down.
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
+# A `ray start` that fails is run again this many times in all, this far apart: a transient
+# failure (see Supervisor.run) passes on the next try, a real one fails every time.
+START_ATTEMPTS, START_RETRY_DELAY_S = 3, 2.0
 
 
 def log(msg: str) -> None:
@@ -133,13 +138,24 @@ class Supervisor:
             time.sleep(0.2)
         raise RuntimeError("no gcs_server in the head's process group after `ray start`")
 
-    def run(self, ray_start: list[str]) -> int:
+    def run(self, ray_start: list[str], attempts: int = START_ATTEMPTS) -> int:
         self.write_status()
-        starter = subprocess.Popen(ray_start, stdin=subprocess.DEVNULL)
-        while starter.poll() is None:
-            if self.stopping:
-                starter.terminate()
-            time.sleep(0.2)
+        for attempt in range(1, attempts + 1):
+            starter = subprocess.Popen(ray_start, stdin=subprocess.DEVNULL)
+            while starter.poll() is None:
+                if self.stopping:
+                    starter.terminate()
+                time.sleep(0.2)
+            if starter.returncode == 0 or self.stopping or attempt == attempts:
+                break
+            # Ray 2.60's raylet exits when its dashboard agent has not written its port file
+            # within a fixed 15 s (ray-project/ray#65983), which a busy or cold node misses;
+            # what the failed start left is stopped, and `ray start` runs again.
+            log(f"`ray start` exited {starter.returncode} (attempt {attempt} of {attempts}); "
+                "stopping what it started and starting the head again")
+            self.stop(quiet=True)
+            self.stopping = False
+            time.sleep(START_RETRY_DELAY_S)
         if starter.returncode != 0 or self.stopping:
             # Quietly: `ray start`'s own last line is what `rayfleet local up` shows.
             self.write_status(exit=f"`ray start` exited {starter.returncode}")

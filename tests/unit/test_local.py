@@ -313,3 +313,40 @@ def test_gcs_supervisor_wait_fails_in_one_line(tmp_path, start, expected):
                             timeout=30)
     assert waited.returncode == 1 and waited.stdout == ""
     assert expected in waited.stderr and waited.stderr.count("\n") == 1, waited.stderr
+
+
+def test_gcs_supervisor_starts_a_failed_head_again(tmp_path):
+    """A `ray start` that fails once (Ray's raylet gives its dashboard agent a fixed 15 s,
+    which a busy node misses) is stopped and run again; the head then comes up supervised."""
+    import json
+    import signal
+
+    (tmp_path / "start.py").write_text(
+        "import os, sys\n"
+        "tries = os.path.join(sys.argv[1], 'tries')\n"
+        "open(tries, 'a').write('x')\n"
+        "if len(open(tries).read()) == 1:\n"
+        "    sys.exit(1)\n" + FAKE_RAY_START)
+    (tmp_path / "password").write_text("pw")
+    status = tmp_path / "status.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(local._agent("gcs_supervisor")), "--password-file",
+         str(tmp_path / "password"), "--status", str(status), "--grace-s", "3", "--",
+         sys.executable, str(tmp_path / "start.py"), str(tmp_path)], start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        waited = subprocess.run([sys.executable, str(local._agent("gcs_supervisor")),
+                                 "--status", str(status), "--wait", "60"],
+                                capture_output=True, text=True, timeout=90)
+        assert waited.returncode == 0, waited.stderr
+        assert (tmp_path / "tries").read_text() == "xx"
+        assert json.loads(status.read_text())["gcs_pid"]
+        assert "exit" not in json.loads(status.read_text())
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out = proc.communicate()[0]
+    assert "`ray start` exited 1 (attempt 1 of 3)" in out, out
