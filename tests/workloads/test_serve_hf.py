@@ -210,8 +210,9 @@ def export_dir(hf_uri, s3_client, checkpoint_bucket, tmp_path_factory):
                                                         Prefix=prefix + "/")["Contents"]]
     for key in (k for k in keys if not k.endswith("/")):   # pyarrow's folder markers: skip
         s3_client.download_file(bucket, key, str(out / key.rsplit("/", 1)[1]))
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in
-                                                                     out.iterdir()}
+    # The export in shards (--hf-shard-size above) and their index, as save_pretrained writes.
+    assert {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()}
     return out
 
 
