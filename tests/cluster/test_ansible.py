@@ -214,6 +214,11 @@ def test_a_taken_port_fails_in_one_line_before_ray_starts(ansible_env, tmp_path)
 
 # --- a real head and worker, started and stopped by the playbook -------------------------------
 
+# The play that starts both nodes may take its 900 s (installing the node environment on 2
+# busy cores took 341 s in a quiet CI run, past 600 s beside two other clusters): the suite's
+# 600 s per test would cut it short. A limit for a hang, not a budget.
+pytestmark = pytest.mark.timeout(1200)
+
 @pytest.fixture(scope="module")
 def nodes(ansible_env, tmp_path_factory):
     """site.yml run for real: this machine as the head, and as a worker joining it (a second
