@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -49,6 +50,19 @@ def wait_until(what: str, predicate, timeout: float = 60, interval: float = 0.3,
             return got
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{detail()}")
+
+
+# Ray streams its actors' logs to a driver's terminal, each line tagged "(Name pid=N)"; Ray
+# Train's controller logs its retries there, with tracebacks. Ray's own processes' lines come
+# tagged too: "(raylet)" warns there every 10 s while the disk is over 95% full, as it was on
+# a CI machine shared with others. What the kit itself printed is every other line.
+_RAY_LOG_LINE = re.compile(
+    r"^(\x1b\[\d+m)?\((\w+ pid=\d+|raylet|gcs_server|autoscaler|monitor)\b")
+
+
+def kit_lines(text: str) -> list[str]:
+    """The non-blank lines of a driver's output that are not Ray's forwarded logs."""
+    return [ln for ln in text.splitlines() if ln.strip() and not _RAY_LOG_LINE.match(ln)]
 
 
 def summary_of(stdout: str) -> dict:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN, REPO, run, summary_of
+from tests.conftest import BIN, REPO, kit_lines, run, summary_of
 from tests.faults.conftest import wait_for as _wait_for
 from workloads.common import runs
 from workloads.common.storage import resolve
@@ -195,15 +195,8 @@ def _driver_pids(marker: str) -> list[int]:
     return pids
 
 
-# Ray streams its actors' logs to the driver's terminal, each line tagged "(Name pid=N)";
-# Ray Train's controller logs its retries there, with tracebacks. What the kit itself prints
-# is everything else: on failure, exactly one line and no traceback.
-_RAY_LOG_LINE = re.compile(r"^(\x1b\[\d+m)?\(\w+ pid=\d+")
-
-
 def _one_line_error(proc_stderr: str) -> str:
-    own = [ln for ln in proc_stderr.splitlines()
-           if ln.strip() and not _RAY_LOG_LINE.match(ln)]
+    own = kit_lines(proc_stderr)
     assert len(own) == 1 and "Traceback" not in own[0], "\n".join(own)[-3000:]
     return own[0]
 

@@ -5,7 +5,7 @@ are the fault tests' subject (tests/faults/)."""
 
 import pytest
 
-from tests.conftest import BIN, run
+from tests.conftest import BIN, kit_lines, run
 
 pytestmark = pytest.mark.ray
 TRAIN = [str(BIN / "python"), "-m", "workloads.train"]
@@ -22,7 +22,7 @@ def test_gpus_on_cpu_cluster_fail_in_seconds(ray_cluster, tmp_path):
                  timeout=120)
     assert proc.returncode == 2
     assert "no GPU at all" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert len(kit_lines(proc.stderr)) == 1 and "Traceback" not in proc.stderr
 
 
 def test_too_many_workers_fail_naming_what_is_missing(ray_cluster, tmp_path):
