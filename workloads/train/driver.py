@@ -313,6 +313,12 @@ def check_lora_options(opts: TrainOptions) -> None:
     if opts.lora_targets is not None and not lora_targets(opts.lora_targets):
         raise ConfigError("--lora-targets", "give module names, e.g. q_proj,v_proj, or "
                                             "all-linear")
+    if isinstance(targets := lora_targets(opts.lora_targets), list) and ALL_LINEAR in targets:
+        # PEFT takes "all-linear" only as the whole value; in a list it is a module name.
+        raise ConfigError("--lora-targets", f"{ALL_LINEAR} stands alone (every linear layer "
+                                            "but the output head); to add lm_head or others, "
+                                            "list the module names instead, e.g. "
+                                            "q_proj,k_proj,v_proj,o_proj,lm_head")
 
 
 def lora_targets(value: str | None) -> str | list[str]:
