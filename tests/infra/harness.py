@@ -10,6 +10,7 @@ proves what the program *requests*; it does not prove AWS accepts it (see docs/t
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import runpy
 import threading
@@ -174,6 +175,12 @@ def execute(mocks: pulumi.runtime.Mocks, config: dict[str, Any], *, stack: str =
     return the stack outputs it exported (resolved)."""
     # Each run starts from a clean slate: a new root stack, no leftover config or outputs.
     pulumi_settings.ROOT.set(None)
+    # pulumi.runtime.test runs on the thread's current event loop, and an asyncio.run()
+    # anywhere earlier in the process (another tier's test) leaves none set.
+    try:
+        asyncio.get_event_loop_policy().get_event_loop()
+    except RuntimeError:
+        asyncio.set_event_loop(asyncio.new_event_loop())
     pulumi.runtime.set_mocks(mocks, project="rayfleet", stack=stack, preview=False,
                              monitor=monitor)
     pulumi.runtime.set_all_config({k: _pulumi_string(v) for k, v in config.items()})

@@ -11,7 +11,6 @@ torchrun; a killed Ray Train worker and vLLM's LoRA are tests/workloads/test_ser
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 
@@ -226,7 +225,6 @@ def test_lm_engine_with_the_adapter_answers_as_peft_does(lora_run, hf_model_dir)
         seq.append(tok_id)
         got.append(tok_id)
     assert got == want
-    asyncio.run(asyncio.sleep(0))   # (nothing async left behind)
 
 
 # --------------------------------------------------------------------------- llm (vLLM)
