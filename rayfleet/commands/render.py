@@ -621,11 +621,20 @@ INGRESS_WHY = {
 REMOTE_SCORER = f"{REMOTE_AGENTS}/autoscaler"
 
 
+# Python's bytecode cache of the head's processes, kept out of the agents folder: the head's
+# autoscaler hashes that folder (a file mount) into each node's runtime config, and a worker whose
+# hash differs is set up again and its Ray restarted (`ray stop`, a new node id). The scorer's
+# __pycache__, written there when the autoscaler first imported it, made a second start of the
+# head (a replacement head, or its `ray start` run again) restart every worker.
+PYCACHE_PREFIX = "$HOME/.cache/rayfleet-pycache"
+
+
 def scorer_env(o: StackOutputs) -> str:
     """The environment of the head's `ray start`: Ray's autoscaler loads the kit's scorer, which
     ranks the worker node types in the stack's order (rayfleet/agents/fallover.py)."""
     order = ",".join(t.ray_name for t in o.node_types.workers)
     return (f"{AUTOSCALER_V1} PYTHONPATH={REMOTE_SCORER.replace('~', '$HOME', 1)} "
+            f"PYTHONPYCACHEPREFIX={PYCACHE_PREFIX} "
             f"{fallover.SCORER_ENV}={fallover.SCORER} {fallover.ORDER_ENV}={order}")
 
 

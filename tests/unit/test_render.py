@@ -311,6 +311,43 @@ def test_setup_installs_exactly_the_node_environment(tmp_path, outputs):
         f" {render.AUTOSCALER_V1} ", " ")
 
 
+def test_the_heads_start_leaves_the_hashed_agents_folder_as_copied(tmp_path, outputs):
+    """The head's autoscaler hashes the agents folder (a file mount) into each node's runtime
+    config and sets up again, Ray restarted, any worker whose hash differs. Importing the
+    scorer in the head's `ray start` environment (as Ray's autoscaler does) must not write into
+    that folder; without the environment's bytecode prefix it does, and the hash moves."""
+    from ray.autoscaler._private import util as ray_util
+
+    home = tmp_path / "home"
+    agents = render.copy_agents(str(home / "rayfleet-agents"))
+    mounts = {render.REMOTE_AGENTS: str(agents)}
+
+    def runtime_hash() -> str:
+        ray_util._hash_cache.clear()   # Ray caches it per config: the contents are read again
+        return ray_util.hash_runtime_conf(mounts, None, [["ray start"]])[0]
+
+    def import_scorer(env_line: str) -> None:
+        from rayfleet.agents import fallover
+        script = f"export {env_line}; exec {sys.executable} -c 'import {fallover.MODULE}'"
+        # A node's login environment, as Ray's SSH gives it: bytecode is written.
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        proc = subprocess.run(["bash", "-c", script], env={**env, "HOME": str(home)},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+    copied = runtime_hash()
+    env_line = render.scorer_env(parse(json.dumps(outputs)))
+    import_scorer(env_line)
+    assert runtime_hash() == copied
+    assert not list(agents.rglob("__pycache__"))
+    assert list((home / ".cache" / "rayfleet-pycache").rglob("*.pyc"))
+    # What the head did before: the same import writes the scorer's __pycache__ beside it.
+    without = env_line.replace(f"PYTHONPYCACHEPREFIX={render.PYCACHE_PREFIX} ", "")
+    assert without != env_line
+    import_scorer(without)
+    assert runtime_hash() != copied
+
+
 def _pyproject() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
