@@ -68,7 +68,12 @@ RAY_BIN = f"{VENV}/bin/ray"
 # YAML names a folder of the operator's, not the kit's install path.
 REMOTE_AGENTS = "~/rayfleet-agents"
 AGENTS = Path(__file__).resolve().parent.parent / "agents"
-AGENT_NAMES = ("autostop", "logship", "spot", GUARD_NAME, gcsft.SUPERVISOR_NAME)
+AGENT_NAMES = ("autostop", "logship", "spot", GUARD_NAME, gcsft.SUPERVISOR_NAME, "envcheck")
+# The last setup command of every node: import what the workloads import, in the node venv
+# (rayfleet/agents/envcheck.py), so a package that installs but does not import (PyPI's
+# torchvision beside a CPU torch) fails `ray up` naming it, not a user's job later. Ray syncs
+# file_mounts (the agents among them) before it runs the setup commands.
+PROVE_ENV = f"{VENV}/bin/python {REMOTE_AGENTS}/envcheck.py"
 
 # ----------------------------------------------------------------------------- outputs
 
@@ -122,6 +127,7 @@ def setup_commands(env: nodeenv.NodeEnv) -> list[str]:
         # `bash --login -c -i 'source ~/.bashrc; ...'`) find the node environment's `ray`;
         # without it, `ray down` skips `ray stop` and terminates the instance regardless.
         LOGIN_PATH,
+        PROVE_ENV,
     ]
 
 
@@ -166,11 +172,13 @@ def llm_setup_commands(env: nodeenv.NodeEnv, build: str = "cuda") -> list[str]:
     if not reqs:
         return []
     pins = " ".join(shlex.quote(r) for r in reqs + env.requirements)
+    # Proven again once vLLM is in (envcheck imports it where it is installed).
     if build == "cuda":
-        return [f"{VENV}/bin/pip install --quiet --no-compile {pins}"]
+        return [f"{VENV}/bin/pip install --quiet --no-compile {pins}", PROVE_ENV]
     return [f"{VENV}/bin/pip install --quiet --no-compile --extra-index-url {TORCH_CPU_INDEX} "
             f"{pins}",
-            f"{VENV}/bin/pip uninstall --quiet --yes " + " ".join(nodeenv.VLLM_CPU_REMOVE)]
+            f"{VENV}/bin/pip uninstall --quiet --yes " + " ".join(nodeenv.VLLM_CPU_REMOVE),
+            PROVE_ENV]
 
 
 # ----------------------------------------------------------------------------- YAML with comments

@@ -123,12 +123,14 @@ def test_role_installs_the_node_environment_pyproject_pins():
     ray = f"ray[{','.join(defaults['ray_node_ray_extras'])}]=={pin}"
     assert [ray, *defaults["ray_node_pip_packages"]] == list(env.requirements)
     assert defaults["ray_node_pip_packages_after_torch"] == list(env.after_torch)
+    assert defaults["ray_node_build_tools"] == list(nodeenv.BUILD_TOOLS)
     # vLLM on heads and GPU workers: pyproject.toml's llm extra, as render installs it.
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     assert defaults["ray_node_llm_packages"] == list(env.llm) == extras["llm"]
     for name in ("ray_node_ray_version", "ray_node_ray_extras", "ray_node_pip_packages",
-                 "ray_node_pip_packages_after_torch", "ray_node_llm_packages"):
+                 "ray_node_pip_packages_after_torch", "ray_node_llm_packages",
+                 "ray_node_build_tools"):
         assert spec[name]["default"] == defaults[name], name
 
 
