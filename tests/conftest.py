@@ -153,6 +153,13 @@ def scope_of(groups: dict[str, str], nodeid: str) -> str:
                            f"outside its group, on any worker") from None
 
 
+def pytest_report_header(config):
+    """One line before the first test on what would skew this run (tests/machine.py)."""
+    from tests.machine import observe, report
+
+    return report(observe())
+
+
 def pytest_configure(config):
     from tests.tiers import required
 

