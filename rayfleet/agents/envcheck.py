@@ -66,7 +66,13 @@ def check(checks=CHECKS) -> tuple[list[str], str | None]:
     return ok, None
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="envcheck.py", description="Import what the workloads import in this Python's "
+        "environment; exit 1 with one line naming the first package that does not import.",
+    ).parse_args(argv)
     t0 = time.monotonic()
     ok, failure = check()
     if failure:

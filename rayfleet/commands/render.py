@@ -97,9 +97,10 @@ def load_outputs(source: str, stdin=None) -> StackOutputs:
 
 # ----------------------------------------------------------------------------- versions
 
-def setup_commands(env: nodeenv.NodeEnv) -> list[str]:
+def setup_commands(env: nodeenv.NodeEnv, prove: bool = True) -> list[str]:
     """Build the node environment in ~/rayfleet-venv; re-running on a built node changes
-    nothing (pip finds every pin satisfied)."""
+    nothing (pip finds every pin satisfied). ``prove=False`` where vLLM's commands follow in
+    the same list, which end with the proof themselves."""
     major, minor = nodeenv.MIN_PYTHON
     need = f"sys.version_info < ({major}, {minor})"
     pythons = "python3.12 python3.11 /opt/pytorch/bin/python3 python3"
@@ -127,7 +128,7 @@ def setup_commands(env: nodeenv.NodeEnv) -> list[str]:
         # `bash --login -c -i 'source ~/.bashrc; ...'`) find the node environment's `ray`;
         # without it, `ray down` skips `ray stop` and terminates the instance regardless.
         LOGIN_PATH,
-        PROVE_ENV,
+        *([PROVE_ENV] if prove else []),
     ]
 
 
@@ -334,7 +335,7 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
         }
         if resources["GPU"] and llm_commands and vllm == "cuda":
             node_type["worker_setup_commands"] = Why(
-                setup_commands(node_env) + llm_commands,
+                setup_commands(node_env, prove=not llm_commands) + llm_commands,
                 "A GPU type: the node environment, then vLLM (pyproject.toml's llm extra, with "
                 "the environment's pins held) for the llm Serve app's replicas. Ray runs a "
                 "type's own list instead of setup_commands and worker_setup_commands, not "

