@@ -94,7 +94,9 @@ def ensure_redis_server() -> None:
 
 def pytest_collection_finish(session):
     # The fake cloud's wheelhouse (tests/fakecloud/test_ray_up.py) is built in the background
-    # from now on.
+    # from now on; not for `--collect-only`, which runs nothing (and took a 1.2 GB build).
+    if session.config.option.collectonly:
+        return
     if any(item.nodeid.startswith("tests/fakecloud/") for item in session.items):
         from tests.fakecloud import test_ray_up
 
@@ -108,9 +110,11 @@ GROUPS_ENV = "RAYFLEET_XDIST_GROUPS"  # where workers write {node id: group} for
 
 
 def xdist_group(module: str, uses_cluster: bool) -> str:
-    """The rehearsal alone ("fakecloud"), every module that uses the session's Ray cluster
-    together ("cluster": one worker, one cluster), any other module on its own (its module
-    fixtures made once)."""
+    """The rehearsal alone ("fakecloud"), every test that uses the session's Ray cluster
+    together ("cluster": one worker, one cluster), the other tests by module (its module
+    fixtures made once). A module's tests that need no cluster stay off the cluster's worker
+    (the bad-input suite's ~100 in-process cases once rode there behind its one cluster test,
+    on the run's critical path)."""
     if module.startswith("tests/fakecloud/"):
         return "fakecloud"
     return "cluster" if uses_cluster else module
@@ -120,12 +124,8 @@ def group_for_xdist(items) -> dict[str, str]:
     """Each item's group, with the items ordered so that the longest groups start first, side
     by side: the rehearsal (the longest test) on one worker while the other works through the
     cluster's tests; the rest fill in after."""
-    uses: dict[str, bool] = {}
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        uses[module] = uses.get(module, False) or "ray_cluster" in item.fixturenames
     groups = {item.nodeid: xdist_group(item.nodeid.split("::")[0],
-                                       uses[item.nodeid.split("::")[0]]) for item in items}
+                                       "ray_cluster" in item.fixturenames) for item in items}
     first = {g: i for i, g in enumerate(FIRST_GROUPS)}
     items.sort(key=lambda it: first.get(groups[it.nodeid], len(first)))  # stable
     return groups

@@ -174,6 +174,8 @@ def test_up_ha_runs_ray_start_under_the_supervisor(home, monkeypatch):
     monkeypatch.setattr(local, "_check_node_env", lambda python: sys.executable)
     monkeypatch.setattr(local, "_pick", lambda default: default)
     monkeypatch.setattr(local, "_start_redis", start_redis)
+    # Redis itself is stood in for above: on a fresh machine it need not be installed yet.
+    monkeypatch.setattr(gcsft, "redis_binary", lambda: f"/usr/bin/{gcsft.REDIS_BINARY}")
     monkeypatch.setattr(local.subprocess, "Popen", popen)
     monkeypatch.setenv("RAY_REDIS_ADDRESS", "10.0.0.9:6379")  # a stray one is not used
     gcs, dashboard = host.free_port(), host.free_port()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-import shlex
 import sys
 import tomllib
 import zipfile

@@ -12,22 +12,23 @@ def _item(nodeid: str, *fixtures: str):
     return SimpleNamespace(nodeid=nodeid, fixturenames=list(fixtures))
 
 
-def test_cluster_modules_share_a_group_and_the_long_groups_go_first():
+def test_cluster_tests_share_a_group_and_the_long_groups_go_first():
     items = [_item("tests/unit/test_cost.py::a"),
              _item("tests/workloads/test_serve.py::b"),
-             _item("tests/workloads/test_serve.py::c", "ray_cluster"),  # one test is enough
+             _item("tests/workloads/test_serve.py::c", "ray_cluster"),
              _item("tests/cluster/test_ansible.py::d"),
              _item("tests/faults/test_train_faults.py::e", "tmp_path", "ray_cluster"),
              _item("tests/fakecloud/test_ray_up.py::f")]
     groups = group_for_xdist(items)
     assert groups == {"tests/unit/test_cost.py::a": "tests/unit/test_cost.py",
-                      "tests/workloads/test_serve.py::b": "cluster",
+                      # Its module's other test needs no cluster: off the cluster's worker.
+                      "tests/workloads/test_serve.py::b": "tests/workloads/test_serve.py",
                       "tests/workloads/test_serve.py::c": "cluster",
                       "tests/cluster/test_ansible.py::d": "tests/cluster/test_ansible.py",
                       "tests/faults/test_train_faults.py::e": "cluster",
                       "tests/fakecloud/test_ray_up.py::f": "fakecloud"}
     # The rehearsal, then the cluster's tests in their own order, then Ansible, then the rest.
-    assert [i.nodeid[-1] for i in items] == ["f", "b", "c", "e", "d", "a"]
+    assert [i.nodeid[-1] for i in items] == ["f", "c", "e", "d", "a", "b"]
 
 
 def test_a_module_without_the_cluster_is_its_own_group():
