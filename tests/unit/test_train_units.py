@@ -300,3 +300,20 @@ def test_the_runs_actors_are_given_the_clusters_address():
     assert cluster_address_env({"RAY_ADDRESS": "127.0.0.1:6379",
                                 "RAY_JOB_CONFIG_JSON_ENV_VAR": job}) == {
         "env_vars": {"RAY_ADDRESS": "127.0.0.1:6379"}}
+
+
+@pytest.mark.slow
+def test_deepspeed_on_one_rank_trains(tmp_path):
+    """A one-GPU run (`torchrun --nproc-per-node 1`, bench.gpu, a one-GPU node): DeepSpeed
+    needs a process group even there. On an H100 it failed in deepspeed.initialize
+    ("Distributed backend is not initialized") before the loop made a one-rank group."""
+    from tests.conftest import BIN, run, summary_of
+
+    proc = run([str(BIN / "torchrun"), "--nproc-per-node", "1", "-m", "workloads.train.torchrun",
+                "--smoke-test", "--strategy", "deepspeed", "--max-steps", "2",
+                "--output", str(tmp_path / "out")],
+               env={"PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+                    "HOME": str(tmp_path)}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = summary_of(proc.stdout)
+    assert summary["world_size"] == 1 and summary["history"][-1]["step"] == 2

@@ -113,6 +113,21 @@ def _ndim(p: torch.Tensor) -> int:
     return len(getattr(p, "ds_shape", p.shape))
 
 
+def _one_rank_group(ctx, cuda: bool) -> None:
+    """DeepSpeed needs a process group even on one rank; the context starts one only for two
+    or more (DDP and FSDP need none on one). Without it, a one-GPU run (`torchrun
+    --nproc-per-node 1`, bench.gpu, a one-GPU node) failed in deepspeed.initialize: "Distributed
+    backend is not initialized" (seen on an H100). A one-rank group over an in-process store,
+    where the run has none yet: a tcp:// or env:// store under torchrun would wait for the
+    agent's store as a client (TORCHELASTIC_USE_AGENT_STORE), and one rank needs no network."""
+    import torch.distributed as dist
+
+    if ctx.world_size != 1 or dist.is_initialized():
+        return
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+
+
 def _deepspeed(cfg: LoopConfig, cuda: bool):
     """(the deepspeed module, the run's DeepSpeed config), DeepSpeed imported the kit's way."""
     import warnings
@@ -172,6 +187,7 @@ class _Engine:
             groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                       {"params": no_decay, "weight_decay": 0.0}]
             opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+            _one_rank_group(ctx, cuda)
             self.model, self.optimizer, _, _ = deepspeed.initialize(
                 model=model.to(ctx.device), optimizer=opt, config=config,
                 dist_init_required=False)
