@@ -9,9 +9,11 @@ An s3:// prefix is copied once per process into a local cache folder first (what
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -60,6 +62,9 @@ def fetch(spec: str, flag: str, endpoint: str | None = None) -> Path:
     if info.type != pafs.FileType.Directory:
         raise ConfigError(flag, f"{spec} holds nothing (no objects under that prefix)")
     local = Path(tempfile.mkdtemp(prefix="rayfleet-hf-"))
+    # This process made it and alone reads it: gone when the process ends (a job, a replica),
+    # not left in the node's /tmp for every model a run fetched.
+    atexit.register(shutil.rmtree, local, True)
     try:
         pafs.copy_files(storage.path, str(local), source_filesystem=storage.fs,
                         destination_filesystem=pafs.LocalFileSystem())
