@@ -65,7 +65,9 @@ def report(m: Machine) -> str:
         if gib < DISK_FLOOR_GIB and round(gib, 1) not in seen:
             seen.add(round(gib, 1))
             findings.append(f"{gib:.1f} GiB free on {root} (floor {DISK_FLOOR_GIB})")
-    if m.load1 > m.cores / 2:
+    # Above the cores: `make setup` just before (pip, about one core) does not count, a second
+    # suite or a cluster left running does.
+    if m.load1 > m.cores:
         findings.append(f"load {m.load1:.1f} on {m.cores} cores before the first test")
     for name, pids in sorted(m.strays.items()):
         shown = ",".join(map(str, sorted(pids)[:5])) + ("…" if len(pids) > 5 else "")
