@@ -675,7 +675,7 @@ def head_agents(o: StackOutputs, env: str, autostop_minutes: int | None) -> list
         commands.append(agent_command(
             "autostop", f"--cluster-name {shlex.quote(o.cluster_name)} --minutes "
             f"{autostop_minutes} --storage {shlex.quote(o.storage_uri)} {dashboard} "
-            "--stop-first rayfleet-agents/logship.py", env))
+            f"--gcs-port {port('gcs')} --stop-first rayfleet-agents/logship.py", env))
     return commands
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import time
 import pytest
 
 from tests.conftest import BIN, REPO, free_port, run
+from tests.moto.pulumi_moto import moto_account  # noqa: F401, F811 (a fixture)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 AGENT = REPO / "rayfleet" / "agents" / "autostop.py"
@@ -160,3 +162,124 @@ def test_a_job_an_actor_and_a_serve_app_each_keep_the_cluster_up(small_cluster, 
     finally:
         if agent.proc.poll() is None:
             agent.proc.kill()
+
+
+SHIPPER = """
+import os, signal, sys, time
+
+class Late:
+    def ping(self):
+        return 1
+
+def last_copy(*_):
+    # The first SIGTERM stands for work that arrives inside the teardown window: a detached
+    # actor of a user, made while auto-stop waits for this "log shipper" to finish.
+    if not os.path.exists(sys.argv[1]):
+        open(sys.argv[1], "w").close()
+        import ray
+        ray.init()
+        late = ray.remote(num_cpus=0)(Late)
+        late = late.options(name="late", namespace="user", lifetime="detached").remote()
+        ray.get(late.ping.remote())
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, last_copy)
+print("SHIPPING", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+KILL_LATE = """
+import ray
+ray.init()
+ray.kill(ray.get_actor("late", namespace="user"))
+"""
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_work_inside_the_teardown_window_aborts_it_then_all_goes(
+        small_cluster, moto_account, tmp_path):  # noqa: F811 (the fixture imported above)
+    """The real agent, a real cluster's autoscaler, EC2 on moto: an actor made while the
+    log shipper makes its last copy aborts the teardown (nothing terminated; the autoscaler
+    and the shipper run again); once it is gone, the workers and then the head go."""
+    ec2 = moto_account.client("ec2")
+    cluster = f"rf-{os.getpid()}"
+    image = ec2.describe_images()["Images"][0]["ImageId"]
+    ids = {kind: ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, TagSpecifications=[
+        {"ResourceType": "instance", "Tags": [{"Key": "ray-cluster-name", "Value": cluster},
+                                              {"Key": "ray-node-type", "Value": kind}]}])[
+        "Instances"][0]["InstanceId"] for kind in ("head", "worker")}
+    env = {**small_cluster, **{k: v for k, v in os.environ.items() if k.startswith("AWS_")},
+           "PYTHONUNBUFFERED": "1"}
+    gcs_port = env["RAY_ADDRESS"].rsplit(":", 1)[1]
+    script = tmp_path / f"shipper-{cluster}.py"
+    script.write_text(SHIPPER)
+    shipper_log = tmp_path / "shipper.log"
+    shipper = subprocess.Popen([sys.executable, str(script), str(tmp_path / "made")], env=env,
+                               stdout=open(shipper_log, "w"), stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    log = tmp_path / "autostop.log"
+    agent = None
+    monitor = None
+    try:
+        deadline = time.monotonic() + 60
+        while "SHIPPING" not in shipper_log.read_text():
+            assert time.monotonic() < deadline and shipper.poll() is None, shipper_log.read_text()
+            time.sleep(0.2)
+        agent = subprocess.Popen(
+            [sys.executable, str(AGENT), "--cluster-name", cluster, "--minutes",
+             str(WINDOW_S / 60), "--poll-s", "0.5", "--address", env["RAY_DASHBOARD_ADDRESS"],
+             "--gcs-port", gcs_port, "--stop-first", script.name],
+            env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+        def lines() -> list[str]:
+            return [ln.split(" autostop: ", 1)[-1] for ln in log.read_text().splitlines()]
+
+        deadline = time.monotonic() + 180
+        while not any(ln.endswith("watching again") for ln in lines()):
+            assert time.monotonic() < deadline and agent.poll() is None, lines()[-8:]
+            time.sleep(0.5)
+        time.sleep(2)   # the autoscaler resumed, the shipper restarted, watching again
+        said = lines()
+        paused = [ln for ln in said if ln.startswith("paused Ray's autoscaler (pid ")]
+        assert len(paused) == 1, said
+        monitor = int(paused[0].split("pid ")[1].rstrip(")"))
+        aborted = next(ln for ln in said if ln.startswith("teardown aborted"))
+        assert re.fullmatch(r"teardown aborted before terminating 1 worker\(s\): actor Late "
+                            r"\(\w+, job \w+\) is alive; watching again", aborted), aborted
+        assert not any(ln.startswith(("terminating", "terminated")) for ln in said), said
+        assert f"resumed Ray's autoscaler (pid {monitor})" in said, said
+        assert _state(monitor) != "T", said   # running again
+        restarted = [ln for ln in said if ln.startswith("restarted ")]
+        assert len(restarted) == 1, said
+        again = int(restarted[0].split("pid ")[1].rstrip(")"))
+        with open(f"/proc/{again}/cmdline", "rb") as f:
+            assert script.name.encode() in f.read()
+        live = {i["InstanceId"] for r in ec2.describe_instances(Filters=[
+            {"Name": "instance-state-name", "Values": ["running"]}])["Reservations"]
+            for i in r["Instances"]}
+        assert set(ids.values()) <= live, live
+
+        _job(env, tmp_path, "kill", KILL_LATE)
+        agent.wait(timeout=180)
+        said = lines()
+        assert agent.returncode == 0, said[-8:]
+        tail = said[said.index(aborted):]
+        assert [ln for ln in tail if ln.startswith(("terminating", "terminated"))] == [
+            f"terminating 1 worker(s): {ids['worker']}", f"terminating the head: {ids['head']}",
+            f"terminated 2 instance(s): {ids['worker']} {ids['head']}"], tail
+        assert _state(monitor) == "T", tail   # paused: nothing relaunched while it went
+        states = {i["InstanceId"]: i["State"]["Name"] for r in ec2.describe_instances(
+            InstanceIds=list(ids.values()))["Reservations"] for i in r["Instances"]}
+        assert set(states.values()) == {"terminated"}, states
+    finally:
+        if monitor is not None:
+            os.kill(monitor, signal.SIGCONT)   # on a real head it went with the instance
+        for proc in (agent, shipper):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        subprocess.run(["pkill", "-f", script.name])

@@ -290,10 +290,19 @@ class FakeCloud:
         """Start a node for each running instance moto holds in the fake VPC; remove it when
         moto says the instance is terminated."""
 
+        from botocore.exceptions import ResponseParserError
+
         def loop():
+            garbled = 0   # moto_server under load now and then sends a cut XML body
             while not self._stop.is_set():
                 try:
                     self._poll(ec2)
+                    garbled = 0
+                except ResponseParserError as e:
+                    garbled += 1
+                    if garbled >= 5:   # five in a row is not a hiccup
+                        self.errors.append(f"watcher: {type(e).__name__} x{garbled}: {e}")
+                        return
                 except Exception as e:   # noqa: BLE001  (reported by check())
                     self.errors.append(f"watcher: {type(e).__name__}: {e}")
                     if len(self.errors) > 20:

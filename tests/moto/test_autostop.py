@@ -62,3 +62,23 @@ def test_teardown_terminates_workers_then_head_with_the_head_roles_calls(infra_s
     body = s3.get_object(Bucket=bucket, Key=f"{prefix.strip('/')}/clusters/{c}/autostop.log")[
         "Body"].read().decode()
     assert [ln.split(" ", 1)[1] for ln in body.splitlines()] == ["armed", "tearing down: idle"]
+
+
+def test_workers_launched_during_the_teardown_go_too(infra_stack, moto_account):
+    """An autoscaler that could not be paused (minWorkers 1) launches a worker for each one
+    terminated: the teardown terminates until none of the cluster's is left."""
+    autostop = load_agent("autostop")
+    c = infra_stack.outputs["cluster_name"]
+    ec2 = moto_account.client("ec2")
+    head = _launch(ec2, infra_stack.ami_id, c, "head")
+    first = _launch(ec2, infra_stack.ami_id, c, "worker")
+    relaunched: list[str] = []
+
+    def autoscaler(**kwargs):   # after the teardown's first TerminateInstances: a new worker
+        if kwargs["model"].name == "TerminateInstances" and not relaunched:
+            relaunched.append(_launch(ec2, infra_stack.ami_id, c, "worker"))
+
+    ec2.meta.events.register("after-call.ec2", autoscaler)
+    gone = autostop.teardown(ec2, c, wait_s=30, poll_s=0.2)
+    assert len(relaunched) == 1 and gone == [first, *relaunched, head], (gone, relaunched)
+    assert cluster_instances(ec2, c) == []   # what `rayfleet sweep` would find: nothing

@@ -82,16 +82,65 @@ def test_the_window_restarts_on_every_busy_look(autostop, monkeypatch):
     assert said[0] == "busy: job a is running" and said[-1].startswith("idle since")
 
 
-def test_an_unreadable_state_is_never_idle(autostop, monkeypatch):
+def test_an_unreadable_state_is_never_idle_is_said_every_window_and_disarms(autostop,
+                                                                           monkeypatch):
     def broken(*_):
         raise OSError("connection refused")
 
     monkeypatch.setattr(autostop, "busy_reasons", broken)
     t = [0.0]
-    with pytest.raises(StopIteration):
-        ticks = iter(range(20))
-        autostop.watch(None, minutes=0.1, poll_s=30, clock=lambda: t[0],
-                       sleep=lambda s: (next(ticks), t.__setitem__(0, t[0] + s)), out=print)
+    said, alerts = [], []
+    # A 1-min window, looks every 30 s, disarmed after 5 min of nothing but unreadable looks.
+    with pytest.raises(autostop.Unreadable, match=r"unreadable for 5 min \(OSError: conn"):
+        autostop.watch(None, minutes=1, poll_s=30, clock=lambda: t[0],
+                       sleep=lambda s: t.__setitem__(0, t[0] + s), out=said.append,
+                       alert=lambda line: alerts.append((t[0], line)), unreadable_limit_s=300)
+    assert t[0] == 300, t   # never taken for idle before: the window passed five times
+    assert [at for at, _ in alerts] == [0, 60, 120, 180, 240], alerts   # once per window
+    assert alerts[0][1] == ("busy: Ray's state unreadable (OSError: connection refused); "
+                            "counted as busy, disarming after 5 min of it"), alerts
+    assert said == [], said
+
+
+def test_a_readable_look_resets_the_unreadable_clock(autostop, monkeypatch):
+    looks = iter([OSError("down")] * 9 + [["job a is running"]] + [OSError("down")] * 9 + [[]] * 9)
+
+    def look(*_):
+        item = next(looks)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    monkeypatch.setattr(autostop, "busy_reasons", look)
+    t = [0.0]
+    reason = autostop.watch(None, minutes=1, poll_s=30, clock=lambda: t[0],
+                            sleep=lambda s: t.__setitem__(0, t[0] + s), out=lambda _: None,
+                            alert=lambda _: None, unreadable_limit_s=300)
+    # 270 s unreadable, one busy look, 270 s unreadable again: never 300 s in a row.
+    assert reason.startswith("idle for 1.0 min") and t[0] == 18 * 30 + 60, (t, reason)
+
+
+def test_teardown_checks_before_each_step_and_aborts_when_busy(autostop, monkeypatch):
+    """A job that arrives after the workers went keeps the head: Busy, nothing more."""
+    terminated, steps = [], []
+    fleet = {"i-w1": False, "i-head": True}
+    monkeypatch.setattr(autostop, "cluster_instances", lambda ec2, c: [
+        {"InstanceId": i, "head": h} for i, h in fleet.items() if i not in terminated])
+    monkeypatch.setattr(autostop, "is_head", lambda i: i["head"])
+
+    class EC2:
+        def terminate_instances(self, InstanceIds):
+            terminated.extend(InstanceIds)
+
+    def check(step):
+        steps.append(step)
+        if step == "terminating the head":
+            raise autostop.Busy(f"before {step}: job late is running")
+
+    with pytest.raises(autostop.Busy, match="before terminating the head: job late"):
+        autostop.teardown(EC2(), "c", check, wait_s=5, poll_s=0)
+    assert terminated == ["i-w1"] and steps == ["terminating 1 worker(s)",
+                                                "terminating the head"], (terminated, steps)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -100,10 +149,14 @@ def test_an_unreadable_state_is_never_idle(autostop, monkeypatch):
      "--storage: must be s3://BUCKET[/PREFIX], got 'gs://b'"),
     (["--cluster-name", "c", "--minutes", "5", "--poll-s", "0"],
      "--poll-s: must be more than 0, got 0"),
+    (["--cluster-name", "c", "--minutes", "5", "--unreadable-limit-minutes", "0"],
+     "--unreadable-limit-minutes: must be more than 0, got 0"),
+    (["--cluster-name", "c", "--minutes", "5", "--gcs-port", "70000"],
+     "--gcs-port: must be a port (1-65535), got 70000"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(argv, message):
     proc = subprocess.run([sys.executable, "-I", str(REPO / "rayfleet" / "agents" /
-                                                    "autostop.py"), *argv,
+                                                    "autostop.py"), "--gcs-port", "1", *argv,
                            "--address", "http://127.0.0.1:1"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == f"autostop.py: error: {message}", \

@@ -235,7 +235,7 @@ def test_autostop_from_the_flag_or_the_stack(tmp_path, outputs):
 
     assert autostop(["--autostop-minutes", "30"], None) == (
         f"--cluster-name rayfleet-dev --minutes 30 --storage {outputs['rayfleet']['storage_uri']} "
-        "--address http://127.0.0.1:8265 --stop-first rayfleet-agents/logship.py")
+        "--address http://127.0.0.1:8265 --gcs-port 6379 --stop-first rayfleet-agents/logship.py")
     assert "--minutes 45 " in autostop([], 45)                    # rayfleet:autostopMinutes
     assert "--minutes 5 " in autostop(["--autostop-minutes", "5"], 45)
     assert autostop(["--autostop-minutes", "0"], 45) is None      # 0: never
