@@ -36,7 +36,9 @@ from rayfleet import gcsft, nodeenv, raystart
 from rayfleet.agents.gcs_supervisor import comm
 # `prometheus`: up() has a `metrics` flag of its own.
 from rayfleet.commands import metrics as prometheus
-from rayfleet.commands.host import alive, free_port, free_ports, last_line, port_in_use, state_dir
+from rayfleet.commands.host import (alive, free_port, free_ports, is_same, last_line,
+                                    no_proxy_with, open_direct, port_in_use, start_ticks,
+                                    state_dir)
 from rayfleet.entrypoint import parse_size
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError
 from rayfleet.facts import LOCAL_METRICS_EXPORT_PORT, port
@@ -116,6 +118,10 @@ class LocalCluster:
     ha: bool = False                # GCS fault tolerance (--ha): the GCS's tables in Redis
     redis_pid: int | None = None    # that Redis (its own process group)
     redis_port: int | None = None   # on 127.0.0.1
+    # Start ticks (host.start_ticks) of the head's leader and of Redis: with the pid, each
+    # names one process, so a pid the kernel reused is never signalled (None: older state).
+    pid_start: int | None = None
+    redis_start: int | None = None
 
     @property
     def redis_address(self) -> str | None:
@@ -137,6 +143,8 @@ class LocalCluster:
             "RAY_API_SERVER_ADDRESS": self.dashboard_url,
             "RAY_DASHBOARD_ADDRESS": self.dashboard_url,
             **auth_env(),
+            # Ray's clients (requests) send the token to a proxy unless told not to.
+            "NO_PROXY": no_proxy_with(), "no_proxy": no_proxy_with(),
             # A node or driver started from these waits for a restarted GCS as the head's do.
             **(gcsft.node_env() if self.ha else {}),
         }
@@ -147,10 +155,22 @@ def _state_file() -> Path:
 
 
 def load_state() -> LocalCluster | None:
+    """The cluster `up` recorded, if any. A record whose head pid now names another process
+    (the cluster ended without `down`: a reboot, a SIGKILL) is forgotten, saying so in one
+    line: nothing of it is signalled. (A pid that names no process at all stays: what is left
+    of its process group can only be the head's, as the kernel reuses no pid still a group's.)"""
     try:
-        return LocalCluster(**json.loads(_state_file().read_text()))
+        cluster = LocalCluster(**json.loads(_state_file().read_text()))
     except (FileNotFoundError, json.JSONDecodeError, TypeError):
         return None
+    if alive(cluster.pid) and not is_same(cluster.pid, cluster.pid_start, cluster.started_at):
+        print(f"rayfleet: forgot the local cluster of {_state_file()}: its head (pid "
+              f"{cluster.pid}) is gone and the pid is another process's now", file=sys.stderr)
+        if cluster.ha:
+            _stop_redis(cluster.redis_pid, cluster.redis_start, cluster.started_at)
+        _forget()
+        return None
+    return cluster
 
 
 def _save_state(cluster: LocalCluster) -> None:
@@ -170,7 +190,7 @@ def _request(url: str, token: str | None, timeout: float = 2.0) -> int:
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with open_direct(req, timeout=timeout) as resp:
             return resp.status
     except urllib.error.HTTPError as e:
         return e.code
@@ -245,8 +265,8 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
             f"a rayfleet head (pid {existing.pid}) is running but its Jobs API at "
             f"{existing.dashboard_url} does not answer; run `rayfleet local down` first")
 
-    if existing and existing.ha:
-        _stop_redis(existing.redis_pid)  # what a head that died without `down` left running
+    if existing and existing.ha:   # what a head that died without `down` left running
+        _stop_redis(existing.redis_pid, existing.redis_start, existing.started_at)
     redis = gcsft.redis_binary() if ha else None
     if ha and redis is None:
         raise ClusterError(f"--ha keeps the GCS's tables in Redis, and {gcsft.REDIS_BINARY} is "
@@ -304,9 +324,10 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     env.update(ingress_env)
     for key in (gcsft.REDIS_ADDRESS_ENV, gcsft.RECONNECT_TIMEOUT_ENV):
         env.pop(key, None)  # HA is the flag's to turn on, not a stray variable's
-    redis_pid = redis_port = None
+    redis_pid = redis_port = redis_start = None
     if ha:
         redis_pid, redis_port = _start_redis(redis)
+        redis_start = start_ticks(redis_pid)
         env.update(gcsft.head_env(redis_port))
         cmd = [python, str(_agent(gcsft.SUPERVISOR_NAME)),
                "--password-file", str(_redis_folder() / gcsft.PASSWORD_FILE),
@@ -316,9 +337,10 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
     except BaseException:
-        _stop_redis(redis_pid)
+        _stop_redis(redis_pid, redis_start, time.time())
         raise
-    cluster = LocalCluster(pid=proc.pid, gcs_port=port, dashboard_port=dashboard_port,
+    cluster = LocalCluster(pid=proc.pid, pid_start=start_ticks(proc.pid), redis_start=redis_start,
+                           gcs_port=port, dashboard_port=dashboard_port,
                            client_port=client_port, agent_port=agent_port, num_cpus=num_cpus,
                            num_gpus=num_gpus, object_store_memory=store, log=str(log),
                            started_at=time.time(), python=python, ingress=ingress,
@@ -330,7 +352,7 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
     while time.time() < deadline:
         if proc.poll() is not None:
             _forget()
-            _stop_redis(redis_pid)
+            _stop_redis(redis_pid, redis_start, time.time())
             raise ClusterError(f"ray start exited with code {proc.returncode}: "
                                f"{last_line(log)} (full log: {log})")
         # The Jobs API answers before the head's dashboard agent has registered, and until it
@@ -413,17 +435,19 @@ def _start_redis(binary: str) -> tuple[int, int]:
     deadline = time.time() + REDIS_START_TIMEOUT_S
     while not gcsft.redis_ping(redis_port, password):
         if proc.poll() is not None or time.time() > deadline:
-            _stop_redis(proc.pid)
+            _stop_redis(proc.pid, start_ticks(proc.pid), time.time())
             raise ClusterError(f"{gcsft.REDIS_BINARY} did not start on 127.0.0.1:{redis_port}"
                                f": {last_line(log)} (full log: {log})")
         time.sleep(0.1)
     return proc.pid, redis_port
 
 
-def _stop_redis(pid: int | None, timeout: float = 10.0) -> None:
+def _stop_redis(pid: int | None, ticks: int | None, before: float,
+                timeout: float = 10.0) -> None:
     """Stop the cluster's Redis (SIGTERM, then SIGKILL) and remove its folder: the password,
-    the config and the GCS's tables."""
-    if pid is not None and comm(pid).startswith(gcsft.REDIS_BINARY):  # not a reused pid
+    the config and the GCS's tables. Only the process recorded (host.is_same), and a Redis."""
+    if pid is not None and comm(pid).startswith(gcsft.REDIS_BINARY) and is_same(pid, ticks,
+                                                                             before):
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -585,7 +609,7 @@ def _stop(cluster: LocalCluster, timeout: float = STOP_GRACE_S) -> bool:
             pass
     _forget()
     if cluster.ha:
-        _stop_redis(cluster.redis_pid)  # after the head: its GCS writes to Redis to the end
+        _stop_redis(cluster.redis_pid, cluster.redis_start, cluster.started_at)  # after the head
     return forced
 
 

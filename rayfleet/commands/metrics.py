@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
-from rayfleet.commands.host import alive, last_line, port_in_use, state_dir
+from rayfleet.commands.host import alive, last_line, open_direct, port_in_use, state_dir
 from rayfleet.errors import ClusterError
 from rayfleet.facts import loopback_port
 
@@ -235,7 +235,7 @@ def start_local(ray_temp_dir: Path, port: int, binary: str,
 
 def ready(url: str) -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as resp:
+        with open_direct(f"{url}/-/ready", timeout=2) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False

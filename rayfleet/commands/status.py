@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from rayfleet import capacity
+from rayfleet.commands.host import open_direct
 from rayfleet.commands.render import default_token_file
 from rayfleet.errors import ClusterError, RayfleetError
 from rayfleet.facts import port
@@ -72,7 +73,7 @@ def fetch(address: str, token: str | None, timeout: float = 10) -> dict:
     req = urllib.request.Request(f"{address}/api/cluster_status",
                                  headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with open_direct(req, timeout=timeout) as r:   # never through a proxy: the token
             body = json.loads(r.read())
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):

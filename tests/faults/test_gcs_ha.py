@@ -336,5 +336,5 @@ def test_local_redis_listens_on_loopback_behind_its_password(tmp_path, monkeypat
         assert all(stat.S_IMODE(f.stat().st_mode) & 0o077 == 0 for f in files), \
             {str(f): oct(f.stat().st_mode) for f in files}
     finally:
-        local._stop_redis(pid)
+        local._stop_redis(pid, None, time.time())   # started just now: before this
     assert not folder.exists() and not _alive(pid)

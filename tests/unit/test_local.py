@@ -352,3 +352,54 @@ def test_gcs_supervisor_starts_a_failed_head_again(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             out = proc.communicate()[0]
     assert "`ray start` exited 1 (attempt 1 of 3)" in out, out
+
+
+@pytest.mark.parametrize("recorded", ["ticks", "older-state"])
+def test_a_state_file_naming_a_reused_pid_is_forgotten_and_nothing_is_signalled(
+        home, capsys, recorded):
+    """cluster.json outlived its cluster (a reboot, a SIGKILL) and its pid now names an
+    unrelated process group leader: `down` forgets the file in one line and signals nothing,
+    whether the file records the head's start ticks or (an older kit's) only its start time."""
+    import json
+    import time
+
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        state = {"pid": stranger.pid, "gcs_port": 1, "dashboard_port": 2, "client_port": 3,
+                 "agent_port": 4, "num_cpus": None, "num_gpus": None,
+                 "object_store_memory": None, "log": "x", "started_at": time.time() - 3600}
+        if recorded == "ticks":   # the head's own start: an hour before this process's
+            state["pid_start"] = host.start_ticks(stranger.pid) - 3600 * os.sysconf(
+                "SC_CLK_TCK")
+        local._state_file().parent.mkdir(parents=True, exist_ok=True)
+        local._state_file().write_text(json.dumps(state))
+        assert local.down() is False
+        out = capsys.readouterr()
+        assert f"its head (pid {stranger.pid}) is gone and the pid is another process's" \
+            in out.err and len(out.err.strip().splitlines()) == 1, out
+        assert "nothing to stop" in out.out, out
+        assert stranger.poll() is None   # not signalled
+        assert not local._state_file().exists()
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_state_file_naming_its_own_live_head_is_kept(home):
+    import json
+    import time
+
+    head = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        local._state_file().parent.mkdir(parents=True, exist_ok=True)
+        local._state_file().write_text(json.dumps({
+            "pid": head.pid, "pid_start": host.start_ticks(head.pid), "gcs_port": 1,
+            "dashboard_port": 2, "client_port": 3, "agent_port": 4, "num_cpus": None,
+            "num_gpus": None, "object_store_memory": None, "log": "x",
+            "started_at": time.time()}))
+        cluster = local.load_state()
+        assert cluster is not None and cluster.pid == head.pid
+        assert host.is_same(head.pid, None, time.time())   # older state: started before now
+    finally:
+        head.kill()
+        head.wait()
