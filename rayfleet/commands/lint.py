@@ -163,15 +163,36 @@ def _llm_findings(cfg: dict) -> list[Finding]:
     return f
 
 
+def _assignments(cmds: str, name: str) -> list[str | None]:
+    """The values ``cmds`` assign to ``name``, quotes and escapes undone as the shell would
+    (expansions such as `$HOME` left as written); None for a bare `export NAME` or a command
+    the lint cannot split."""
+    try:
+        words = shlex.split(cmds, comments=True)
+    except ValueError:
+        return [None] if name in cmds else []
+    values: list[str | None] = []
+    for word in words:
+        word = word.rstrip(";&|")
+        if word == name:
+            values.append(None)
+        elif word.startswith(f"{name}="):
+            values.append(word.split("=", 1)[1])
+    return values
+
+
 def _ingress_findings(starts: list[tuple[str, str]]) -> list[Finding]:
     """Rule 30: start commands that turn Serve's HAProxy ingress on must run it through the
-    kit's guard and pin the ports the security group opens."""
+    kit's guard and pin the ports the security group opens. Any value of the switch but "0"
+    counts as on (Ray's is "1"; one the lint cannot read fails closed)."""
     f = []
-    on = [key for key, cmds in starts if re.search(rf"\b{ENABLE}=1\b", cmds)]
+    on = [key for key, cmds in starts if any(v != "0" for v in _assignments(cmds, ENABLE))]
+    # (`NAME=$X` is not "0": what the lint cannot know counts as on.)
     for key, cmds in starts:
         if key not in on:
             continue
-        if not re.search(rf"\b{BINARY}=\S*/{GUARD_NAME}\.py\b", cmds):
+        if not any(v is not None and v.endswith(f"/{GUARD_NAME}.py")
+                   for v in _assignments(cmds, BINARY)):
             f.append(Finding(ERROR, 30, key,
                              f"{ENABLE}=1 without the kit's guard: Ray's HAProxy config serves "
                              "its stats page and exporter on every interface, unauthenticated, "
@@ -179,7 +200,7 @@ def _ingress_findings(starts: list[tuple[str, str]]) -> list[Finding]:
                              f"set {BINARY}=<agents folder>/{GUARD_NAME}.py as `rayfleet "
                              "render` does"))
         unpinned = [f"{k}={v}" for k, v in pinned_ports().items()
-                    if not re.search(rf"\b{k}={v}\b", cmds)]
+                    if str(v) not in _assignments(cmds, k)]
         if unpinned:
             f.append(Finding(ERROR, 30, key,
                              "Serve's direct-ingress or fallback ports left to Ray's defaults "

@@ -172,6 +172,24 @@ MUTATIONS = {
 }
 
 
+def _unguarded(switch: str):
+    """HAProxy's ingress switched on as ``switch`` spells it, run without the guard."""
+    def mutate(c):
+        c["head_start_ray_commands"] = [
+            x.replace("RAY_SERVE_ENABLE_HA_PROXY=1", switch).replace(
+                "RAY_SERVE_HAPROXY_BINARY_PATH=$HOME/rayfleet-agents/haproxy_guard.py",
+                "RAY_SERVE_HAPROXY_BINARY_PATH=/usr/sbin/haproxy")
+            for x in c["head_start_ray_commands"]]
+    return mutate
+
+
+# Rule 30: the switch as the shell reads it, however quoted; a value it cannot know is on.
+MUTATIONS.update({f"haproxy-unguarded-{name}": (_unguarded(switch), 30) for name, switch in {
+    "plain": "RAY_SERVE_ENABLE_HA_PROXY=1", "double-quoted": 'RAY_SERVE_ENABLE_HA_PROXY="1"',
+    "single-quoted": "RAY_SERVE_ENABLE_HA_PROXY='1'", "escaped": "RAY_SERVE_ENABLE_HA_PROXY=\\1",
+    "variable": "RAY_SERVE_ENABLE_HA_PROXY=$ON"}.items()})
+
+
 @pytest.mark.parametrize("case", sorted(MUTATIONS))
 def test_each_rule_catches_its_mutation(case, tmp_path):
     cfg = _example()
