@@ -79,10 +79,19 @@ def token_path() -> Path:
 
 def ensure_token(path: Path | str | None = None) -> Path:
     """Create a cluster token once (0600); tighten the mode of an existing one. Default: the
-    local cluster's token; `rayfleet render` passes a per-cluster path."""
+    local cluster's token; `rayfleet render` passes a per-cluster path. A folder it creates is
+    0700; one that exists is left as it is, unless another user owns it or may write in it (a
+    token there could be swapped): then it refuses, as it does a token that is a link."""
     path = Path(path).expanduser() if path is not None else token_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(path.parent, 0o700)
+    folder = path.parent
+    if not folder.is_dir():
+        folder.mkdir(parents=True, mode=0o700)
+    st = folder.stat()
+    if st.st_uid != os.geteuid() or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+        raise RayfleetError(f"token folder {folder} is another user's or others may write in "
+                            "it; keep the token in a folder of your own")
+    if path.is_symlink():
+        raise RayfleetError(f"token file {path} is a link; the token must be a file of its own")
     if not path.exists():
         # O_EXCL + mode at creation: the token is never readable by others, even briefly.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -711,15 +712,39 @@ def render_text(o: StackOutputs, token_file: str, key_name: str | None = None,
     return text
 
 
+# The file that marks an agents folder as render's own: only such a folder is replaced.
+AGENTS_MARK = ".rayfleet-agents"
+
+
+def _ours(folder: Path) -> bool:
+    """Whether ``folder`` is one copy_agents made: marked, or (an older kit's) holding nothing
+    but what it copies."""
+    if (folder / AGENTS_MARK).is_file():
+        return True
+    copied = {f"{n}.py" for n in AGENT_NAMES} | {Path(REMOTE_SCORER).name, "__pycache__"}
+    return folder.is_dir() and not folder.is_symlink() and all(
+        p.name in copied for p in folder.iterdir())
+
+
+def refuse_foreign(folder: Path) -> None:
+    if folder.is_symlink() or (folder.exists() and not _ours(folder)):
+        raise RayfleetError(f"{folder} exists and is not a folder of `rayfleet render`'s; move "
+                            "it, or pick another --token-file (the agents go beside it)")
+
+
 def copy_agents(dest: str) -> Path:
-    """The node agents into ``dest`` (the YAML's file_mounts source), replaced whole."""
+    """The node agents into ``dest`` (the YAML's file_mounts source), replaced whole; a folder
+    there that render did not make is refused, never deleted."""
     import shutil
 
     folder = Path(dest).expanduser()
-    tmp = folder.with_name(f".{folder.name}.tmp")
+    refuse_foreign(folder)
+    tmp = None
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        (tmp / AGENTS_MARK).write_text("made by `rayfleet render`; replaced whole on each "
+                                       "render\n")
         for name in AGENT_NAMES:
             shutil.copy2(AGENTS / f"{name}.py", tmp / f"{name}.py")
         scorer = tmp / Path(REMOTE_SCORER).name
@@ -728,7 +753,8 @@ def copy_agents(dest: str) -> Path:
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise RayfleetError(f"cannot copy the node agents to {folder} ({e.strerror})") from None
     return folder
 
@@ -754,6 +780,7 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RayfleetError(f"--out {path}: cannot create its folder ({e.strerror})") from None
+    refuse_foreign(Path(agents_folder(token_file)).expanduser())
     if create_token:
         try:
             ensure_token(token_file)  # 0600, created once; never printed

@@ -202,7 +202,8 @@ def test_node_agents_are_shipped_beside_the_token_and_started(tmp_path, outputs)
     folder = Path(cfg["file_mounts"]["~/rayfleet-agents"])
     assert folder == tmp_path / "agents"
     # The autoscaler's scorer alone in its folder (the head's PYTHONPATH names only it).
-    assert sorted(p.name for p in folder.iterdir()) == ["autoscaler", "autostop.py",
+    assert sorted(p.name for p in folder.iterdir()) == [".rayfleet-agents", "autoscaler",
+                                                        "autostop.py",
                                                         "envcheck.py", "gcs_supervisor.py",
                                                         "haproxy_guard.py", "logship.py",
                                                         "spot.py"]
@@ -270,6 +271,46 @@ def test_token_created_0600_and_never_in_the_yaml(tmp_path, outputs):
     token = (tmp_path / "token")
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert token.read_text().strip() not in out.read_text()
+
+
+def test_a_token_folder_of_the_users_keeps_its_mode_and_its_agents_folder(tmp_path,
+                                                                           outputs):
+    """--token-file DIR/token: DIR keeps its mode; a DIR/agents render did not make is
+    refused in one line, its files kept, and nothing is written (no token, no YAML)."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    (shared / "agents").mkdir()
+    (shared / "agents" / "notes.txt").write_text("mine")
+    src = tmp_path / "outputs.json"
+    src.write_text(json.dumps(outputs))
+    args = ["render", str(src), "-o", str(tmp_path / "c.yaml"), "--token-file",
+            str(shared / "token")]
+    proc = subprocess.run([sys.executable, "-m", "rayfleet.commands.cli", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "is not a folder of `rayfleet render`'s" in proc.stderr, proc.stderr
+    assert (shared / "agents" / "notes.txt").read_text() == "mine"
+    assert not (shared / "token").exists() and not (tmp_path / "c.yaml").exists()
+    # Its own agents folder is replaced on the next render; the user's folder keeps 0755.
+    (shared / "agents" / "notes.txt").unlink()
+    (shared / "agents").rmdir()
+    assert cli.main(args) == 0 and cli.main(args) == 0
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755
+    assert (shared / "agents" / "autostop.py").exists()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_token_folder_others_may_write_in_is_refused(tmp_path, outputs, mode, capsys):
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    os.chmod(loose, mode)
+    src = tmp_path / "outputs.json"
+    src.write_text(json.dumps(outputs))
+    assert cli.main(["render", str(src), "-o", str(tmp_path / "c.yaml"), "--token-file",
+                     str(loose / "token")]) != 0
+    assert "others may write in it" in capsys.readouterr().err
+    assert not (loose / "token").exists() and not (tmp_path / "c.yaml").exists()
 
 
 def test_every_ray_port_is_pinned_as_infra_opens_it(tmp_path, outputs):
