@@ -27,6 +27,8 @@ from rayfleet.facts import INGRESS_PORTS, RAY_PORTS_BY_NAME, loopback_port
 INGRESS_CHOICES = ("haproxy", "python")
 DEFAULT_INGRESS = "haproxy"
 GUARD_NAME = "haproxy_guard"
+# The guard's watcher, which it starts from beside itself (haproxy_guard.WATCHER names it).
+WATCH_NAME = "haproxy_watch"
 # The variables that turn HAProxy on and point it at the guard: lint looks for them.
 ENABLE = "RAY_SERVE_ENABLE_HA_PROXY"
 BINARY = "RAY_SERVE_HAPROXY_BINARY_PATH"

@@ -52,7 +52,7 @@ from rayfleet.facts import (
     loopback_port,
     port,
 )
-from rayfleet.ingress import DEFAULT_INGRESS, GUARD_NAME, haproxy_env
+from rayfleet.ingress import DEFAULT_INGRESS, GUARD_NAME, WATCH_NAME, haproxy_env
 from rayfleet.stack import StackOutputs, WorkerNodeType
 from rayfleet.stack import parse as parse_outputs
 
@@ -69,7 +69,8 @@ RAY_BIN = f"{VENV}/bin/ray"
 # YAML names a folder of the operator's, not the kit's install path.
 REMOTE_AGENTS = "~/rayfleet-agents"
 AGENTS = Path(__file__).resolve().parent.parent / "agents"
-AGENT_NAMES = ("autostop", "logship", "spot", GUARD_NAME, gcsft.SUPERVISOR_NAME, "envcheck")
+AGENT_NAMES = ("autostop", "logship", "spot", GUARD_NAME, WATCH_NAME, gcsft.SUPERVISOR_NAME,
+               "envcheck")
 # The last setup command of every node: import what the workloads import, in the node venv
 # (rayfleet/agents/envcheck.py), so a package that installs but does not import (PyPI's
 # torchvision beside a CPU torch) fails `ray up` naming it, not a user's job later. Ray syncs

@@ -68,7 +68,8 @@ def rays_config(tmp_path, host: str = "0.0.0.0", grpc: bool = True) -> str:
         http_options=HTTPOptions(host=host, port=8000),
         grpc_options=gRPCOptions(port=9000, grpc_servicer_functions=["a.b:add"] if grpc else []),
         socket_path=str(node / "admin.sock"), server_state_base=str(node),
-        server_state_file=str(node / "server-state"), is_head=True)
+        server_state_file=str(node / "server-state"), is_head=True,
+        metrics_socket_path=str(node / "metrics.sock"))
     servers = [ServerConfig(name="r1", host="127.0.0.1", port=30000)]
     backend = BackendConfig(app_name="lm", name="http-lm", path_prefix="/", servers=servers)
     api = HAProxyApi(cfg=cfg, backend_configs={"lm": backend},
@@ -106,12 +107,12 @@ def test_a_host_the_serve_config_names_is_kept(tmp_path):
 
 
 @pytest.mark.parametrize("change,why", [
-    (lambda t: t + "listen admin\n  bind *:9999\n", "unknown listen section"),
+    (lambda t: t + "listen admin\n  bind *:9999\n", "unknown listen 'admin'"),
     (lambda t: t.replace("frontend http_frontend\n",
                          "frontend http_frontend\n    bind *:8081\n"), "second listener"),
     (lambda t: re.sub(r"^backend default_backend\n", "backend default_backend\n    bind :7777\n",
                       t, flags=re.M), "listener in backend"),
-    (lambda t: t + "peers mypeers\n    peer a 10.0.0.1:10000\n", "unknown section"),
+    (lambda t: t + "peers mypeers\n    peer a 10.0.0.1:10000\n", "a peers section"),
     (lambda t: re.sub(r"stats socket \S+", "stats socket ipv4@0.0.0.0:9999", t),
      "not a unix path"),
     (lambda t: re.sub(r"log 127\.0\.0\.1:514", "log 10.1.2.3:514", t), "off this machine"),

@@ -205,7 +205,8 @@ def test_node_agents_are_shipped_beside_the_token_and_started(tmp_path, outputs)
     assert sorted(p.name for p in folder.iterdir()) == [".rayfleet-agents", "autoscaler",
                                                         "autostop.py",
                                                         "envcheck.py", "gcs_supervisor.py",
-                                                        "haproxy_guard.py", "logship.py",
+                                                        "haproxy_guard.py", "haproxy_watch.py",
+                                                        "logship.py",
                                                         "spot.py"]
     assert os.access(folder / "haproxy_guard.py", os.X_OK)  # Ray runs it as HAProxy
     for script in folder.glob("*.py"):   # standalone: they run with the node environment alone
