@@ -18,10 +18,14 @@ So the HA head is started without ``--block``, under this program:
   its children: it reaps them and sees gcs_server's exit at once. It reads gcs_server's command
   line, environment, working folder and log files from /proc when it starts supervising, and
   on an exit starts the same command again (not logged: it holds the password), at most once
-  a second, recording each restart in ``--status`` (JSON); after MAX_RESTARTS exits within
-  RESTART_WINDOW_S it stops the head instead and exits 1;
+  a second, recording each restart in ``--status`` (JSON); after MAX_RESTARTS exits in a row,
+  each within ``--stable-s`` of its start, it stops the head instead and exits 1;
 - SIGTERM (`rayfleet local down`, or the next `ray up`'s first head command) stops the group:
-  SIGTERM to every process, SIGKILL to what is left after ``--grace-s``, then it exits 0.
+  SIGTERM to every process, SIGKILL to what is left after ``--grace-s``, then it exits 0. A
+  SIGTERM that comes while a failed `ray start` is being cleaned up is kept: no retry follows;
+- it leads its own process group (it makes one if started inside another's), so the group it
+  stops is never its caller's; anything that goes wrong after `ray start` stops the head,
+  says why in one line and in ``--status``, as does a failure before Ray is started.
 
     gcs_supervisor.py --password-file F --status S [--grace-s 14] -- ray start --head ...
 
@@ -52,9 +56,11 @@ from pathlib import Path
 PR_SET_CHILD_SUBREAPER = 36
 GCS_COMM = "gcs_server"
 MIN_RESTART_INTERVAL_S = 1.0
-# A GCS that dies this often (say its Redis is gone) is not coming back by being started
-# again: the supervisor stops the head instead, and `rayfleet local status` says it is down.
-MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
+# A GCS that keeps dying (say its Redis is gone) is not coming back by being started again:
+# after MAX_RESTARTS exits in a row, each within --stable-s of its start, the supervisor stops
+# the head instead, and `rayfleet local status` says it is down. One that ran longer than that
+# before it died starts the count over.
+MAX_RESTARTS, STABLE_S = 5, 600.0
 # A `ray start` that fails is run again this many times in all, this far apart: a transient
 # failure (see Supervisor.run) passes on the next try, a real one fails every time.
 START_ATTEMPTS, START_RETRY_DELAY_S = 3, 2.0
@@ -111,9 +117,12 @@ class Launch:
 
 
 class Supervisor:
-    def __init__(self, status: Path, grace_s: float):
+    def __init__(self, status: Path, grace_s: float, stable_s: float = STABLE_S,
+                 gcs_wait_s: float = 30.0):
         self.status, self.grace_s = status, grace_s
+        self.stable_s, self.gcs_wait_s = stable_s, gcs_wait_s
         self.stopping = False
+        self.terminated = False   # a SIGTERM came: nothing is started again after it
         self.restarts: list[dict] = []
         self.gcs_pid: int | None = None
         self.gcs_proc: subprocess.Popen | None = None
@@ -127,7 +136,7 @@ class Supervisor:
         tmp.replace(self.status)
 
     def on_sigterm(self, *_) -> None:
-        self.stopping = True
+        self.terminated = self.stopping = True
 
     def find_gcs(self, timeout_s: float = 30) -> int:
         deadline = time.time() + timeout_s
@@ -154,18 +163,30 @@ class Supervisor:
             log(f"`ray start` exited {starter.returncode} (attempt {attempt} of {attempts}); "
                 "stopping what it started and starting the head again")
             self.stop(quiet=True)
-            self.stopping = False
+            self.stopping = self.terminated   # a SIGTERM during that stop is kept
+            if self.terminated:
+                break
             time.sleep(START_RETRY_DELAY_S)
         if starter.returncode != 0 or self.stopping:
             # Quietly: `ray start`'s own last line is what `rayfleet local up` shows.
             self.write_status(exit=f"`ray start` exited {starter.returncode}")
             self.stop(quiet=True)
             return starter.returncode or 0
-        self.gcs_pid = self.find_gcs()
+        try:
+            return self.supervise()
+        except Exception as e:   # noqa: BLE001 (whatever it is, the head must not be orphaned)
+            log(f"stopping the head: {type(e).__name__}: {e}")
+            self.write_status(exit=f"the supervisor failed: {type(e).__name__}: {e}")
+            self.stop()
+            return 1
+
+    def supervise(self) -> int:
+        self.gcs_pid = self.find_gcs(self.gcs_wait_s)
         launch = Launch(self.gcs_pid)
         self.write_status()
         log(f"supervising gcs_server (pid {self.gcs_pid})")
-        last_start = 0.0
+        last_start = time.time()
+        streak = 0
         while not self.stopping:
             try:
                 pid, code = os.waitpid(-1, os.WNOHANG)
@@ -179,10 +200,11 @@ class Supervisor:
             died = time.time()
             how = (f"signal {os.WTERMSIG(code)}" if os.WIFSIGNALED(code)
                    else f"exit code {os.WEXITSTATUS(code)}")
-            recent = [r for r in self.restarts if r["died_at"] > died - RESTART_WINDOW_S]
-            if len(recent) >= MAX_RESTARTS:
-                log(f"gcs_server (pid {pid}) ended ({how}), its {len(recent) + 1}th exit in "
-                    f"{RESTART_WINDOW_S:g} s: not starting it again; stopping the head")
+            streak = streak + 1 if died - last_start < self.stable_s else 1
+            if streak > MAX_RESTARTS:
+                log(f"gcs_server (pid {pid}) ended ({how}), its {streak}th exit in a row within "
+                    f"{self.stable_s:g} s of its start: not starting it again; stopping the head")
+                self.write_status(exit=f"gcs_server ended {streak} times in a row")
                 self.stop()
                 return 1
             time.sleep(max(0.0, last_start + MIN_RESTART_INTERVAL_S - died))
@@ -208,6 +230,9 @@ class Supervisor:
         whatever is left at the end."""
         self.stopping = True
         started, pgid = time.time(), os.getpgrp()
+        if pgid != os.getpid():   # never the caller's group (main() makes this one's own)
+            log(f"not stopping process group {pgid}: it is not this supervisor's")
+            return
         waves = (lambda name: name == "raylet", lambda name: name != GCS_COMM,
                  lambda name: True)
         for i, wave in enumerate(waves):
@@ -295,20 +320,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--password-file", required=True, type=Path)
     parser.add_argument("--status", required=True, type=Path)
     parser.add_argument("--grace-s", type=float, default=14.0)
+    parser.add_argument("--stable-s", type=float, default=STABLE_S,
+                        help="a gcs_server that ran this long before it died starts the "
+                             "count of exits in a row over")
+    parser.add_argument("--gcs-wait-s", type=float, default=30.0,
+                        help="how long `ray start`'s gcs_server may take to appear")
     args = parser.parse_args(argv[:split])
     ray_start = argv[split + 1:]
-    password = args.password_file.read_text().strip()
-    if not password:
-        print(f"gcs_supervisor: {args.password_file} is empty", file=sys.stderr)
-        return 2
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        print(f"gcs_supervisor: prctl(PR_SET_CHILD_SUBREAPER): "
-              f"{os.strerror(ctypes.get_errno())}", file=sys.stderr)
-        return 2
-    sup = Supervisor(args.status, args.grace_s)
+    sup = Supervisor(args.status, args.grace_s, args.stable_s, args.gcs_wait_s)
     signal.signal(signal.SIGTERM, sup.on_sigterm)
     signal.signal(signal.SIGINT, sup.on_sigterm)
+
+    def refuse(why: str) -> int:   # before Ray starts: said, and in --status for --wait
+        print(f"gcs_supervisor: {why}", file=sys.stderr)
+        sup.write_status(exit=why)
+        return 2
+
+    try:
+        password = args.password_file.read_text().strip()
+    except OSError as e:
+        return refuse(f"cannot read {args.password_file}: {e.strerror}")
+    if not password:
+        return refuse(f"{args.password_file} is empty")
+    if os.getpgrp() != os.getpid():
+        try:
+            os.setpgid(0, 0)   # a group of its own: stop() signals only what it started
+        except OSError as e:
+            return refuse(f"cannot lead a process group of its own: {e.strerror}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        return refuse(f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
     return sup.run([*ray_start, f"--redis-password={password}"])
 
 

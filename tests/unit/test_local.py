@@ -232,7 +232,7 @@ def test_gcs_supervisor_starts_the_gcs_again_then_gives_up_on_a_crash_loop(tmp_p
     start` that leaves a process named gcs_server behind: the password reaches `ray start`
     from the file and is not on the supervisor's own command line; a killed gcs_server is
     started again with the same command line, in the head's process group; after
-    MAX_RESTARTS exits in a minute it stops the head and exits 1."""
+    MAX_RESTARTS exits in a row, each soon after its start, it stops the head and exits 1."""
     import json
     import signal
     import time
