@@ -79,31 +79,44 @@ def find(ec2, cluster: str) -> list[Leftover]:
 
 
 def delete(ec2, leftovers: list[Leftover]) -> list[str]:
-    """Remove in dependency order; returns one line per failure (the rest still go)."""
+    """Remove in dependency order; returns one line per failure (the rest still go: an
+    instance EC2 will not terminate, or a wait that runs out, stops nothing after it)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    def why(e: Exception) -> str:
+        if isinstance(e, ClientError):
+            return e.response.get("Error", {}).get("Code", "") or str(e)
+        return f"{type(e).__name__}: {e}"
+
     failures: list[str] = []
     by_kind: dict[str, list[str]] = {}
     for x in leftovers:
         by_kind.setdefault(x.kind, []).append(x.id)
-    if by_kind.get("instance"):
-        ids = by_kind["instance"]
-        ec2.terminate_instances(InstanceIds=ids)
-        ec2.get_waiter("instance_terminated").wait(
-            InstanceIds=ids, WaiterConfig={"Delay": 5, "MaxAttempts": 120})
+    terminating = []
+    for iid in by_kind.get("instance", []):   # one by one: a protected one stops no other
+        try:
+            ec2.terminate_instances(InstanceIds=[iid])
+            terminating.append(iid)
+        except (BotoCoreError, ClientError) as e:
+            failures.append(f"instance {iid}: {why(e)}")
+    if terminating:
+        try:
+            ec2.get_waiter("instance_terminated").wait(
+                InstanceIds=terminating, WaiterConfig={"Delay": 5, "MaxAttempts": 120})
+        except (BotoCoreError, ClientError) as e:   # WaiterError is a BotoCoreError
+            failures.append(f"instances {' '.join(terminating)} not yet terminated: {why(e)}")
     calls = (("network-interface", lambda i: ec2.delete_network_interface(NetworkInterfaceId=i)),
              ("volume", lambda i: ec2.delete_volume(VolumeId=i)),
              ("security-group", lambda i: ec2.delete_security_group(GroupId=i)),
              ("key-pair", lambda i: ec2.delete_key_pair(KeyName=i)))
-    from botocore.exceptions import ClientError
-
     for kind, call in calls:
         for rid in by_kind.get(kind, []):
             try:
                 call(rid)
-            except ClientError as e:
-                code = e.response.get("Error", {}).get("Code", "")
-                if code.endswith("NotFound"):
+            except (BotoCoreError, ClientError) as e:
+                if why(e).endswith("NotFound"):
                     continue  # went with its instance
-                failures.append(f"{kind} {rid}: {code}")
+                failures.append(f"{kind} {rid}: {why(e)}")
     return failures
 
 

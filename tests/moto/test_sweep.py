@@ -111,6 +111,24 @@ def test_delete_removes_everything_and_leaves_the_stack(ec2, leftovers, stack_sg
     assert "nothing tagged" in capsys.readouterr().out
 
 
+def test_an_instance_ec2_will_not_terminate_stops_nothing_else(ec2, leftovers, vpc, ami,
+                                                                 capsys):
+    """A leftover with termination protection: one line for it, no traceback, and every
+    other leftover still goes (the other instances, volumes, interfaces, groups, keys)."""
+    protected = ec2.run_instances(ImageId=ami, MinCount=1, MaxCount=1, SubnetId=vpc[1],
+                                  TagSpecifications=[{"ResourceType": "instance",
+                                                      "Tags": _tags()}])[
+        "Instances"][0]["InstanceId"]
+    ec2.modify_instance_attribute(InstanceId=protected, DisableApiTermination={"Value": True})
+    assert cli.main(["sweep", "--cluster-name", CLUSTER, "--region", "us-east-1",
+                     "--delete"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"could not delete instance {protected}: OperationNotPermitted"]
+    assert _found(ec2) == {"instance": {protected}}
+    ec2.modify_instance_attribute(InstanceId=protected, DisableApiTermination={"Value": False})
+    ec2.terminate_instances(InstanceIds=[protected])
+
+
 @pytest.mark.parametrize("argv,expected", [
     (["--cluster-name", "rayfleet dev"], "not a Ray cluster name"),
     (["--cluster-name", "*"], "not a Ray cluster name"),
