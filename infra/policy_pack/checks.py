@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import fnmatch
 import ipaddress
 import json
 import re
@@ -1014,6 +1015,20 @@ def _is_group(ref: str, group: Resource) -> bool:
     return ref in group.refs or (bool(group.urn) and group.urn in ref.split("|"))
 
 
+# AWS-managed policies known to grant no secretsmanager action (the stack attaches SSM's).
+SECRETLESS_MANAGED_POLICIES = frozenset({"AmazonSSMManagedInstanceCore"})
+
+
+def _grants(statement: dict, action: str) -> bool:
+    """Whether an Allow statement grants ``action`` as IAM matches it: case-insensitively,
+    with * and ? wildcards, NotAction granting everything it does not name."""
+    def hit(patterns: Any) -> bool:
+        return any(fnmatch.fnmatchcase(action.lower(), str(p).lower()) for p in _list(patterns))
+    if statement.get("NotAction") is not None:
+        return not hit(statement["NotAction"])
+    return hit(statement.get("Action"))
+
+
 def rule_33_gcs_store(resources: Sequence[Resource], **_: Any) -> Iterator[Violation]:
     """rayfleet:headHa's Redis: encrypted at rest and in transit (TLS required, not merely
     preferred), an auth token, security groups that admit only other security groups; and
@@ -1041,14 +1056,24 @@ def rule_33_gcs_store(resources: Sequence[Resource], **_: Any) -> Iterator[Viola
                             "cluster's state")
         if not _list(_known(i, "securityGroupIds")) and not r.deps.get("securityGroupIds"):
             yield _v(33, r, "names no security group, so the VPC's default group guards it")
+        perms = permissions(resources)
+        # The cluster's group: the one admitting Ray's GCS port over TCP from itself.
+        clusters = {p.group for p in perms if p.direction == "ingress" and p.tcp_or_all
+                    and p.from_itself and p.from_port <= port("gcs") <= p.to_port}
         for g in groups:
             if not _lists(r, "securityGroupIds", g):
                 continue
-            for p in permissions(resources):
-                if p.direction != "ingress" or not _is_group(p.group, g):
+            for p in perms:
+                if not _is_group(p.group, g):
                     continue
-                if p.cidrs or p.prefix_lists:
-                    source = ", ".join(p.cidrs + p.prefix_lists)
+                if p.direction == "egress":
+                    target = ", ".join(p.cidrs + p.groups + p.prefix_lists) or "anywhere"
+                    yield _v(33, p.resource, f"lets the GCS store's group {g.name} send to "
+                                             f"{target}; the store needs no outbound rule")
+                    continue
+                others = [x for x in p.groups if x not in clusters]
+                if p.cidrs or p.prefix_lists or others or p.self_ref:
+                    source = ", ".join(p.cidrs + p.prefix_lists + tuple(others)) or "itself"
                     yield _v(33, p.resource, f"admits {source} to the GCS store's group "
                                              f"{g.name}; only the cluster's security group may "
                                              "reach it")
@@ -1060,13 +1085,22 @@ def rule_33_gcs_store(resources: Sequence[Resource], **_: Any) -> Iterator[Viola
     if not secret_arns:
         return
     roles = _node_roles(resources)
+    # A managed policy's document is not in the graph: on a role other than the head's, only
+    # one known not to read secrets may be attached.
+    for role in roles.values():
+        if _role_kind(role) == "head":
+            continue
+        attached = [(a, a.inputs.get("policyArn")) for a in _all(resources, ROLE_ATTACHMENT)
+                    if _points_to(a, "role", role)]
+        attached += [(role, arn) for arn in _list(role.inputs.get("managedPolicyArns"))]
+        for holder, arn in attached:
+            if str(arn).rsplit("/", 1)[-1] not in SECRETLESS_MANAGED_POLICIES:
+                yield _v(33, holder, f"attaches {arn} to the {_role_kind(role)} role: a managed "
+                                     "policy may read the GCS store's token; only the head "
+                                     "role may")
     for r, statements in _policy_documents(resources):
         for s in statements:
-            if not _allows(s):
-                continue
-            reads = [a for a in _actions(s) if a in ("secretsmanager:GetSecretValue",
-                                                     "secretsmanager:*", "*")]
-            if not reads:
+            if not _allows(s) or not _grants(s, "secretsmanager:GetSecretValue"):
                 continue
             targets = [str(x) for x in _list(s.get("Resource"))]
             hits = [t for t in targets if t in secret_arns or "*" in t]

@@ -446,6 +446,25 @@ MUTATIONS: dict[int, dict[str, Mutation]] = {
             b, f"{D}-gcs-head-token",
             lambda i: policy_doc(i, lambda st: sid(st, "ReadTheGcsStoreToken").update(
                 Resource="*"))),
+        # The same read, spelled as IAM also matches it.
+        **{f"token readable by the worker role as {action}": (
+            lambda b, action=action: edit(b, f"{D}-gcs-head-token", lambda i: (i.update(
+                role=_pick(b, f"{D}-iam-worker", policy.ROLE).outputs["name"]), policy_doc(
+                i, lambda st: sid(st, "ReadTheGcsStoreToken").update(Action=action)))))
+            for action in ("secretsmanager:Get*", "secretsmanager:GetSecret*",
+                           "secretsmanager:getsecretvalue", "secretsmanager:?etSecretValue")},
+        "token readable by the worker role through NotAction": lambda b: edit(
+            b, f"{D}-gcs-head-token", lambda i: (i.update(
+                role=_pick(b, f"{D}-iam-worker", policy.ROLE).outputs["name"]), policy_doc(
+                i, lambda st: sid(st, "ReadTheGcsStoreToken").update(
+                    NotAction="s3:*", Action=None)))),
+        "a managed policy on the worker role": lambda b: add(
+            b, f"{D}-iam-worker-ssm", "oops-worker-secrets", lambda i: i.update(
+                policyArn="arn:aws:iam::aws:policy/SecretsManagerReadWrite")),
+        "store's group opened to another security group": lambda b: add(
+            b, f"{D}-gcs-redis-from-cluster", "oops-redis-from-other-group",
+            lambda i: i.update(referencedSecurityGroupId="sg-0123456789abcdef0")),
+        "store's group may send anywhere": lambda b: _egress(b),
     },
     30: {
         "direct-ingress rule widened to Ray's unpinned 30000-31000": lambda b: edit(
@@ -455,6 +474,15 @@ MUTATIONS: dict[int, dict[str, Mutation]] = {
             b, f"{D}-security-serve-fallback-proxy", f"{D}-security-cluster"),
     },
 }
+
+
+def _egress(b: Built) -> tuple[list[Resource], str]:
+    """The GCS store's group with an egress rule to the world (a copy of its ingress rule,
+    turned around)."""
+    resources, name = add(b, f"{D}-gcs-redis-from-cluster", "oops-redis-egress",
+                          world("0.0.0.0/0", GCS_STORE_PORT))
+    extra = resources[-1]
+    return [*resources[:-1], dataclasses.replace(extra, type=policy.SG_EGRESS)], name
 
 
 # The stack a rule's mutations run on, where not the dev stack: the resources they change exist
