@@ -73,6 +73,25 @@ def ray_temp_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"rayfleet-{digest}"
 
 
+def own_ray_temp_dir() -> Path:
+    """ray_temp_dir(), made 0700 if new; refused when it is a link or another user's (its
+    name is predictable, in a shared /tmp), tightened to 0700 when it is this user's."""
+    folder = ray_temp_dir()
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise ClusterError(f"cannot make Ray's folder {folder} ({e.strerror})") from None
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise ClusterError(f"Ray's folder {folder} is a link or another user's: remove it "
+                           "(or set RAYFLEET_HOME elsewhere) and run `up` again")
+    if st.st_mode & 0o077:
+        os.chmod(folder, 0o700)
+    return folder
+
+
 def token_path() -> Path:
     return state_dir() / "auth_token"
 
@@ -312,7 +331,7 @@ def up(num_cpus: int | None = None, num_gpus: int | None = None,
         # Ray 2.60 turns 127.0.0.1 into the machine's own address
         # (services.resolve_ip_for_localhost): the GCS, raylet and client server still bind
         # beyond loopback, behind the token (README, "What listens").
-        node_ip_address="127.0.0.1", temp_dir=str(ray_temp_dir()),
+        node_ip_address="127.0.0.1", temp_dir=str(own_ray_temp_dir()),
         num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=store)
     env = {**os.environ, **auth_env(token)}
     # Job drivers inherit the head's PATH: put the kit's interpreter first so that

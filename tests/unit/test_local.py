@@ -1,6 +1,7 @@
 """`rayfleet local` without a cluster: token file, sizes, ports, one-line errors."""
 
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -17,7 +18,33 @@ RAYFLEET = [sys.executable, "-m", "rayfleet.commands.cli"]
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYFLEET_HOME", str(tmp_path / "state"))
-    return tmp_path / "state"
+    yield tmp_path / "state"
+    if local.ray_temp_dir().is_dir() and not local.ray_temp_dir().is_symlink():
+        shutil.rmtree(local.ray_temp_dir())   # `up` made it in the shared /tmp
+
+
+def test_rays_folder_in_the_shared_tmp_is_this_users_own(home, tmp_path):
+    """Its name is predictable: a link planted there, or another user's folder, is refused in
+    one line; this user's own, left open by an older run, is tightened to 0700."""
+    folder = local.ray_temp_dir()
+    folder.symlink_to(tmp_path)
+    try:
+        with pytest.raises(ClusterError, match="is a link or another user's"):
+            local.own_ray_temp_dir()
+    finally:
+        folder.unlink()
+    folder.mkdir(mode=0o755)
+    os.chmod(folder, 0o755)
+    os.chown(folder, 65534, 65534)   # nobody's
+    try:
+        with pytest.raises(ClusterError, match="is a link or another user's"):
+            local.own_ray_temp_dir()
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o755   # not chmodded: not ours
+        os.chown(folder, os.geteuid(), os.getegid())
+        assert local.own_ray_temp_dir() == folder
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    finally:
+        shutil.rmtree(folder)
 
 
 def test_token_is_created_once_with_mode_0600(home):
