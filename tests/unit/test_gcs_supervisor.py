@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 
 AGENT = REPO / "rayfleet" / "agents" / "gcs_supervisor.py"
 
@@ -47,18 +47,11 @@ def _supervisor(tmp_path, start: str, *args: str, flags=(), **popen) -> subproce
         text=True, **popen)
 
 
-def _until(what, check, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def test_a_sigterm_during_the_cleanup_of_a_failed_start_ends_it(tmp_path):
     attempts = tmp_path / "attempts"
     proc = _supervisor(tmp_path, FAILING_START, str(attempts), flags=["--grace-s", "4"])
     try:
-        _until("the first attempt", lambda: attempts.exists())
+        wait_until("the first attempt", lambda: attempts.exists())
         time.sleep(1.0)   # inside stop(): its SIGTERM ignored, the grace period runs
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 1, proc.stdout.read()

@@ -17,7 +17,7 @@ import pytest
 
 from rayfleet.agents import haproxy_guard as guard
 from rayfleet.agents import haproxy_watch as watcher
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, wait_until
 from tests.unit.test_ingress import rays_config
 
 GUARD = REPO / "rayfleet" / "agents" / "haproxy_guard.py"
@@ -165,13 +165,6 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _wait(what, check, timeout=30):
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def test_the_watcher_stops_a_haproxy_holding_more_than_it_was_allowed(tmp_path):
     """A real HAProxy (started without the guard) with a TCP listener on every interface, a
     UDP one (log-forward) and an admin socket any user may open: the watcher names all three
@@ -190,8 +183,8 @@ def test_the_watcher_stops_a_haproxy_holding_more_than_it_was_allowed(tmp_path):
     proc = _start_haproxy_alone(cfg, tmp_path)
     try:
         everything = {("127.0.0.1", ok), ("0.0.0.0", extra)}
-        _wait("HAProxy's sockets", lambda: proc.poll() is None and os.path.exists(sock) and len(
-            watcher.problems(proc.pid, {("127.0.0.1", ok)}, str(sock))) == 3)
+        wait_until("HAProxy's sockets", lambda: proc.poll() is None and os.path.exists(
+            sock) and len(watcher.problems(proc.pid, {("127.0.0.1", ok)}, str(sock))) == 3)
         start = watcher._ticks(proc.pid)
         assert watcher.problems(proc.pid, everything, str(sock)) == [
             f"a UDP socket on 0.0.0.0:{udp}", f"the admin socket {sock} mode 0o666"]
@@ -219,7 +212,7 @@ def test_the_guard_leaves_a_watcher_and_the_guarded_haproxy_passes_it(tmp_path):
     proc = subprocess.Popen([sys.executable, str(GUARD), "-db", "-f", str(path)], env=env,
                             stdout=open(tmp_path / "haproxy.log", "w"), stderr=subprocess.STDOUT)
     try:
-        _wait("HAProxy on the Serve port", lambda: _listening(port))
+        wait_until("HAProxy on the Serve port", lambda: _listening(port))
         watchers = subprocess.run(["pgrep", "-f", f"haproxy_watch.py --pid {proc.pid} "],
                                   capture_output=True, text=True).stdout.split()
         assert len(watchers) == 1, watchers
@@ -233,5 +226,5 @@ def test_the_guard_leaves_a_watcher_and_the_guarded_haproxy_passes_it(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
-    _wait("the watcher to leave with its HAProxy", lambda: not os.path.exists(
+    wait_until("the watcher to leave with its HAProxy", lambda: not os.path.exists(
         f"/proc/{watchers[0]}"), timeout=15)
