@@ -91,7 +91,8 @@ class Agent:
         self.proc = subprocess.Popen(
             [sys.executable, str(AGENT), "--cluster-name", "local", "--minutes",
              str(WINDOW_S / 60), "--poll-s", "0.5", "--dry-run",
-             "--address", env["RAY_DASHBOARD_ADDRESS"]],
+             "--address", env["RAY_DASHBOARD_ADDRESS"],
+             "--gcs-port", env["RAY_ADDRESS"].rsplit(":", 1)[1]],
             env={**env, "PYTHONUNBUFFERED": "1"}, stdout=open(log, "w"),
             stderr=subprocess.STDOUT)
 

@@ -63,6 +63,13 @@ def _split() -> int:
 
 
 TRACEBACK = "Traceback (most recent call last)"
+# Ray 2.60's own background-thread noise, printed by a job whose work finished: Ray Data's
+# file lister signals completion into a queue its executor already shut
+# (ray/data/_internal/dynamic_work_queue.py, _signal_completion -> InterruptedError). Only
+# that exact traceback is passed over; any other fails the block.
+RAY_NOISE = re.compile(r"(?:^.*Traceback \(most recent call last\):\n)(?:.*\n){1,12}?"
+                       r".*dynamic_work_queue\.py\", line \d+, in _signal_completion\n"
+                       r"(?:.*\n){1,4}?.*\bInterruptedError\n", re.M)
 
 
 class PageShell:
@@ -135,7 +142,7 @@ def _run_blocks(blocks, shells: dict, open_shell, port: int, outputs: list) -> N
         assert status == 0, where
         for pattern in expects:
             assert re.search(pattern, out), f"{where}\nexpected: {pattern}"
-        assert TRACEBACK not in out, f"{where}\na traceback in its output"
+        assert TRACEBACK not in RAY_NOISE.sub("", out), f"{where}\na traceback in its output"
 
 
 @pytest.fixture(scope="module")

@@ -290,7 +290,7 @@ class FakeCloud:
         """Start a node for each running instance moto holds in the fake VPC; remove it when
         moto says the instance is terminated."""
 
-        from botocore.exceptions import ResponseParserError
+        from botocore.parsers import ResponseParserError
 
         def loop():
             garbled = 0   # moto_server under load now and then sends a cut XML body
