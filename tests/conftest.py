@@ -7,6 +7,7 @@ Markers: unit (default), ray, moto, slow, faults, gpu, aws_live.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -221,6 +222,18 @@ def pytest_runtest_setup(item):
         from tests.tiers import unavailable
 
         unavailable("gpu", "needs CUDA (torch.cuda.is_available() is False here)")
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_as_it_was():
+    """Each test leaves the root logger as it found it: a library that calls
+    logging.basicConfig inside one test (Ray Serve LLM's imports do) would otherwise leave a
+    handler on that test's captured, then closed, stderr, and every later line logged (boto's
+    "Found credentials") would print a logging error into another test's output."""
+    handlers, level = list(logging.root.handlers), logging.root.level
+    yield
+    logging.root.handlers[:] = handlers
+    logging.root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

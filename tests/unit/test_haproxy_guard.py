@@ -205,7 +205,7 @@ def test_the_guard_leaves_a_watcher_and_the_guarded_haproxy_passes_it(tmp_path):
     """As Ray runs it: the guard rewrites the config, leaves its watcher (a session of its
     own, not HAProxy's child) and becomes HAProxy, whose sockets are what it was allowed."""
     raw = rays_config(tmp_path, grpc=False)
-    path = tmp_path / "haproxy" / "node" / "haproxy.cfg"
+    path = tmp_path / "h" / "n" / "haproxy.cfg"
     port = free_port()
     path.write_text(raw.replace("bind *:8000", f"bind *:{port}"))
     env = {**os.environ, "RAYFLEET_HAPROXY_BIND": "127.0.0.1"}

@@ -60,9 +60,11 @@ def rays_config(tmp_path, host: str = "0.0.0.0", grpc: bool = True) -> str:
     from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    folder = tmp_path / "haproxy"
+    # Short names: HAProxy refuses a socket path over 97 characters, and xdist's temp folders
+    # are long.
+    folder = tmp_path / "h"
     folder.mkdir(mode=0o700)
-    node = folder / "node"
+    node = folder / "n"
     node.mkdir()
     cfg = HAProxyConfig(
         http_options=HTTPOptions(host=host, port=8000),
@@ -91,7 +93,7 @@ def test_rays_config_through_the_guard_listens_on_loopback_only_and_haproxy_acce
     assert re.search(r"stats socket \S+ mode 600 level admin", safe)
     # HAProxy's own check of the result, through the guard exactly as Ray calls it (-f CONFIG),
     # with -c: the guard rewrites the file in place and execs the real binary.
-    path = tmp_path / "haproxy" / "node" / "haproxy.cfg"
+    path = tmp_path / "h" / "n" / "haproxy.cfg"
     done = subprocess.run([sys.executable, str(GUARD), "-c", "-f", str(path)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr + done.stdout
@@ -128,14 +130,14 @@ def test_what_the_guard_does_not_know_is_refused_in_one_line(tmp_path, change, w
 
 def test_an_admin_socket_others_may_open_is_refused(tmp_path):
     raw = rays_config(tmp_path)
-    os.chmod(tmp_path / "haproxy", 0o755)
+    os.chmod(tmp_path / "h", 0o755)
     with pytest.raises(guard.GuardError, match="not inside a folder only its owner can open"):
         guard.guard(raw)
 
 
 def test_a_refused_config_starts_nothing_and_says_why_in_one_line(tmp_path):
     raw = rays_config(tmp_path)
-    path = tmp_path / "haproxy" / "node" / "haproxy.cfg"
+    path = tmp_path / "h" / "n" / "haproxy.cfg"
     path.write_text(raw + "listen admin\n  bind *:9999\n")
     before = path.read_text()
     done = subprocess.run([sys.executable, str(GUARD), "-db", "-f", str(path)],
