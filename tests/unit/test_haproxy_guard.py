@@ -93,9 +93,11 @@ CRAFTED = {
     "bind port range": (_replace(r"bind \*:8000", "bind 127.0.0.1:8000-8010"), "address form"),
     "bind option": (_replace(r"bind \*:8000", "bind *:8000 v4v6 level admin"),
                     "a bind it does not allow"),
-    "env expansion": (_replace(r"bind \*:8000", 'bind "${HOST}:8000"'), "inside double quotes"),
+    "env expansion": (_replace(r"bind \*:8000", 'bind "${HOST}:8000"'), "HAProxy would expand"),
     "bare expansion": (_replace(r"bind \*:8000", "bind $HOST:8000"), "HAProxy would expand"),
-    "escape": (_replace(r"bind \*:8000", "bind \\*:8000"), "HAProxy would expand"),
+    "escape": (_replace(r"bind \*:8000", "bind \\*:8000"), "an escape it does not reproduce"),
+    "hex escape": (lambda t: t.replace("bind *:8000", 'bind "\\x2a:8000"'),
+                   "an escape it does not"),
     "indented section": (_inject("listen stats", "   listen evil\n  bind 0.0.0.0:7777"),
                          "unknown listen 'evil'"),
     "udp listener": (_inject(None, "log-forward lf\n    dgram-bind 0.0.0.0:514"),
@@ -144,9 +146,20 @@ def test_a_crafted_construct_is_refused_in_one_line(tmp_path, case):
 
 
 def test_quotes_are_read_as_haproxy_reads_them_and_written_back_plain(tmp_path):
+    """Quoted words are words; Ray's route table (JSON in double quotes, its quotes escaped)
+    is written back so that HAProxy itself accepts it."""
+    routes = 'string "{\\"/probe\\":\\"it\'s\\"}" if routes'
     raw = rays_config(tmp_path).replace("bind *:8000", "'bind' \"*:8000\"")
+    raw = re.sub(r'string "Route table is not populated yet\." if routes', lambda m: routes, raw)
+    assert routes in raw
     safe = guard.guard(raw)
     assert "    bind 127.0.0.1:8000" in safe.splitlines()
+    assert "string \"{\\\"/probe\\\":\\\"it's\\\"}\" if routes" in safe, safe
+    path = tmp_path / "h" / "n" / "haproxy.cfg"
+    path.write_text(raw)
+    done = subprocess.run([sys.executable, str(GUARD), "-c", "-f", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "valid" in (done.stdout + done.stderr).lower(), done
     assert guard.split("""a 'b c'"d" "e'f" g""") == ["a", "b cd", "e'f", "g"]
     for words in (["x", "a b"], ["y", "it's"], ["z", ""]):
         assert guard.split(guard.join(words)) == words
