@@ -296,6 +296,17 @@ def _tags(instance: dict) -> dict[str, str]:
     return {t["Key"]: t["Value"] for t in instance.get("Tags") or []}
 
 
+def _snapshot(dest: Path) -> Path:
+    """The checkout's tracked files (as they are now) copied under ``dest``."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        if (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    return dest
+
+
 def test_cloud_path_on_the_fake_cloud(monkeypatch):
     try:
         require_tools()
@@ -544,9 +555,14 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             # starts while the next jobs run; both answer after the data job's rerun.
             src = yaml.safe_load((REPO / "cluster-configs" / "serve" / "lm.yaml").read_text())
             serve_yaml = op_home / "serve-lm.yaml"
+            # The code both packages are made from: the checkout's tracked files, copied once.
+            # (The checkout itself may change between the two while the suite's other worker
+            # runs; a user's does not change between two commands.)
+            code = _snapshot(root / "code")
             _ok(run([str(BIN / "rayfleet"), "serve-config",
                      str(REPO / "cluster-configs" / "serve" / "lm.yaml"), "--package-to",
                      f"s3://{bucket}/rayfleet/packages", "-o", str(serve_yaml),
+                     "--working-dir", str(code),
                      f"--arg=checkpoint={s['checkpoint']}"], env=client, timeout=120),
                 "rayfleet serve-config")
             # Without RAY_ADDRESS (here the Jobs API's): the generator checks the export in S3
@@ -562,8 +578,9 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                     env={k: v for k, v in client.items() if k != "RAY_ADDRESS"}, timeout=180),
                 "workloads.serve.llm_config")
             _ok(run([str(BIN / "rayfleet"), "serve-config", str(llm_src), "--package-to",
-                     f"s3://{bucket}/rayfleet/packages", "-o", str(llm_yaml)], env=client,
-                    timeout=120), "rayfleet serve-config (llm)")
+                     f"s3://{bucket}/rayfleet/packages", "-o", str(llm_yaml),
+                     "--working-dir", str(code)], env=client, timeout=120),
+                "rayfleet serve-config (llm)")
             both = yaml.safe_load(serve_yaml.read_text())
             (llm_app,) = yaml.safe_load(llm_yaml.read_text())["applications"]
             assert llm_app["import_path"] == "workloads.serve.llm:app_builder", llm_app
