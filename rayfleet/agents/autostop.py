@@ -72,8 +72,8 @@ NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 MONITOR_SCRIPTS = ("ray/autoscaler/_private/monitor.py", "ray/autoscaler/v2/monitor.py")
 
 
-class Stop(Exception):
-    """SIGTERM: leave without tearing anything down."""
+class Stop(Exception):   # SIGTERM: leave without tearing anything down
+    pass
 
 
 def log(message: str) -> None:
@@ -190,8 +190,8 @@ def is_head(instance: dict) -> bool:
                for t in instance.get("Tags") or [])
 
 
-class Busy(Exception):
-    """Work arrived (or Ray's state went unreadable) during the teardown: abort it."""
+class Busy(Exception):   # work arrived (or Ray's state went unreadable): abort the teardown
+    pass
 
 
 class Proc:
@@ -323,8 +323,7 @@ def teardown(ec2, cluster: str, check=lambda step: None, wait_s: float = 300,
 
 
 def still_idle(ray: "Dashboard", window_s: float):
-    """The check before each step of the teardown: Busy if anything is going on, or if Ray
-    cannot say."""
+    """The check before each teardown step: Busy if anything is going on or Ray cannot say."""
     def check(step: str) -> None:
         try:
             reasons = busy_reasons(ray, time.time(), window_s)
@@ -429,14 +428,13 @@ def tear_down(args: argparse.Namespace, ec2, ray: Dashboard) -> list[str]:
     """The autoscaler paused, the log shipper's last copy, then the instances, one more look
     at Ray before each step; on Busy, what was paused or stopped runs again."""
     check = still_idle(ray, args.minutes * 60)
-    paused = pause_autoscaler(args.gcs_port)
-    stopped = []
+    paused, stopped = pause_autoscaler(args.gcs_port), []
     try:
         if args.stop_first:
             check("stopping the log shipper")
             stopped = stop_first(args.stop_first)
         return teardown(ec2, args.cluster_name, check)
-    except Busy:
+    except Exception:   # Busy, or an EC2 call that failed: nothing stays paused or stopped
         restart(stopped)
         resume(paused)
         raise
@@ -487,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
                 gone = tear_down(args, session.client("ec2"), ray)
             except Busy as e:
                 cluster_log.write(f"teardown aborted {e}; watching again")
+                continue
+            except Exception as e:   # noqa: BLE001 (said, and the watch goes on)
+                cluster_log.write(f"teardown failed ({type(e).__name__}: {e}); watching again")
                 continue
             cluster_log.write(f"terminated {len(gone)} instance(s): {' '.join(gone)}")
             return 0
