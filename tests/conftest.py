@@ -224,6 +224,22 @@ def pytest_runtest_setup(item):
         unavailable("gpu", "needs CUDA (torch.cuda.is_available() is False here)")
 
 
+def copy_of_checkout(dest: Path) -> Path:
+    """The checkout's tracked files, as they are now, copied under ``dest`` (outside git:
+    everything but what .gitignore keeps out of a job's upload)."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True)
+    if files.returncode == 0:
+        for rel in filter(None, files.stdout.decode().split("\0")):
+            src = REPO / rel
+            if src.is_file():
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dest / rel)
+    else:
+        shutil.copytree(REPO, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+            ".venv", ".git", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"))
+    return dest
+
+
 @pytest.fixture(autouse=True)
 def _root_logger_as_it_was():
     """Each test leaves the root logger as it found it: a library that calls

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import time
@@ -33,22 +32,8 @@ from pathlib import Path
 import pytest
 
 from scripts.readme_blocks import FENCE, PAGES, all_examples, examples, find_section
-from tests.conftest import BIN, REPO, free_port, run
+from tests.conftest import BIN, REPO, copy_of_checkout, free_port, run
 from tests.workloads.conftest import post_json, serve_shutdown
-
-def _copy_of_repo(dest: Path) -> Path:
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True)
-    if files.returncode == 0:
-        for rel in filter(None, files.stdout.decode().split("\0")):
-            src = REPO / rel
-            if src.is_file():
-                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src, dest / rel)
-    else:   # not a git checkout: everything but what .gitignore keeps out of a job's upload
-        shutil.copytree(REPO, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
-            ".venv", ".git", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"))
-    return dest
-
 
 def _runnable() -> list[tuple[str, str, list[str]]]:
     return [(where, body, expects) for where, body, expects in all_examples(REPO)
@@ -150,7 +135,7 @@ def readme(ray_cluster, tmp_path_factory):
     """The runnable blocks up to the `rag` deploy, in the pages' order; what they leave (files,
     and the `rag` app) is what the tests below look at."""
     root = tmp_path_factory.mktemp("readme")
-    work = _copy_of_repo(root / "checkout")
+    work = copy_of_checkout(root / "checkout")
     port = free_port()
     for cfg in (work / "cluster-configs" / "serve").glob("*.yaml"):
         cfg.write_text(cfg.read_text().replace("port: 8000", f"port: {port}"))

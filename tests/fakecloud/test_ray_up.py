@@ -57,7 +57,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import BIN, REPO, SFT_MAX_LENGTH, free_port, run, summary_of, wait_until
+from tests.conftest import (BIN, REPO, SFT_MAX_LENGTH, copy_of_checkout, free_port, run,
+                            summary_of, wait_until)
 
 from tests.moto.pulumi_moto import cluster_instances
 from tests.tiers import unavailable
@@ -294,17 +295,6 @@ def operator_key(cloud: FakeCloud, stack, op_home: Path) -> None:
 
 def _tags(instance: dict) -> dict[str, str]:
     return {t["Key"]: t["Value"] for t in instance.get("Tags") or []}
-
-
-def _snapshot(dest: Path) -> Path:
-    """The checkout's tracked files (as they are now) copied under ``dest``."""
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
-                           check=True).stdout.decode().split("\0")
-    for name in filter(None, files):
-        if (REPO / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, dest / name)
-    return dest
 
 
 def test_cloud_path_on_the_fake_cloud(monkeypatch):
@@ -558,7 +548,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             # The code both packages are made from: the checkout's tracked files, copied once.
             # (The checkout itself may change between the two while the suite's other worker
             # runs; a user's does not change between two commands.)
-            code = _snapshot(root / "code")
+            code = copy_of_checkout(root / "code")
             _ok(run([str(BIN / "rayfleet"), "serve-config",
                      str(REPO / "cluster-configs" / "serve" / "lm.yaml"), "--package-to",
                      f"s3://{bucket}/rayfleet/packages", "-o", str(serve_yaml),
