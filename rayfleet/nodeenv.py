@@ -55,6 +55,16 @@ BUILD_TOOLS = ("setuptools==80.9.0", "wheel==0.48.0")
 # builds it. render's setup commands and the fake cloud's mirror take it from here; `make
 # setup` brings its pip up to INSTALLER[0] (a unit test holds the Makefile's equal).
 INSTALLER = ("pip<26.3", *BUILD_TOOLS)
+# The lock (`make lock`, requirements/ beside the kit): the whole transitive set, made from the
+# pins above. `make setup` installs it with its hashes; every node installs under its versions,
+# as pip constraints (rayfleet/node-constraints.txt, package data that `make lock` writes from
+# the lock with constraints()): render ships them beside the agents, on-prem's YAML mounts them, the
+# Ansible role copies them next to its venv, and the fake cloud's mirror holds those versions
+# alone. So a node resolves what CI ran, not whatever PyPI serves that day.
+LOCK_DIR = Path(__file__).resolve().parent.parent / "requirements"
+LOCKS = ("kit.lock", "after-torch.lock")
+NODE_CONSTRAINTS = Path(__file__).resolve().parent / "node-constraints.txt"
+CONSTRAINTS = "constraints.txt"   # the file's name on a node
 _REQ = re.compile(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*(==\s*([^;\s]+))?")
 
 
@@ -145,6 +155,53 @@ def _checked(reqs: tuple[str, ...], after: tuple[str, ...], source: str,
                                     f"environment's Ray ({ray}); they must be one version "
                                     "(rule 25)")
     return env
+
+
+def lock_versions(text: str) -> dict[str, str]:
+    """A lock file's entries as {normalized name: version}, local labels (+cpu) kept."""
+    out = {}
+    for line in text.splitlines():
+        if line[:1].isalnum() and "==" in line:
+            name, version = line.split("==", 1)
+            out[_normal(name.split("[", 1)[0].strip())] = version.split()[0].rstrip("\\")
+    return out
+
+
+def constraints(lock_dir: Path | None = None) -> str:
+    """The lock's versions as a node's pip constraints: ``name==version`` per line, without
+    the local label (the lock's torch is 2.13.0+cpu; a GPU node's torch from PyPI is the same
+    release, its CUDA build) and without hashes (a GPU node's wheels are not this machine's);
+    INSTALLER's tools are left out, pinned apart. Fails closed: no lock, no constraints."""
+    from rayfleet.errors import RayfleetError
+
+    folder = lock_dir or LOCK_DIR
+    held: dict[str, str] = {}
+    for name in LOCKS:
+        try:
+            held.update(lock_versions((folder / name).read_text()))
+        except OSError as e:
+            raise RayfleetError(f"{folder / name}: cannot read the lock ({e.strerror}); the "
+                                "nodes install under its versions: run from a checkout of "
+                                "the kit, or `make lock`") from None
+    apart = {_normal(re.split(r"[<>=]", r, maxsplit=1)[0]) for r in INSTALLER}
+    lines = [f"{n}=={v.split('+', 1)[0]}" for n, v in sorted(held.items()) if n not in apart]
+    if not lines:
+        raise RayfleetError(f"{folder}: the lock holds no pinned package")
+    return ("# Made by `make lock` from the lock's versions: every node installs under them.\n"
+            + "\n".join(lines) + "\n")
+
+
+def node_constraints() -> str:
+    """rayfleet/node-constraints.txt, as `make lock` wrote it (a test holds it to the lock).
+    Fails closed: without it no node would be held to the lock."""
+    from rayfleet.errors import RayfleetError
+
+    try:
+        return NODE_CONSTRAINTS.read_text()
+    except OSError as e:
+        raise RayfleetError(f"{NODE_CONSTRAINTS}: cannot read it ({e.strerror}); every node "
+                            "installs under the lock's versions: run from a checkout of the "
+                            "kit, or `make lock`") from None
 
 
 def missing(requirements: list[str] | tuple[str, ...]) -> list[str]:

