@@ -23,10 +23,15 @@
   harness refuses to start if anything on the machine already uses that range, and checks
   that the range routes to its own bridge before it starts a node.
 - **Fences**, enforced, not only by construction: nodes get no default route; each node's
-  namespace has an nftables table that drops every packet it sends to anything but loopback
-  and 198.18.0.0/15 (counted, so a test can see the rule match), and forwards nothing; on the
-  host, the part of the range the bridge does not hold is a blackhole route, so nothing here
-  sends an address of the range off the machine; the proxy variables (HTTP_PROXY, ...) are
+  namespace has an nftables table that drops every packet it sends, IPv4 or IPv6, to
+  anything but loopback and 198.18.0.0/15 (counted, so a test can see the rule match), and
+  forwards nothing; on the host, a table of the fake cloud's own lets what comes in over the
+  bridge reach only the ports its own services listen on at the gateway (moto, the capacity
+  proxy) and replies to this machine's own connections, and drops the rest, counted (a service
+  of this machine listening on 0.0.0.0 is not the VPC's to reach); a node gets its own empty
+  `/run` (not this machine's sockets: nscd, D-Bus, docker.sock); the part of the range the
+  bridge does not hold is a blackhole route, so nothing here sends an address of the range
+  off the machine; the proxy variables (HTTP_PROXY, ...) are
   removed from every process the fake cloud starts, and the stand-in `aws` ignores them and
   refuses a target `ip route get` does not send through the bridge.
 
@@ -68,7 +73,8 @@ PROXY_VARS = tuple(v for name in ("http_proxy", "https_proxy", "all_proxy", "no_
                                   "ftp_proxy") for v in (name.upper(), name))
 BRIDGE_ENV = "RAYFLEET_FAKECLOUD_BRIDGE"   # tells the stand-in `aws` which bridge is ours
 FENCE_TABLE = "rayfleet_fence"
-FENCE_COUNTER = "left_range"   # IPv4 packets a node tried to send outside the range
+FENCE_COUNTER = "left_range"   # packets (IPv4 and IPv6) a node tried to send outside the range
+GATEWAY_COUNTER = "to_host"    # packets from the bridge to this machine that no service asked for
 
 # One file per live fake cloud (JSON: its owner's pid, its folder, its moto's pid), so the
 # next start can remove what a killed run left.
@@ -170,6 +176,7 @@ class FakeCloud:
         self._watcher: threading.Thread | None = None
         self._made_bridge = False
         self._made_blackhole = False
+        self._made_table = False
         self._counter = 0
         self._lock = threading.Lock()
         self.capacity: CapacityFaults | None = None
@@ -194,19 +201,20 @@ class FakeCloud:
         sh("ip", "link", "add", self.bridge, "type", "bridge")
         self._made_bridge = True
         sh("ip", "addr", "add", f"{self.gateway}/{self.vpc.prefixlen}", "dev", self.bridge)
+        self._guard_gateway()
         sh("ip", "link", "set", self.bridge, "up")
         # The rest of the range goes nowhere: without this route an address of the range
         # outside the VPC would follow this machine's default route off it.
         sh("ip", "route", "add", "blackhole", str(FAKE_RANGE))
         self._made_blackhole = True
         self.check_route(str(self.vpc.network_address + 10))
-        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)   # sshd's privilege separation
         # The host forwards between interfaces only when ip_forward is 1; the nodes' fences
         # hold either way (they drop before routing), so it is reported, not changed.
         print(f"fake cloud: host net.ipv4.ip_forward={host_ip_forward()}; nodes fenced to "
               f"{FAKE_RANGE} and loopback by nftables, forwarding off", flush=True)
 
         port = _free_port(self.gateway)
+        self.allow_gateway_port(port)
         log = open(self.root / "moto.log", "wb")
         # moto's recorder (off until record_calls()) writes the requests it serves here.
         self.recording = self.root / "moto-recording.jsonl"
@@ -232,7 +240,34 @@ class FakeCloud:
         # The nodes' EC2 endpoint: moto behind a proxy that can answer RunInstances with EC2's
         # capacity error (tests/fakecloud/faults.py); no refusal until a test asks for one.
         self.capacity = CapacityFaults(self.gateway, self.endpoint, self._subnet_az)
+        self.allow_gateway_port(int(self.capacity.endpoint.rsplit(":", 1)[1]))
         return self
+
+    @property
+    def gateway_table(self) -> str:
+        return f"rfg{self.suffix}"
+
+    def _guard_gateway(self) -> None:
+        """This machine's side of the bridge: what comes in over it reaches only the gateway
+        ports allow_gateway_port() names, or is a reply to a connection made from here;
+        anything else is dropped and counted. Nodes reach each other over the bridge itself,
+        which this does not touch."""
+        rules = _GATEWAY_GUARD.format(table=self.gateway_table, bridge=self.bridge,
+                                      gateway=self.gateway, counter=GATEWAY_COUNTER)
+        proc = subprocess.run(["nft", "-f", "-"], input=rules, capture_output=True, text=True,
+                              timeout=30)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nft on this machine: {proc.stderr.strip()}")
+        self._made_table = True
+
+    def allow_gateway_port(self, port: int) -> None:
+        """Let the nodes reach a service of the fake cloud's listening on the gateway."""
+        sh("nft", "add", "element", "inet", self.gateway_table, "ports", f"{{ {int(port)} }}")
+
+    def gateway_drops(self) -> int:
+        """How many packets from the bridge this machine dropped."""
+        return _counter(sh("nft", "-j", "list", "counter", "inet", self.gateway_table,
+                           GATEWAY_COUNTER).stdout)
 
     def _subnet_az(self, subnet_id: str) -> str:
         if subnet_id not in self._azs:
@@ -406,7 +441,7 @@ class FakeCloud:
     @staticmethod
     def fence(netns: str) -> None:
         """The node's firewall, before anything runs in it: what it sends goes to loopback or
-        the fake range, or is dropped (and IPv4 drops counted); it forwards nothing."""
+        the fake range, or is dropped and counted, IPv4 and IPv6 alike; it forwards nothing."""
         rules = _FENCE.format(table=FENCE_TABLE, counter=FENCE_COUNTER, range=FAKE_RANGE)
         proc = subprocess.run(["ip", "netns", "exec", netns, "nft", "-f", "-"], input=rules,
                               capture_output=True, text=True, timeout=30)
@@ -418,11 +453,9 @@ class FakeCloud:
 
     @staticmethod
     def fence_drops(netns: str) -> int:
-        """How many IPv4 packets the node's fence has dropped."""
-        out = json.loads(sh("ip", "netns", "exec", netns, "nft", "-j", "list", "counter",
-                            "inet", FENCE_TABLE, FENCE_COUNTER).stdout)
-        (counter,) = [o["counter"] for o in out["nftables"] if "counter" in o]
-        return counter["packets"]
+        """How many packets the node's fence has dropped."""
+        return _counter(sh("ip", "netns", "exec", netns, "nft", "-j", "list", "counter",
+                           "inet", FENCE_TABLE, FENCE_COUNTER).stdout)
 
     def stop_node(self, instance_id: str) -> None:
         node = self.nodes.pop(instance_id)
@@ -538,6 +571,11 @@ class FakeCloud:
                 self.moto_proc.kill()
         if self._made_bridge:
             sh("ip", "link", "del", self.bridge, check=False)
+        if self._made_table:
+            if sh("nft", "delete", "table", "inet", self.gateway_table,
+                  check=False).returncode != 0:
+                problems.append(f"nft table inet {self.gateway_table} left")
+            self._made_table = False
         if self._made_blackhole:
             sh("ip", "route", "del", "blackhole", str(FAKE_RANGE), check=False)
             self._made_blackhole = False
@@ -591,6 +629,8 @@ def sweep_stale() -> list[str]:
                 gone.append(ns)
         if sh("ip", "link", "del", f"rfc{suffix}", check=False).returncode == 0:
             gone.append(f"bridge rfc{suffix}")
+        if sh("nft", "delete", "table", "inet", f"rfg{suffix}", check=False).returncode == 0:
+            gone.append(f"nft table rfg{suffix}")
         # One fake cloud holds the range at a time: with no bridge of a live one, the
         # blackhole left is this one's.
         if not any(ln.startswith("rfc") for ln in sh("ip", "-br", "link").stdout.split()) \
@@ -737,6 +777,8 @@ def _free_port(host: str) -> int:
 _NODE_INIT = """
 hostname {hostname}
 mount -t tmpfs -o size=1m,mode=755 rf-home /home
+mount -t tmpfs -o size=16m,mode=755 rf-run /run
+mkdir -m 755 /run/sshd /run/lock
 mkdir /home/ubuntu
 mount --bind {root}/home /home/ubuntu
 mount --bind {root}/tmp /tmp
@@ -774,7 +816,8 @@ Subsystem sftp internal-sftp
 
 
 # A node's firewall (nftables, in its own namespace): it may send to loopback and to the fake
-# range; anything else is dropped before it is routed, IPv4 drops counted. Nothing is forwarded.
+# range; anything else, IPv4 or IPv6, is dropped before it is routed, and counted. Nothing is
+# forwarded.
 _FENCE = """
 table inet {table} {{
   counter {counter} {{ }}
@@ -782,13 +825,36 @@ table inet {table} {{
     type filter hook output priority 0; policy drop;
     oifname "lo" accept
     ip daddr {range} accept
-    meta nfproto ipv4 counter name "{counter}" drop
+    counter name "{counter}" drop
   }}
   chain forward {{
     type filter hook forward priority 0; policy drop;
   }}
 }}
 """
+
+# This machine's side of the bridge (cloud._guard_gateway): the nodes may reach the fake cloud's
+# own services on the gateway (the ports in the set) and answer this machine's connections;
+# whatever else comes in over the bridge is dropped, counted. The bridge's own traffic between
+# nodes is not this machine's input and passes.
+_GATEWAY_GUARD = """
+table inet {table} {{
+  counter {counter} {{ }}
+  set ports {{ type inet_service; }}
+  chain input {{
+    type filter hook input priority 0; policy accept;
+    iifname "{bridge}" ct state established,related accept
+    iifname "{bridge}" ip daddr {gateway} tcp dport @ports accept
+    iifname "{bridge}" counter name "{counter}" drop
+  }}
+}}
+"""
+
+
+def _counter(listing: str) -> int:
+    """The packets of the one counter in `nft -j list counter ...`'s output."""
+    (counter,) = [o["counter"] for o in json.loads(listing)["nftables"] if "counter" in o]
+    return counter["packets"]
 
 
 def wheelhouse(pip: Path, cache: Path | None = None) -> Path:

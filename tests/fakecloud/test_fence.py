@@ -1,12 +1,14 @@
 """The fake cloud's fences and teardown, on the real harness (tests/fakecloud/cloud.py) without
-Ray: a node cannot send outside 198.18.0.0/15 (tried from inside one, the route there present,
-so it is the firewall that stops it), the stand-in `aws` reaches only what the bridge routes,
+Ray: a node cannot send outside 198.18.0.0/15, IPv4 or IPv6 (tried from inside one, the route
+there present, so it is the firewall that stops it), nor reach a service of this machine on the
+gateway that the fake cloud did not start (moto's port answers), nor this machine's sockets in
+/run; the stand-in `aws` reaches only what the bridge routes,
 nothing the fake cloud starts follows a proxy variable; teardown outlives a hung `ray down` and
 a second SIGTERM; what a SIGKILLed run left is removed at the next start.
 
 The only addresses these tests send to: loopback, the fake range, and, from inside a fenced
-node (where the firewall drops it before it is routed), 192.0.2.1 (TEST-NET-1) and this
-machine's own address."""
+node (where the firewall drops it before it is routed), 192.0.2.1 (TEST-NET-1), 2001:db8::1
+(IPv6's documentation prefix) and this machine's own address."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ pytestmark = [pytest.mark.moto, pytest.mark.fakecloud]
 HERE = Path(__file__).resolve().parent
 VPC = "198.18.0.0/16"
 TEST_NET = "192.0.2.1"   # RFC 5737: documentation only, never routed anywhere
+TEST_NET6 = "2001:db8::1"   # RFC 3849: the same, for IPv6
 
 
 @pytest.fixture
@@ -91,6 +94,14 @@ def _in_node(netns: str, code: str, timeout: float = 30) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _in_node_mounts(node, command: str) -> str:
+    """``command``'s output, run as the node's own processes see the machine: in its network,
+    mount, UTS and PID namespaces (those of its sshd)."""
+    (sshd,) = [p for p in sh("ip", "netns", "pids", node.netns).stdout.split()
+               if Path(f"/proc/{p}/comm").read_text().strip() == "sshd"]
+    return sh("nsenter", "-t", sshd, "-n", "-m", "-u", "-p", "sh", "-c", command).stdout
+
+
 def _host_address() -> str | None:
     """This machine's own non-loopback IPv4 address (outside the fake range), if it has one."""
     for link in json.loads(sh("ip", "-j", "-4", "addr").stdout):
@@ -110,6 +121,12 @@ try:
     out["udp"] = "sent"
 except OSError as e:
     out["udp"] = e.errno
+u6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+try:
+    u6.sendto(b"x", (%(test_net6)r, 9))
+    out["udp6"] = "sent"
+except OSError as e:
+    out["udp6"] = e.errno
 def tcp(addr, port, read=False):
     s = socket.socket()
     s.settimeout(2)
@@ -121,6 +138,7 @@ def tcp(addr, port, read=False):
 out["host"] = tcp(%(host)r, %(host_port)d) if %(host)r else None
 out["peer"] = tcp(%(peer)r, 22, read=True)
 out["gateway"] = tcp(%(gateway)r, %(gw_port)d)
+out["moto"] = tcp(%(gateway)r, %(moto_port)d)
 print(json.dumps(out))
 """
 
@@ -199,25 +217,48 @@ def test_a_node_cannot_leave_the_range_nor_the_stand_in_the_bridge(tools, tmp_pa
                 sh("ip", "-n", a.netns, "route", "add", f"{dst}/32", "via", cloud.gateway)
                 (route,) = json.loads(sh("ip", "-n", a.netns, "-j", "route", "get", dst).stdout)
                 assert route.get("dev") == "eth0" and route.get("gateway") == cloud.gateway
+        # And an IPv6 route off the node, to an address of its own (no duplicate detection:
+        # usable at once).
+        sh("ip", "-n", a.netns, "-6", "addr", "add", "2001:db8:1::2/64", "dev", "eth0", "nodad")
+        sh("ip", "-n", a.netns, "-6", "route", "add", "2001:db8::/32", "dev", "eth0")
+        moto_port = int(cloud.endpoint.rsplit(":", 1)[1])
+        probe = dict(test_net6="::1", host="", host_port=0, peer=b.ip, gateway=cloud.gateway,
+                     gw_port=gw_port, moto_port=moto_port)
         wait_until("node b's sshd", lambda: _in_node(a.netns, TRY_TO_LEAVE % dict(
-            test_net="127.0.0.1", host="", host_port=0, peer=b.ip, gateway=cloud.gateway,
-            gw_port=gw_port))["peer"].__str__().startswith("SSH-2.0-"), 30, 0.5)
+            probe, test_net="127.0.0.1"))["peer"].__str__().startswith("SSH-2.0-"), 30, 0.5)
 
-        before = cloud.fence_drops(a.netns)
-        out = _in_node(a.netns, TRY_TO_LEAVE % dict(test_net=TEST_NET, host=host or "",
-                                                    host_port=host_port, peer=b.ip,
-                                                    gateway=cloud.gateway, gw_port=gw_port))
+        before, host_before = cloud.fence_drops(a.netns), cloud.gateway_drops()
+        out = _in_node(a.netns, TRY_TO_LEAVE % dict(probe, test_net=TEST_NET,
+                                                    test_net6=TEST_NET6, host=host or "",
+                                                    host_port=host_port))
         dropped = cloud.fence_drops(a.netns) - before
-        # The UDP datagram to TEST-NET was refused by the firewall (EPERM: netfilter dropped
-        # it on the way out), and its drops were counted; a SYN to this machine's own address
-        # never got there (not even refused), though the in-range gateway, the same machine,
-        # answers.
+        # The UDP datagrams to TEST-NET, IPv4 and IPv6, were refused by the firewall (EPERM:
+        # netfilter dropped them on the way out), and their drops were counted; a SYN to this
+        # machine's own address never got there (not even refused).
         assert out["udp"] == errno.EPERM, out
+        assert out["udp6"] == errno.EPERM, out
         if host:
             assert out["host"] in (errno.EPERM, errno.ETIMEDOUT, "timeout"), out
-        assert out["gateway"] == "connected", out
         assert out["peer"].startswith("SSH-2.0-"), out     # an in-range peer answers
-        assert dropped >= (2 if host else 1), (dropped, out)
+        assert dropped >= (3 if host else 2), (dropped, out)
+        # The gateway is this machine: moto, the fake cloud's own service there, answers; a
+        # listener of this machine's on the gateway address (as a service on 0.0.0.0 would be)
+        # gets nothing, the SYNs dropped by this machine's side of the bridge and counted.
+        assert out["moto"] == "connected", out
+        assert out["gateway"] in (errno.ETIMEDOUT, "timeout"), out
+        assert cloud.gateway_drops() > host_before, out
+
+        # A node's /run is its own: this machine's sockets there (nscd's, D-Bus's, Docker's)
+        # are not in it. A listening socket here, and a node's sshd's view of /run.
+        host_sock = socket.socket(socket.AF_UNIX)
+        host_sock.bind(f"/run/rayfleet-fence-{cloud.suffix}.sock")
+        host_sock.listen()
+        listeners.append(host_sock)
+        try:
+            seen = _in_node_mounts(a, "ls -a /run")
+        finally:
+            os.unlink(f"/run/rayfleet-fence-{cloud.suffix}.sock")
+        assert sorted(seen.split()) == [".", "..", "lock", "sshd"], seen
 
         # The stand-in `aws`: into a node through the bridge, with every proxy variable set.
         def aws(target: str, **extra) -> subprocess.CompletedProcess:
