@@ -2,19 +2,25 @@
 the fake cloud (tests/fakecloud/cloud.py) with the real `rayfleet`, `ray` and `serve` CLIs.
 
 The stack is built with `rayfleet:headHa` (its GCS store, its Secrets Manager token, the head's
-fixed address); ElastiCache's stand-in is Debian's redis-server at the store's endpoint, TLS
-only, with the stack's token (FakeCloud.redis). `ray up` starts the head at the fixed address,
-its GCS on that Redis -> a training job asking for an A100 makes the autoscaler launch a worker
--> `serve deploy` of `lm` on that job's checkpoint, its replica on the worker -> a client on the
+fixed address) and `rayfleet:minWorkers` 1; ElastiCache's stand-in is Debian's redis-server at
+the store's endpoint, TLS only, with the stack's token (FakeCloud.redis). `ray up` starts the
+head at the fixed address, its GCS on that Redis, and its autoscaler launches the one A100
+worker minWorkers asks for -> a training job on it -> `serve deploy` of `lm` on that job's
+checkpoint, its replica on the worker -> a client on the
 worker sends a steady load to the worker's own Serve ingress (HAProxy, on the worker's loopback)
 -> gcs_server SIGKILLed on the head: the kit's supervisor (the rendered head runs Ray under it)
 starts it again on the node -> EC2 terminates the head instance (every process on it gone) ->
 the client keeps getting answers from the worker -> `ray up` launches a new head at the same
 address; its GCS reads the cluster's tables back from Redis -> the worker's raylet rejoins under
 the same node id, Serve's app is RUNNING with the same replica, the job submitted before the
-loss is still listed -> `ray down`. The failed requests, the answers during the outage and the
-time from the head's loss to the worker's rejoin are measured and held to what docs/faults.md
-states.
+loss is still listed. The failed requests, the answers during the outage and the time from the
+head's loss to the worker's rejoin are measured and held to what docs/faults.md states.
+
+Then auto-stop (rendered with --autostop-minutes 1) on that cluster: `serve shutdown`, and once
+the idle minute has passed and auto-stop has paused the autoscaler, a job submitted inside its
+teardown window aborts the teardown (nothing terminated, the job runs to the end) -> idle again,
+auto-stop terminates the worker and then the head, while minWorkers 1 would have its autoscaler
+launch another -> `rayfleet sweep` finds nothing of the cluster left.
 
 The fake nodes have no GPUs and no vLLM (rendered with --vllm none): what is lost and brought
 back is the head, its GCS and Serve's controller."""
@@ -24,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -38,7 +45,7 @@ from tests.conftest import BIN, REPO, ensure_redis_server, free_port, run, summa
 from tests.moto.pulumi_moto import cluster_instances
 from tests.tiers import unavailable
 
-from .cloud import Unavailable, operator_command, require_tools, stop_on_first_sigterm
+from .cloud import REGION, Unavailable, operator_command, require_tools, stop_on_first_sigterm
 from .test_ray_up import (VPC, _http, _logged, _ok, _tags, _tunnel, caller_env, finish,
                           operator_env, operator_key, prepare)
 
@@ -73,6 +80,26 @@ with open(out, "a") as f:
         f.flush()
         time.sleep(0.2)
 """
+
+
+# Submits one short job the moment its trigger file appears (Ray already imported and the
+# client connected, so the job is in at once): the job inside auto-stop's teardown window.
+LATE_JOB = """
+import os, sys, time
+from pathlib import Path
+from ray.job_submission import JobSubmissionClient
+address, token, trigger = sys.argv[1], Path(sys.argv[2]).read_text().strip(), sys.argv[3]
+client = JobSubmissionClient(address, headers={"Authorization": f"Bearer {token}"})
+while not os.path.exists(trigger):
+    time.sleep(0.02)
+print(client.submit_job(entrypoint="python -c 'import time; time.sleep(3)'",
+                        submission_id="inside-teardown"), flush=True)
+"""
+
+
+def _job(address: str, token: str, submission_id: str) -> dict:
+    code, body = _http(address + f"/api/jobs/{submission_id}", token, timeout=30)
+    return json.loads(body) if code == 200 else {}
 
 
 def _serve_app(address: str, token: str, app: str) -> dict:
@@ -120,6 +147,7 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
 
             stack = build_stack(session, root, {"rayfleet:vpcCidr": VPC,
                                                 "rayfleet:headHa": True,
+                                                "rayfleet:minWorkers": 1,
                                                 "rayfleet:maxWorkers": 1})
             operator_key(cloud, stack, op_home)
             bucket, cluster = stack.outputs["bucket"], stack.outputs["cluster_name"]
@@ -134,7 +162,7 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
 
         with step("rayfleet render (headHa), ray up -y"):
             _ok(run([str(BIN / "rayfleet"), "render", str(stack.path), "-o", str(cluster_yaml),
-                     "--autostop-minutes", "0", "--vllm", "none"], env=env, timeout=60),
+                     "--autostop-minutes", "1", "--vllm", "none"], env=env, timeout=60),
                 "rayfleet render")
             assert secret not in cluster_yaml.read_text()
             up_started = True
@@ -155,7 +183,7 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
                    lambda: _http(address + "/api/version", token)[0] == 200, 60, 1.0)
 
         runs = f"s3://{bucket}/rayfleet/runs"
-        with step("a job before the loss, on an A100 worker the autoscaler launches"):
+        with step("a job before the loss, on the A100 worker that minWorkers keeps"):
             train = _ok(_logged(
                 [str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--submission-id",
                  "before-head-loss", "--", "python", "-m", "workloads.train", "--smoke-test",
@@ -278,12 +306,55 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
             assert len(failed) <= MAX_FAILED, failed[:5]
             assert measured["rejoin_s"] < MAX_REJOIN_S, measured
 
-        with step("ray down -y"):
-            _ok(_logged(op([str(BIN / "ray"), "down", "-y", str(cluster_yaml)]), env,
-                        root / "ray-down.log", 300), "ray down")
+        with step("serve shutdown; a job inside auto-stop's teardown window aborts it"):
+            agent_log = new_head.root / "home" / "rayfleet-autostop.log"
+            trigger = root / "submit-now"
+            # Ready before the window opens (Ray imported, the client connected): the job is in
+            # within a moment of the trigger.
+            late = subprocess.Popen([str(BIN / "python"), "-c", LATE_JOB, address,
+                                     str(token_file), str(trigger)], env=client,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
+            procs.append(late)
+            _ok(run([str(BIN / "serve"), "shutdown", "-y", "--address", address], env=client,
+                    timeout=120), "serve shutdown")
+
+            def said() -> list[str]:
+                return [ln.split(" autostop: ", 1)[-1] for ln in
+                        agent_log.read_text().splitlines()] if agent_log.exists() else []
+
+            wait_until("auto-stop to pause the autoscaler", lambda: any(
+                ln.startswith("paused Ray's autoscaler") for ln in said()), 60 + 240, 0.1,
+                detail=lambda: "\n".join(said()[-5:]))
+            trigger.touch()
+            out = late.communicate(timeout=120)[0]
+            assert late.returncode == 0 and "inside-teardown" in out, out
+            wait_until("auto-stop to abort and watch again", lambda: any(
+                ln.endswith("watching again") for ln in said()), 120, 0.5,
+                detail=lambda: "\n".join(said()[-5:]))
+            aborted = next(ln for ln in said() if ln.startswith("teardown aborted"))
+            assert re.fullmatch(r"teardown aborted before (stopping the log shipper|terminating "
+                                r"\d+ worker\(s\)|terminating the head): job inside-teardown "
+                                r"(is \w+|was submitted at [\d:]+ UTC).*; watching again",
+                                aborted), aborted
+            assert new_head.instance_id in cloud.nodes, cloud.events   # the head lives
+            assert any(ln.startswith("resumed Ray's autoscaler") for ln in said()), said()
+            wait_until("the late job to succeed", lambda: (
+                j if (j := _job(address, token, "inside-teardown")).get("status") == "SUCCEEDED"
+                else None), 120, 1)
+
+        with step("auto-stop with minWorkers 1: every node goes, sweep finds nothing"):
+            wait_until("auto-stop to terminate every node", lambda: not cloud.nodes,
+                       60 + 300, 1, detail=lambda: "\n".join(said()[-5:]))
             up_started = False
-            wait_until("every node terminated", lambda: not cloud.nodes, 60, 0.5)
             assert cluster_instances(ec2, cluster) == []
+            assert len([ln for ln in said() if ln.startswith("paused Ray's autoscaler")]) == 2
+            assert any(ln.startswith("terminating the head") for ln in said()), said()
+            time.sleep(10)   # nothing launches after (the autoscaler went with the head)
+            assert cluster_instances(ec2, cluster) == []
+            swept = _ok(run([str(BIN / "rayfleet"), "sweep", "--cluster-name", cluster,
+                             "--region", REGION], env=env, timeout=120), "rayfleet sweep")
+            assert f"nothing tagged ray-cluster-name={cluster} is left" in swept, swept
         cloud.check()
     finally:
         with contextlib.suppress(NameError, OSError):

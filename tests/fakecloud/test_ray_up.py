@@ -748,7 +748,8 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         with step("rayfleet sweep finds nothing"):
             swept = run([str(BIN / "rayfleet"), "sweep", "--cluster-name", cluster,
                          "--region", REGION], env=env, timeout=120)
-            _ok(swept, "rayfleet sweep")
+            assert f"nothing tagged ray-cluster-name={cluster} is left" in _ok(
+                swept, "rayfleet sweep"), swept.stdout
         cloud.check()
     finally:
         problems = finish(root, step, cloud, tunnels + background,
