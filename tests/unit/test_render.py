@@ -403,9 +403,13 @@ def _installs(command: str) -> list[str] | None:
     argv = shlex.split(command)
     if argv[1:4] != ["install", "--quiet", "--no-compile"]:
         return None
-    assert argv[argv.index("-c") + 1] == f"{render.REMOTE_AGENTS}/{nodeenv.CONSTRAINTS}", argv
-    argv.remove(f"{render.REMOTE_AGENTS}/{nodeenv.CONSTRAINTS}")
-    return [a for a in argv[4:] if not a.startswith("-")]
+    reqs = [a for a in argv[4:] if not a.startswith("-")
+            and a != f"{render.REMOTE_AGENTS}/{nodeenv.CONSTRAINTS}"]
+    # Under the lock's constraints, but CUDA vLLM (ray[llm]), whose set the CPU lock lacks.
+    locked = argv[argv.index("-c") + 1] if "-c" in argv else None
+    assert locked == (None if "ray[llm]" in command else
+                      f"{render.REMOTE_AGENTS}/{nodeenv.CONSTRAINTS}"), argv
+    return reqs
 
 
 def _effective_setup(cfg: dict) -> dict[str, list[str]]:
@@ -565,9 +569,8 @@ def test_pins_follow_pyproject(tmp_path, outputs):
                     '[project.optional-dependencies]\nllm = ["ray[llm]==9.9.9"]\n')
     cfg = render.plain(render.build_config(o, "t", pyproject=fake))
     assert cfg["head_setup_commands"] == [
-        "~/rayfleet-venv/bin/pip install --quiet --no-compile -c "
-        "~/rayfleet-agents/constraints.txt 'ray[llm]==9.9.9' 'ray[default]==9.9.9' torch==1.2.3",
-        render.PROVE_ENV]
+        "~/rayfleet-venv/bin/pip install --quiet --no-compile 'ray[llm]==9.9.9' "
+        "'ray[default]==9.9.9' torch==1.2.3", render.PROVE_ENV]
     # A GPU type proves its environment once, after vLLM.
     worker = cfg["available_node_types"][SPOT]["worker_setup_commands"]
     assert worker[-2:] == cfg["head_setup_commands"]
