@@ -258,7 +258,9 @@ def test_a_node_cannot_leave_the_range_nor_the_stand_in_the_bridge(tools, tmp_pa
             seen = _in_node_mounts(a, "ls -a /run")
         finally:
             os.unlink(f"/run/rayfleet-fence-{cloud.suffix}.sock")
-        assert sorted(seen.split()) == [".", "..", "lock", "sshd"], seen
+        # Only what the node made itself: sshd's folder, /run/lock, mount's utab.
+        assert set(seen.split()) <= {".", "..", "lock", "sshd", "mount"}, seen
+        assert f"rayfleet-fence-{cloud.suffix}.sock" not in seen and "sshd" in seen.split()
 
         # The stand-in `aws`: into a node through the bridge, with every proxy variable set.
         def aws(target: str, **extra) -> subprocess.CompletedProcess:
@@ -361,6 +363,8 @@ def _gone(info: dict) -> list[str]:
         left.append(f"bridge rfc{info['suffix']}")
     if "blackhole" in sh("ip", "route", "show", str(FAKE_RANGE), "type", "blackhole").stdout:
         left.append("blackhole route")
+    if sh("nft", "list", "table", "inet", f"rfg{info['suffix']}", check=False).returncode == 0:
+        left.append(f"nft table rfg{info['suffix']}")
     left += [f"pid {info[k]} ({k})" for k in ("moto", "node") if _alive(info[k])]
     if (STATE / info["suffix"]).exists():
         left.append("state file")
@@ -398,7 +402,8 @@ def test_what_a_killed_run_left_is_removed_at_the_next_start(tools, tmp_path, ca
         assert later.close() == []
     said = [ln for ln in capsys.readouterr().out.splitlines() if "killed run" in ln]
     assert said == [f"fake cloud: removed what a killed run (pid {child.proc.pid}) left: "
-                    f"{child.info['netns']}, bridge rfc{child.info['suffix']}, blackhole "
+                    f"{child.info['netns']}, bridge rfc{child.info['suffix']}, nft table "
+                    f"rfg{child.info['suffix']}, blackhole "
                     f"{FAKE_RANGE}, moto pid {child.info['moto']}, node folder {node_dir}"]
     assert _gone(child.info) == []
     assert [p.name for p in node_dir.iterdir()] == ["node.log"]   # the log stays
