@@ -49,10 +49,11 @@ from .cloud import REGION, Unavailable, operator_command, require_tools, stop_on
 from .test_ray_up import (VPC, _http, _logged, _ok, _tags, _tunnel, caller_env, finish,
                           operator_env, operator_key, prepare)
 
-# 625 s in a fresh clone's .ci/run (2026-11-27), 714-739 s on busier cores before: the limit,
-# about twice that, catches a hang or a slowdown, naming its step.
+# 552-590 s in fresh clones' .ci/run without the auto-stop steps (2026-11-28); with them, 579 s
+# alone on 2 idle cores (the auto-stop steps 218 s of it): the limit, about twice what a loaded
+# run takes, catches a hang or a slowdown, naming its step.
 pytestmark = [pytest.mark.slow, pytest.mark.moto, pytest.mark.ray, pytest.mark.fakecloud,
-              pytest.mark.timeout(1300)]
+              pytest.mark.timeout(1600)]
 MODEL = "rayfleet-lm"
 # docs/faults.md, fault 10, states these; the measured numbers are printed.
 MAX_FAILED = 0            # requests through the worker's ingress that failed (no retries)
@@ -169,8 +170,8 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
             _ok(_logged(op([str(BIN / "ray"), "up", "-y", "--no-config-cache",
                             str(cluster_yaml)]), env, root / "ray-up.log", 480), "ray up")
             cloud.check()
-            (head,) = cloud.nodes.values()
-            assert head.ip == fixed_ip, (head.ip, fixed_ip)
+            # The head at the fixed address (the minWorkers worker may be starting beside it).
+            (head,) = [n for n in cloud.nodes.values() if n.ip == fixed_ip]
 
         token_file = op_home / ".rayfleet" / "clusters" / cluster / "auth_token"
         token = token_file.read_text().strip()
