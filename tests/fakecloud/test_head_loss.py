@@ -340,6 +340,9 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
                                 aborted), aborted
             assert new_head.instance_id in cloud.nodes, cloud.events   # the head lives
             assert any(ln.startswith("resumed Ray's autoscaler") for ln in said()), said()
+            if "before stopping the log shipper" not in aborted:   # it had stopped the shipper
+                assert any(ln.startswith("restarted ") and "logship.py" in ln
+                           for ln in said()), said()
             wait_until("the late job to succeed", lambda: (
                 j if (j := _job(address, token, "inside-teardown")).get("status") == "SUCCEEDED"
                 else None), 120, 1)
