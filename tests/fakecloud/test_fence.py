@@ -115,18 +115,13 @@ def _host_address() -> str | None:
 TRY_TO_LEAVE = """
 import errno, json, socket
 out = {}
-u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-try:
-    u.sendto(b"x", (%(test_net)r, 9))
-    out["udp"] = "sent"
-except OSError as e:
-    out["udp"] = e.errno
-u6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
-try:
-    u6.sendto(b"x", (%(test_net6)r, 9))
-    out["udp6"] = "sent"
-except OSError as e:
-    out["udp6"] = e.errno
+for key, family, addr in (("udp", socket.AF_INET, %(test_net)r),
+                          ("udp6", socket.AF_INET6, %(test_net6)r)):
+    try:
+        socket.socket(family, socket.SOCK_DGRAM).sendto(b"x", (addr, 9))
+        out[key] = "sent"
+    except OSError as e:
+        out[key] = e.errno
 def tcp(addr, port, read=False):
     s = socket.socket()
     s.settimeout(2)
