@@ -67,7 +67,7 @@ def compile_(pip_compile: str, args: list[str], src: str, out: Path) -> str:
 
 def pins(text: str) -> dict[str, str]:
     """A lock file's entries as {distribution: version} (local labels such as +cpu kept)."""
-    return {n: b.split("==", 1)[1].split()[0] for n, b in blocks(text) if "==" in b}
+    return nodeenv.lock_versions(text)
 
 
 def drift(pyproject_text: str, lock_dir: Path = OUT) -> list[str]:
