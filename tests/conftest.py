@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -22,6 +23,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+
+# Every temporary file of this run, its children's included, under one folder of its own
+# (tests/scratch.py): before anything asks tempfile where /tmp is. An earlier run's folder,
+# left by a kill, goes first.
+from tests import scratch  # noqa: E402
+
+SWEPT = [] if os.environ.get(scratch.ENV) else scratch.sweep(Path(tempfile.gettempdir()))
+SCRATCH = scratch.enter()
 
 
 def free_port() -> int:
@@ -155,10 +164,29 @@ def scope_of(groups: dict[str, str], nodeid: str) -> str:
 
 
 def pytest_report_header(config):
-    """One line before the first test on what would skew this run (tests/machine.py)."""
+    """One line before the first test on what would skew this run (tests/machine.py), and
+    the earlier runs' temporary folders removed."""
     from tests.machine import observe, report
 
-    return report(observe())
+    lines = [report(observe())]
+    if SWEPT:
+        lines.append(f"removed {len(SWEPT)} temporary folder(s) that earlier runs left: "
+                     f"{', '.join(map(str, SWEPT[:3]))}{'…' if len(SWEPT) > 3 else ''}")
+    return lines
+
+
+_OUTCOME: dict = {}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    _OUTCOME["passed"] = exitstatus == 0
+    if not _OUTCOME["passed"] and scratch.made_here(SCRATCH):
+        terminalreporter.write_line(scratch.leave(SCRATCH, passed=False))
+
+
+def pytest_unconfigure(config):
+    # Last of all: every fixture, cluster and fake cloud is down by now.
+    scratch.leave(SCRATCH, passed=_OUTCOME.get("passed", False))
 
 
 def pytest_configure(config):
@@ -168,8 +196,6 @@ def pytest_configure(config):
     # The controller (it collects nothing) names a file for the workers' groups.
     if (getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER")
             and GROUPS_ENV not in os.environ):
-        import tempfile
-
         os.environ[GROUPS_ENV] = str(Path(tempfile.mkdtemp(prefix="rayfleet-xdist-")) / "groups")
         config.add_cleanup(lambda: shutil.rmtree(Path(os.environ.pop(GROUPS_ENV)).parent,
                                                  ignore_errors=True))

@@ -228,7 +228,7 @@ def nodes(ansible_env, tmp_path_factory):
     root = tmp_path_factory.mktemp("ray-nodes")
     # Ray's session folder holds unix sockets (107-byte path limit): short, and our own, so
     # these nodes never touch /tmp/ray/ray_current_cluster, which other clusters use.
-    temp_dir = tempfile.mkdtemp(prefix="rfans-", dir="/tmp")
+    temp_dir = tempfile.mkdtemp(prefix="rfans-")   # under the run's scratch folder
     # Both hosts are this machine, so they share one venv: the worker's install is a no-op.
     venv = root / "venv"
     # pip's --no-compile (through the role's extra-args variable): the installs skip

@@ -107,7 +107,7 @@ def ha_cluster(tmp_path, monkeypatch):
     head_temp = local.ray_temp_dir()  # the head's Ray folder
     exports = run([str(BIN / "rayfleet"), "local", "env"], env=env, check=True).stdout
     client_env = dict(ln.removeprefix("export ").split("=", 1) for ln in exports.splitlines())
-    worker_temp = tempfile.mkdtemp(prefix="rfha-", dir="/tmp")  # short: Ray's socket paths
+    worker_temp = tempfile.mkdtemp(prefix="rfha-")  # short: Ray's socket paths
     worker_http = free_port()
     ports = {name: free_port() for name in (
         "node-manager", "object-manager", "metrics-export", "runtime-env-agent",
