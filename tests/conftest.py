@@ -11,7 +11,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from rayfleet.commands.host import free_port  # noqa: F401  (the tests' one picker)
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -33,10 +34,6 @@ SWEPT = [] if os.environ.get(scratch.ENV) else scratch.sweep(Path(tempfile.gette
 SCRATCH = scratch.enter()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: float = 300, cwd: Path = REPO,

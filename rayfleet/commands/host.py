@@ -88,22 +88,87 @@ def port_in_use(port: int) -> bool:
     return False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Listener ports the kit picks for a process that binds them later (Ray's, HAProxy's): never in
+# the kernel's ephemeral range, from which every outgoing connection draws its source port (a
+# port picked there can be a client's by the time Ray binds it, and a check cannot tell a leaked
+# listener from someone's connection), and above Ray's own worker ports (10002-19999).
+PICK_FROM = 20000
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports (each held until all are picked)."""
-    socks = [socket.socket() for _ in range(n)]
+def ephemeral_range(path: Path = EPHEMERAL) -> tuple[int, int]:
+    """The kernel's ephemeral port range; Linux's default where it cannot be read."""
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+        low, high = map(int, path.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def pickable(path: Path = EPHEMERAL) -> list[int]:
+    low, high = ephemeral_range(path)
+    return [p for p in range(PICK_FROM, 65536) if not low <= p <= high]
+
+
+def free_ports(n: int, candidates: list[int] | None = None) -> list[int]:
+    """n distinct ports nothing is bound to on any address, drawn at random from pickable()
+    (each held until all are picked)."""
+    import random
+
+    pool = candidates if candidates is not None else pickable()
+    socks: list[socket.socket] = []
+    try:
+        for port in random.sample(pool, len(pool)):
+            s = socket.socket()
+            try:
+                s.bind(("", port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+            if len(socks) == n:
+                return [s.getsockname()[1] for s in socks]
+        raise OSError(f"fewer than {n} free ports in {PICK_FROM}-65535 outside the kernel's "
+                      f"ephemeral range {'-'.join(map(str, ephemeral_range()))}")
     finally:
         for s in socks:
             s.close()
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def port_holders(port: int) -> list[str]:
+    """The processes with a TCP socket bound to ``port`` ("pid name"), found through
+    /proc/net/tcp{,6} and each process's open files: what a "port still taken" message names."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f[9])
+    wanted = {f"socket:[{i}]" for i in inodes if i != "0"}
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fds = list((d / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) in wanted:
+                    found.append(f"{d.name} {(d / 'comm').read_text().strip()}")
+                    break
+            except OSError:   # closed meanwhile (this listing's own fd, for one)
+                continue
+    return found
 
 
 def last_line(log: Path) -> str:

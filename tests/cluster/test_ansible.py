@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from rayfleet import raystart
+from rayfleet.commands.host import port_holders
 from rayfleet.commands.local import port_in_use
 from tests.conftest import BIN, REPO, free_port, run
 
@@ -362,9 +363,11 @@ def test_stopped_stops_both_nodes_and_frees_their_ports(nodes, ansible_env):
     # workers overwrite their environment with their title; the GCS and raylet do not).
     assert not _processes_with(f"RAY_AUTH_TOKEN_PATH={head['ray_node_auth_token_path']}")
     assert not _processes_with(f"RAY_AUTH_TOKEN_PATH={worker['ray_node_auth_token_path']}")
-    for port in ("gcs", "dashboard", "dashboard_agent_listen"):
-        assert not port_in_use(head[f"ray_node_{port}_port"]), f"head {port} port still taken"
-    assert not port_in_use(worker["ray_node_dashboard_agent_listen_port"])
+    for node, name in ((head, "gcs"), (head, "dashboard"), (head, "dashboard_agent_listen"),
+                       (worker, "dashboard_agent_listen")):
+        port = node[f"ray_node_{name}_port"]
+        assert not port_in_use(port), f"{name} port {port} still taken by " \
+            f"{port_holders(port) or 'no process (a connection in TIME_WAIT?)'}"
 
 
 def _ray_logs(temp_dir: str) -> str:

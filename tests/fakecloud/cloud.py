@@ -58,6 +58,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rayfleet.commands.host import free_port
 from tests.fakecloud.faults import CapacityFaults
 
 FAKE_RANGE = ipaddress.ip_network("198.18.0.0/15")
@@ -213,7 +214,7 @@ class FakeCloud:
         print(f"fake cloud: host net.ipv4.ip_forward={host_ip_forward()}; nodes fenced to "
               f"{FAKE_RANGE} and loopback by nftables, forwarding off", flush=True)
 
-        port = _free_port(self.gateway)
+        port = free_port()
         self.allow_gateway_port(port)
         log = open(self.root / "moto.log", "wb")
         # moto's recorder (off until record_calls()) writes the requests it serves here.
@@ -762,14 +763,6 @@ def redis_ping(addr: str, port: int, password: str, ca: Path, name: str,
             return auth_ping(s, password) or "no +OK and +PONG to AUTH and PING"
     except OSError as e:
         return f"{type(e).__name__}: {e}"
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # The node's init: its own view of the filesystem, then sshd in the foreground. The node's
