@@ -274,7 +274,8 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
                            (head.instance_id, worker["InstanceId"])]
             assert new_head.ip == fixed_ip, (new_head.ip, fixed_ip)
             assert worker["InstanceId"] in cloud.nodes, cloud.events
-            # The store's token, fetched by the new head with its role: its user's alone.
+            # The store's token, fetched by the new head with its role, 0600 (the fake
+            # nodes log in as root, so the mode is what this checks, not another user's access).
             kept = new_head.root / "home" / ".rayfleet" / "gcs_store_token"
             assert kept.stat().st_mode & 0o777 == 0o600 and kept.read_text() == secret
 

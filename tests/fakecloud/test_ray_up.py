@@ -29,7 +29,9 @@ the real A100 YAML installs CUDA vLLM (`ray[llm]`), which is checked by renderin
 
 On the way it checks what a node built only by the YAML runs: `ray exec` finds Ray at the
 client's version, no kit code (jobs bring it with --working-dir), vLLM without PyPI's CUDA
-torchvision, and DeepSpeed built by the setup commands; DDP writes checkpoints, metrics and its
+torchvision, and DeepSpeed installed by the setup commands (from the wheelhouse: a wheel built on
+this machine, so DeepSpeed's sdist build itself is `make setup`'s and the Ansible role's to
+prove); DDP writes checkpoints, metrics and its
 loss plot to the bucket; FSDP writes one shard per rank there; the data job's rerun skips every
 shard; each vLLM replica downloads the export from the bucket, and its greedy answer equals
 transformers' generate on that export here, streamed or not. What it no longer runs, because

@@ -635,8 +635,16 @@ def test_bad_input_is_one_line_no_aws_no_ray_nothing_written(case, tmp_path, gua
     # Import what the case runs before `import ray` is blocked (importing is not using Ray;
     # the serve app module imports Ray Serve at module level, as Serve's import_path needs).
     main = _as_entry_point(case, tmp_path) if case.call else _main(case.program)
+    started: list[str] = []
     if case.program == "serve":
+        import ray
+        from ray import serve
+
         import workloads.serve.lm  # noqa: F401
+
+        # Ray Serve is imported, but no cluster is started or joined and nothing deployed.
+        for mod, name in ((ray, "init"), (serve, "start"), (serve, "run")):
+            monkeypatch.setattr(mod, name, lambda *a, _n=name, **k: started.append(_n))
     else:
         # Every Ray module, not only `ray`: `from ray.data import X` would otherwise still
         # succeed once an earlier test had imported ray.data (sys.modules is looked at first).
@@ -650,6 +658,7 @@ def test_bad_input_is_one_line_no_aws_no_ray_nothing_written(case, tmp_path, gua
     assert_refused(rc, out, err, case.program, case.expected.format(tmp=tmp_path), case.code)
     assert guarded == [], f"AWS API calls made: {guarded}"
     assert trap.hits == [], "something connected to the AWS endpoint"
+    assert started == [], f"Ray used: {started}"
     assert snapshot(tmp_path) == before, "a file was created, changed or removed"
 
 

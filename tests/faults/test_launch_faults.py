@@ -4,9 +4,9 @@
 The example stack is built in moto by infra/ itself (tests/moto/pulumi_moto.py) and rendered.
 Ray's own AWS node provider launches the head; then EC2 answers the A100 worker's
 RunInstances with InsufficientInstanceCapacity, the everyday p4d failure. The error is
-injected on the wire: a botocore ``before-send`` hook on the very EC2 client Ray launches
-with returns EC2's own error document, so botocore parses it and Ray handles it exactly as it
-would a real one. Then `rayfleet sweep` lists the head and its volume, `--delete` removes
+injected in the client, not on the wire: a botocore ``before-send`` hook on the very EC2
+client Ray launches with returns EC2's own error document, so botocore parses it and Ray
+handles it exactly as it would a real one. Then `rayfleet sweep` lists the head and its volume, `--delete` removes
 them, and a second sweep finds nothing tagged with the cluster.
 """
 

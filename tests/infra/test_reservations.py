@@ -178,9 +178,11 @@ def test_the_config_the_program_reads_is_the_stack_files():
     assert [r.target for r in c.nodes.capacity_reservations] == [BLOCK["id"], GROUP]
 
 
-def test_the_head_may_launch_into_the_stacks_reservations_only(reserved, built):
-    """RunInstances into a reservation is authorized on the reservation too; the dev stack,
-    with none, grants no such statement."""
+def test_the_head_may_launch_into_its_reservations_or_a_groups_region_wide(reserved, built):
+    """RunInstances into a reservation is authorized on the reservation too: a stack of
+    reservation ids grants exactly those; one with a resource group (whose members the group
+    changes) grants the account's reservations in the region; the dev stack, with none, grants
+    no such statement."""
     def statements(b: Built) -> dict:
         doc = json.loads(b.named(f"{D}-iam-head-autoscaler").inputs["policy"])
         return {s["Sid"]: s for s in doc["Statement"]}

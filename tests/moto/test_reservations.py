@@ -208,6 +208,18 @@ def test_the_program_builds_reservation_templates_ray_launches_from(moto_account
     rendered = render.render(str(stack.path), out=str(tmp_path / "c.yaml"),
                              token_file=str(tmp_path / "token"))
     assert lint.lint_file(str(rendered)) == []
+    # Preflight of what the program built (its templates, profiles, subnets in moto), AWS
+    # describing the block and the group's one ODCR in their AZs.
+    rc, out = run({"yaml": rendered, "groups": {GROUP: [ODCR_IDS[0]]}, "found": {
+        BLOCK_ID: reservation(BLOCK_ID, "p4d.24xlarge", "us-east-1c",
+                              ReservationType="capacity-block",
+                              StartDate=NOW - timedelta(hours=1),
+                              EndDate=NOW + timedelta(hours=47)),
+        ODCR_IDS[0]: reservation(ODCR_IDS[0], "p4de.24xlarge", "us-east-1b")}})
+    assert rc == 0 and "0 failed" in out, out
+    for rid, az in ((BLOCK_ID, "us-east-1c"), (ODCR_IDS[0], "us-east-1b")):
+        assert any(ln.startswith("PASS") and f"reservation {rid}" in ln and az in ln
+                   for ln in out.splitlines()), out
     cfg = ray_launch_config(rendered)
     subnet = dict(zip(o["availability_zones"], o["private_subnet_ids"], strict=True))
     for name, r, target in ((BLOCK_NAME, block, {"CapacityReservationId": BLOCK_ID}),
