@@ -6,8 +6,8 @@ Ray's own AWS node provider launches the head; then EC2 answers the A100 worker'
 RunInstances with InsufficientInstanceCapacity, the everyday p4d failure. The error is
 injected in the client, not on the wire: a botocore ``before-send`` hook on the very EC2
 client Ray launches with returns EC2's own error document, so botocore parses it and Ray
-handles it exactly as it would a real one. Then `rayfleet sweep` lists the head and its volume, `--delete` removes
-them, and a second sweep finds nothing tagged with the cluster.
+handles it exactly as it would a real one. Then `rayfleet sweep` lists the head and its
+volume, `--delete` removes them, and a second sweep finds nothing tagged with the cluster.
 """
 
 from __future__ import annotations
