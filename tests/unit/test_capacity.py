@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import http.server
-import io
 import json
 import threading
 import time
@@ -128,6 +127,34 @@ def test_rayfleet_status_reads_the_dashboard_in_the_yamls_order(dashboard, tmp_p
     assert len(lines) == 4
 
 
+def test_rayfleet_status_says_when_nothing_was_reported_or_nothing_autoscales(
+        dashboard, tmp_path, monkeypatch, capsys):
+    token = tmp_path / "token"
+    token.write_text("sekrit\n")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    config = tmp_path / "cluster.yaml"
+    config.write_text(json.dumps({"cluster_name": "c", "head_node_type": "ray.head.default",
+                                  "available_node_types": {"ray.head.default": {},
+                                                           ORDER[0]: {}}}))
+    # The dashboard answers, but the autoscaler has written no report yet.
+    _Dashboard.body = json.dumps({"result": True, "data": {"clusterStatus": {}}}).encode()
+    assert cli.main(["status", "--config", str(config), "--address", dashboard]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "the autoscaler has not reported yet (it does every few seconds after `ray up`)",
+        f"{ORDER[0]}: 0 running, 0 pending"]
+    # A cluster YAML with no worker types: its head's report has nothing else to show.
+    from ray.dashboard.utils import to_google_style
+
+    config.write_text(json.dumps({"cluster_name": "c", "head_node_type": "ray.head.default",
+                                  "available_node_types": {"ray.head.default": {}}}))
+    _Dashboard.body = json.dumps({"result": True, "data": to_google_style(
+        {"cluster_status": json.loads(ray_report([]))})}).encode()
+    assert cli.main(["status", "--config", str(config), "--address", dashboard]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "no worker node types: the cluster does not autoscale (no `ray up` autoscaler report "
+        "yet)"]
+
+
 def test_rayfleet_status_without_the_token_is_one_line(dashboard, monkeypatch, capsys, tmp_path):
     token = tmp_path / "token"
     token.write_text("wrong\n")
@@ -158,11 +185,27 @@ def test_the_driver_stops_waiting_when_every_fitting_type_fails():
     assert watch.line.startswith("no allowed worker type can launch (ray.worker.p4d.24xlarge."
                                  "spot: InsufficientInstanceCapacity: We currently")
     # A run whose bundle no launchable type fits has nothing to watch.
-    idle = driver.LaunchWatch([], lambda: io.StringIO().getvalue(),
-                              on_fail=lambda line: fired.clear())
+    # (A report in which everything fails, read every 10 ms: a watch that ran would see it.)
+    said: list[str] = []
+    idle = driver.LaunchWatch([], lambda: ray_report(ORDER, ago=-60), poll_s=0.01,
+                              on_fail=said.append)
     with idle:
-        pass
-    assert idle.line is None
+        time.sleep(0.3)
+    assert idle.line is None and said == [] and idle._thread.ident is None
+
+
+def test_a_report_the_watch_cannot_read_is_said_once_and_no_verdict(capsys):
+    said: list[str] = []
+
+    def broken():
+        raise ConnectionError("GCS unreachable")
+
+    with driver.LaunchWatch(ORDER, broken, poll_s=0.01, on_fail=said.append):
+        time.sleep(0.3)
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["[rayfleet] cannot read the autoscaler's report (ConnectionError: GCS "
+                   "unreachable); a type that cannot launch is not noticed, the run waits on "
+                   "Ray Train's placement timeout"] and said == [], out
 
 
 def test_the_driver_ends_with_one_line_and_exit_2(tmp_path):

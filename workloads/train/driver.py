@@ -658,10 +658,17 @@ class LaunchWatch:
         return capacity.failing_line(rows) if rows else None
 
     def _run(self) -> None:
+        warned = False
         while not self._stop.wait(self.poll_s):
             try:
                 line = self.check()
-            except Exception:   # noqa: BLE001  (a report it cannot read is no verdict)
+            except Exception as e:   # noqa: BLE001  (a report it cannot read is no verdict)
+                if not warned:   # but said, once: the run then waits out Ray Train's timeout
+                    warned = True
+                    print(f"[rayfleet] cannot read the autoscaler's report ("
+                          f"{type(e).__name__}: {e}); a type that cannot launch is not "
+                          "noticed, the run waits on Ray Train's placement timeout",
+                          flush=True)
                 continue
             if line and not self._stop.is_set():
                 self.line = line
