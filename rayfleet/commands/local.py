@@ -34,6 +34,7 @@ from pathlib import Path
 
 from rayfleet import gcsft, nodeenv, raystart
 from rayfleet.agents.gcs_supervisor import comm
+from rayfleet.agents.haproxy_guard import MAX_SOCKET_PATH
 # `prometheus`: up() has a `metrics` flag of its own.
 from rayfleet.commands import metrics as prometheus
 from rayfleet.commands.host import (alive, free_port, free_ports, is_same, last_line,
@@ -598,10 +599,20 @@ def _forget() -> None:
     shutil.rmtree(_haproxy_folder(), ignore_errors=True)  # HAProxy's sockets and state
 
 
+# Ray puts Serve's HAProxy sockets in a folder of the node's own under the one it is given:
+# the node id, 56 hex characters; the longer socket is metrics.sock.
+_SOCKET_TAIL = len("/" + "0" * 56 + "/metrics.sock")
+
+
 def _haproxy_folder() -> Path:
-    """Serve's HAProxy files (rayfleet.ingress): beside Ray's session folder and as short, as
-    Ray adds a 56-character node folder and HAProxy refuses a socket path over 97 characters."""
-    return ray_temp_dir().with_name(ray_temp_dir().name.replace("rayfleet-", "rfhap-"))
+    """Serve's HAProxy files (rayfleet.ingress): beside Ray's session folder, as short, since
+    HAProxy refuses a socket path over MAX_SOCKET_PATH characters; under /tmp where the temp
+    folder (TMPDIR) is too long for that (the guard would refuse every deploy)."""
+    name = ray_temp_dir().name.replace("rayfleet-", "rfhap-")
+    folder = ray_temp_dir().with_name(name)
+    if len(str(folder)) + _SOCKET_TAIL > MAX_SOCKET_PATH:
+        folder = Path("/tmp") / name
+    return folder
 
 
 STRAGGLER_GRACE_S = 3.0

@@ -6,6 +6,7 @@ import socket
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,6 +101,19 @@ def test_cli_errors_are_one_line_exit_2(home, args, needle):
     assert needle in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert "Traceback" not in proc.stderr
+
+
+def test_haproxy_sockets_fit_haproxys_limit_under_a_long_temp_folder(home, monkeypatch):
+    """Beside Ray's folder when that is short enough for HAProxy's socket paths (Ray adds the
+    node id's 56 characters); under /tmp when TMPDIR is too long for them."""
+    from rayfleet.agents.haproxy_guard import MAX_SOCKET_PATH
+
+    for tmpdir, base in (("/var/t", "/var/t"), ("/tmp/" + "x" * 30, "/tmp")):
+        monkeypatch.setattr(local, "ray_temp_dir",
+                            lambda t=tmpdir: Path(t) / "rayfleet-0a1b2c3d4e")
+        folder = local._haproxy_folder()
+        assert str(folder.parent) == base and folder.name == "rfhap-0a1b2c3d4e", folder
+        assert len(f"{folder}/{'0' * 56}/metrics.sock") <= MAX_SOCKET_PATH
 
 
 def test_up_refuses_a_planted_haproxy_folder_in_one_line(home, tmp_path):
