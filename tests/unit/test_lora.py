@@ -12,6 +12,7 @@ torchrun; a killed Ray Train worker and vLLM's LoRA are tests/workloads/test_ser
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -49,6 +50,26 @@ def _train(root, model_dir, data, max_steps, lr, *extra, merge=False) -> list[fl
     return [h["loss"] for h in ckpt.read_history((final / ckpt.METRICS).read_text())]
 
 
+def _logged(out: str) -> list[tuple[int, float]]:
+    """(step, loss) of each `[rayfleet] step` line in a run's output."""
+    return [(int(s), float(v)) for s, v in
+            re.findall(r"\[rayfleet\] step (\d+)/\d+ loss (\d+\.\d+)", out)]
+
+
+def _check_went_on(out: str, at: int, straight: list[float], scratch: list[float],
+                   tol: float) -> None:
+    """The run that printed `out` went on from its step-`at` checkpoint: it says so, trains only
+    steps at+1.. and logs the losses of the run that never stopped (`straight`). Its history
+    alone cannot tell: a deterministic rerun from step 0 writes the same one."""
+    assert f"[rayfleet] resumed from step {at} (" in out, out[-2000:]
+    logged = _logged(out)
+    assert [s for s, _ in logged] == list(range(at + 1, len(straight) + 1)), logged
+    losses = [v for _, v in logged]
+    assert losses == pytest.approx(straight[at:], abs=tol), (losses, straight)
+    # What gives the check its teeth: a run from step 0 logs other losses for as many steps.
+    assert losses != pytest.approx(scratch[:len(losses)], abs=0.05), (losses, scratch)
+
+
 @pytest.fixture(scope="module")
 def lora_run(hf_model_dir, sft_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora") / "run"
@@ -78,11 +99,19 @@ def test_lora_learns_as_full_sft_does_training_only_the_adapter(lora_run, hf_mod
             "hf/model.safetensors"} <= set(marker["files"])
 
 
-def test_resumed_lora_run_continues_the_curve(lora_run, hf_model_dir, sft_data, tmp_path):
+def test_resumed_lora_run_continues_the_curve(lora_run, hf_model_dir, sft_data, tmp_path,
+                                              capsys):
     _, straight = lora_run
-    _train(tmp_path / "resumed", hf_model_dir, sft_data, 3, LORA_LR, *LORA)
+    scratch = _train(tmp_path / "resumed", hf_model_dir, sft_data, 3, LORA_LR, *LORA)
+    capsys.readouterr()
     resumed = _train(tmp_path / "resumed", hf_model_dir, sft_data, 6, LORA_LR, *LORA)
-    # Steps 4-6 ran on the adapter and the optimizer moments the step-3 checkpoint held.
+    # Steps 4-6 ran on the adapter, the optimizer moments and the data position the step-3
+    # checkpoint held (printed losses have 4 decimals).
+    _check_went_on(capsys.readouterr().out, 3, straight, scratch, tol=2e-4)
+    optim = torch.load(ckpt.local_checkpoints(tmp_path / "resumed")[-1] / ckpt.OPTIMIZER,
+                       weights_only=False)
+    # AdamW's own count: 6 steps, not the 3 a fresh optimizer after the resume would have.
+    assert {int(s["step"]) for s in optim["state"].values()} == {6}
     assert resumed == pytest.approx(straight, abs=1e-4)
 
 
@@ -114,8 +143,9 @@ def test_adapter_and_merged_exports_give_the_trained_models_logits(lora_run, hf_
 
 # --------------------------------------------------------------------------- strategies
 
-def _torchrun(model_dir, data, out, max_steps, *args) -> list[float]:
-    """2 ranks under torchrun (no Ray), checkpoints in `out`; every logged step's loss."""
+def _torchrun(model_dir, data, out, max_steps, *args) -> tuple[list[float], str]:
+    """2 ranks under torchrun (no Ray), checkpoints in `out`: the run's history (every logged
+    step's loss, restored ones too) and its output."""
     from tests.conftest import BIN, run, summary_of
 
     proc = run([str(BIN / "torchrun"), "--nproc-per-node", "2", "-m",
@@ -125,7 +155,7 @@ def _torchrun(model_dir, data, out, max_steps, *args) -> list[float]:
                env={"PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
                     "HOME": str(out.parent)}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [h["loss"] for h in summary_of(proc.stdout)["history"]]
+    return [h["loss"] for h in summary_of(proc.stdout)["history"]], proc.stdout
 
 
 @pytest.mark.slow
@@ -137,13 +167,16 @@ def test_lora_under_fsdp2_zero3_and_zero2_resumes_agrees_and_exports_the_same_ad
     from the shards is the same."""
     from safetensors.torch import load_file
 
-    _torchrun(hf_model_dir, sft_data, tmp_path / "fsdp", 2, "--strategy", "fsdp")
-    fsdp = _torchrun(hf_model_dir, sft_data, tmp_path / "fsdp", 4, "--strategy", "fsdp")
-    zero3 = _torchrun(hf_model_dir, sft_data, tmp_path / "zero3", 4, "--strategy", "deepspeed",
-                      "--zero-stage", "3")
-    zero2 = _torchrun(hf_model_dir, sft_data, tmp_path / "zero2", 4, "--strategy", "deepspeed",
-                      "--zero-stage", "2", "--activation-checkpointing")
+    scratch, _ = _torchrun(hf_model_dir, sft_data, tmp_path / "fsdp", 2, "--strategy", "fsdp")
+    fsdp, out = _torchrun(hf_model_dir, sft_data, tmp_path / "fsdp", 4, "--strategy", "fsdp")
+    zero3, _ = _torchrun(hf_model_dir, sft_data, tmp_path / "zero3", 4, "--strategy",
+                         "deepspeed", "--zero-stage", "3")
+    zero2, _ = _torchrun(hf_model_dir, sft_data, tmp_path / "zero2", 4, "--strategy",
+                         "deepspeed", "--zero-stage", "2", "--activation-checkpointing")
     assert len(fsdp) == 4 and fsdp[-1] < fsdp[0] and zero3 == pytest.approx(fsdp, abs=2e-4)
+    # The second FSDP run trained steps 3-4 from the sharded step-2 state (adapter, optimizer,
+    # data position): ZeRO-3's uninterrupted losses for those steps, not a restart's.
+    _check_went_on(out, 2, zero3, scratch, tol=3e-4)
     assert zero2 == pytest.approx(fsdp, abs=2e-4)
     first = ckpt.local_checkpoints(tmp_path / "fsdp")[0]
     assert first.name.endswith("02") and ckpt.FULL_WEIGHTS not in ckpt.validate(first)["files"]

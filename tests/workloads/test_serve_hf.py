@@ -70,7 +70,8 @@ def lora_trained(ray_cluster, aws_env, trained, sft_data, checkpoint_bucket, s3_
     """LoRA on the SFT run's export in S3, 2 DDP workers under Ray Train; rank 0's worker is
     SIGKILLed once Ray has registered a checkpoint (as tests/faults' fault 1): FailureConfig
     restarts the group, which resumes from it and finishes. Returns the summary, the step the
-    kill came at and the step resumed from."""
+    kill came at, the step resumed from, and rank 0's logged losses: the killed worker's
+    ({step: loss}) and the restarted group's ([(step, loss)])."""
     from workloads.common import runs
 
     name = "lora-sft"
@@ -90,13 +91,14 @@ def lora_trained(ray_cluster, aws_env, trained, sft_data, checkpoint_bucket, s3_
          "--lr", "1e-2", "--name", name, "--storage-path", f"s3://{checkpoint_bucket}/hf-runs"],
         env={**ray_cluster["env"], **aws_env}, cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
-    lines, killed, resumed = [], None, None
+    lines, killed, resumed, victim = [], None, None, None
     try:
         for line in proc.stdout:
             lines.append(line)
             m = re.search(r"RayTrainWorker pid=(\d+).*\[rayfleet\] step (\d+)/", line)
             if m and killed is None and (at := registered()):
-                os.kill(int(m.group(1)), signal.SIGKILL)
+                victim = int(m.group(1))
+                os.kill(victim, signal.SIGKILL)
                 killed = (at, int(m.group(2)))
             r = re.search(r"\[rayfleet\] resumed from step (\d+)", line)
             if r and killed and resumed is None:
@@ -114,7 +116,17 @@ def lora_trained(ray_cluster, aws_env, trained, sft_data, checkpoint_bucket, s3_
     summary = summary_of(out)
     assert summary["steps"] == 24 and summary["hf_export"] is None
     assert summary["adapter_export"] == summary["checkpoint"] + "/adapter"
-    return {**summary, "killed": killed, "resumed": resumed}
+    # Only rank 0 logs steps: the killed worker, then the restarted group's rank 0 (told apart
+    # by pid, not by line order, in case the dead worker's last lines reach the driver late).
+    before, after = {}, []
+    for m in re.finditer(r"RayTrainWorker pid=(\d+).*\[rayfleet\] step (\d+)/24 loss (\S+)",
+                         out):
+        step, loss = int(m.group(2)), float(m.group(3))
+        if int(m.group(1)) == victim:
+            before[step] = loss
+        else:
+            after.append((step, loss))
+    return {**summary, "killed": killed, "resumed": resumed, "before": before, "after": after}
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +382,30 @@ def test_concurrent_prompts_of_different_lengths_batch_with_the_same_answers(cli
 
 # --------------------------------------------------------------------------- LoRA
 
-def test_lora_run_resumed_after_a_killed_worker_and_learned(lora_trained, trained):
+def test_lora_run_resumed_after_a_killed_worker_and_learned(lora_trained, trained, s3_client):
+    import io
+
+    import torch
+
+    from workloads.common import runs
+
+    # The restarted group went on from the step it resumed from, each step once: a restart
+    # from scratch (same seed) would log step 1 again and still end with a falling loss.
+    resumed, after = lora_trained["resumed"], lora_trained["after"]
+    assert [s for s, _ in after] == list(range(resumed + 1, 25)), (resumed, after)
+    # On the restored adapter: its first step scores as the killed worker's same step did
+    # (the same weights on other batches: Ray Data's stream is not replayed), not as the
+    # fresh adapter's first step did (the base's loss). Only when the killed worker had got
+    # past the checkpoint: the step before differs by a whole update (which can spike).
+    first, again = lora_trained["first_loss"], after[0][1]
+    if (killed := lora_trained["before"].get(resumed + 1)) is not None:
+        assert abs(again - killed) < abs(again - first), (first, killed, again)
+    # And on its optimizer state: AdamW counted all 24 steps, not the 24 - resumed of a fresh
+    # optimizer.
+    bucket, _, key = lora_trained["checkpoint"][len("s3://"):].partition("/")
+    raw = s3_client.get_object(Bucket=bucket, Key=f"{key}/{runs.OPTIMIZER}")["Body"].read()
+    optim = torch.load(io.BytesIO(raw), weights_only=False)
+    assert {int(s["step"]) for s in optim["state"].values()} == {24}, lora_trained
     # It started from the SFT export's loss and went on down, through the restart.
     assert lora_trained["first_loss"] < trained["first_loss"]
     assert lora_trained["final_loss"] < lora_trained["first_loss"] - 0.3, lora_trained
