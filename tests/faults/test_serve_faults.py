@@ -50,6 +50,14 @@ def _replicas(url: str, want: int, deadline_s: float = 120) -> dict[str, int]:
     return seen
 
 
+SAMPLES = 20
+
+
+def _samples(url: str, n: int) -> list[dict]:
+    """n answers of /v1/stats in a row (what each replica says of itself)."""
+    return [_call(url + "/v1/stats", timeout=10) for _ in range(n)]
+
+
 def _running_replicas(ray_cluster) -> int:
     out = run([str(BIN / "serve"), "status"], env=ray_cluster["env"], timeout=60).stdout
     app = (yaml.safe_load(out) or {}).get("applications", {}).get("lm", {})
@@ -164,6 +172,7 @@ def test_autoscaling_then_a_new_version_while_traffic_flows(ray_cluster, lm_chec
         while time.time() < deadline and _running_replicas(ray_cluster) < 2:
             time.sleep(1)
         old = _replicas(url, 2)        # both, through the ingress, while the load runs
+        assert 0.04 not in {a["batch_wait_timeout_s"] for a in _samples(url, 4)}
         scaled = dict(load.counts)
         # A new version: the app's args change (the batching window), the answers do not.
         path = tmp_path / "lm.yaml"
@@ -175,12 +184,17 @@ def test_autoscaling_then_a_new_version_while_traffic_flows(ray_cluster, lm_chec
         new: dict[str, int] = {}
         while time.time() < deadline and not (new and not set(new) & set(old)):
             new = _replicas(url, 1, deadline_s=10)
+        # Then only the new version: SAMPLES answers in a row, each from a replica that is not
+        # an old one and that runs the changed argument.
+        after = _samples(url, SAMPLES)
         done.set()
         counts = load.join()
         print(f"\nserve upscale then rollout: scaled at {scaled}, end {counts}, "
               f"old={old} new={new}")
         assert len(old) == 2, old                          # the second replica answered
         assert new and not set(new) & set(old), (old, new)  # the new version answers
+        assert len(after) == SAMPLES and not {a["replica"] for a in after} & set(old), after
+        assert {a["batch_wait_timeout_s"] for a in after} == {0.04}, after
         assert counts["failed"] == 0 and counts["first_try_failed"] == 0, (counts, load.errors)
     finally:
         serve_shutdown(ray_cluster)

@@ -85,6 +85,7 @@ class LMCore:
         self.batch_sizes: collections.deque[int] = collections.deque(maxlen=BATCH_SIZES_KEPT)
         self._generate.set_max_batch_size(max_batch_size)
         self._generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        self.batch_wait_timeout_s = batch_wait_timeout_s
 
     def check_health(self) -> None:
         # Serve's health check: a replica whose model cannot run one step is replaced.
@@ -240,7 +241,7 @@ class LMServer(LMCore):
         return {"model": self.model_name, "batches": len(sizes), "batch_sizes": sizes,
                 "max_batch_size_seen": max(sizes, default=0),
                 "replica": serve.get_replica_context().replica_id.unique_id,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "batch_wait_timeout_s": self.batch_wait_timeout_s}
 
     @api.get("/v1/models")
     async def models(self) -> dict:
