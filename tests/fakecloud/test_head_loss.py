@@ -121,6 +121,32 @@ def _nodes(client: dict, address: str) -> dict[str, dict]:
     return {n["node_id"]: n for n in json.loads(out.stdout) if n["state"] == "ALIVE"}
 
 
+def _pids(node, name: str) -> list[int]:
+    """The host's pids of the processes called ``name`` on a fake node."""
+    return [int(p) for p in subprocess.run(["ip", "netns", "pids", node.netns],
+                                           capture_output=True, text=True).stdout.split()
+            if comm(int(p)) == name]
+
+
+def _resubscribed_after(node, after: float) -> float | None:
+    """When the node's own raylet logged that the GCS had restarted (it re-subscribes to the
+    new GCS), first after ``after``: Ray's log stamp, or None. The raylet's word, not the GCS's
+    node table, which a restarted GCS reloads from Redis with every stored node ALIVE."""
+    import datetime
+
+    log = node.root / "tmp" / "ray" / "session_latest" / "logs" / "raylet.out"
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if "The GCS has restarted" in line:
+            at = datetime.datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            if at > after:
+                return at
+    return None
+
+
 def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
     try:
         require_tools()
@@ -220,6 +246,8 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
             assert replica["node_ip"] == wnode.ip, replica
             nodes = _nodes(client, address)
             (worker_id,) = [i for i, n in nodes.items() if n["node_ip"] == wnode.ip]
+            raylet = _pids(wnode, "raylet")
+            assert len(raylet) == 1, raylet
 
         answers = root / "answers.jsonl"
         stop = root / "stop-client"
@@ -251,6 +279,9 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
             wait_until("both nodes alive through the restarted GCS", lambda: (
                 n := _nodes(client, address)) and len(n) == 2 and worker_id in n, 120, 1)
             measured["gcs_back_s"] = round(time.time() - killed, 1)
+            back = wait_until("the worker's raylet to re-subscribe to the restarted GCS",
+                              lambda: _resubscribed_after(wnode, killed), 120, 1)
+            measured["worker_resubscribed_s"] = round(back - killed, 1)
 
         with step("EC2 terminates the head instance"):
             lost = time.time()
@@ -285,10 +316,15 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
             address = client["RAY_ADDRESS"] = f"http://127.0.0.1:{dash2}"
             wait_until("the new head's dashboard through a new tunnel",
                        lambda: _http(address + "/api/version", token)[0] == 200, 120, 1.0)
-            rejoined = wait_until("the worker's raylet to rejoin under its node id", lambda: (
-                time.time() if worker_id in (n := _nodes(client, address))
-                and any(v["is_head_node"] for v in n.values()) else None), 300, 2)
+            # The worker's own raylet, the same process as before the loss, re-subscribes to
+            # the new head's GCS (its log), and the new GCS lists it alive under its node id.
+            rejoined = wait_until("the worker's raylet to re-subscribe to the new head's GCS",
+                                  lambda: _resubscribed_after(wnode, lost), 300, 2)
             measured["rejoin_s"] = round(rejoined - lost, 1)
+            assert _pids(wnode, "raylet") == raylet, (raylet, _pids(wnode, "raylet"))
+            wait_until("the worker alive under its node id beside the new head", lambda: (
+                worker_id in (n := _nodes(client, address))
+                and any(v["is_head_node"] for v in n.values())), 300, 2)
             app = wait_until("lm RUNNING again", lambda: (
                 a if (a := _serve_app(address, token, "lm")).get("status") == "RUNNING"
                 else None), 300, 2)
