@@ -19,13 +19,14 @@ import urllib.request
 import pytest
 import yaml
 
-from tests.conftest import BIN, run
+from tests.conftest import BIN, run, wait_until
 from tests.workloads.conftest import deploy_lm, serve_shutdown
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray]
 
 REQUESTS = 80
 KILL_AFTER = 25
+AFTER_KILL = 40   # answers the load still gets after the kill
 CLIENTS = 4
 RETRIES = 2          # the openai client's default max_retries
 
@@ -129,11 +130,19 @@ def test_killed_replica_under_load(ray_cluster, lm_checkpoint, tmp_path):
     try:
         before = _replicas(url, 2)
         assert len(before) == 2, before
-        load = Load(url, KILL_AFTER)
+        done = threading.Event()
+        load = Load(url, KILL_AFTER, until=done)
         load.start()
         victim, pid = next(iter(before.items()))
         os.kill(pid, signal.SIGKILL)          # the replica's actor process, mid-load
+        with load.lock:
+            at_kill = dict(load.counts)
+        # The load goes on through the kill: AFTER_KILL more answers before it stops.
+        wait_until("answers after the kill", lambda: load.counts["ok"] >= at_kill["ok"]
+                   + AFTER_KILL, timeout=180, interval=0.1, detail=lambda: str(load.counts))
+        done.set()
         counts = load.join()
+        assert counts["sent"] >= at_kill["sent"] + AFTER_KILL, (at_kill, counts)
         print(f"\nserve fault: {counts} errors={load.errors[:3]}")
         # docs/faults.md: every request answered for a client that retries as the openai
         # client does; what a client without retries would have lost is measured and printed.
