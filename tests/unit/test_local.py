@@ -364,11 +364,15 @@ def test_gcs_supervisor_starts_a_failed_head_again(tmp_path):
     import json
     import signal
 
+    # The failed first try leaves a process in the group, as a half-started raylet would:
+    # its pid goes to a file, and the supervisor must stop it before it tries again.
     (tmp_path / "start.py").write_text(
-        "import os, sys\n"
+        "import os, subprocess, sys\n"
         "tries = os.path.join(sys.argv[1], 'tries')\n"
         "open(tries, 'a').write('x')\n"
         "if len(open(tries).read()) == 1:\n"
+        "    left = subprocess.Popen(['sleep', '300'])\n"
+        "    open(os.path.join(sys.argv[1], 'left'), 'w').write(str(left.pid))\n"
         "    sys.exit(1)\n" + FAKE_RAY_START)
     (tmp_path / "password").write_text("pw")
     status = tmp_path / "status.json"
@@ -384,6 +388,9 @@ def test_gcs_supervisor_starts_a_failed_head_again(tmp_path):
         assert waited.returncode == 0, waited.stderr
         assert (tmp_path / "tries").read_text() == "xx"
         assert json.loads(status.read_text())["gcs_pid"]
+        left = int((tmp_path / "left").read_text())   # what the failed try left is stopped
+        assert not Path(f"/proc/{left}").exists() or \
+            Path(f"/proc/{left}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", left
         assert "exit" not in json.loads(status.read_text())
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
