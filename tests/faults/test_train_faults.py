@@ -196,8 +196,14 @@ def _driver_pids(marker: str) -> list[int]:
 
 
 def _one_line_error(proc_stderr: str) -> str:
+    """The kit's one line, the last of the driver's stderr. Before it, Ray forwards its actors'
+    own logs, each line tagged "(Name pid=N)": Ray Train's controller and workers log the
+    failure with their tracebacks there (docs/faults.md says so); the driver itself prints no
+    traceback."""
     own = kit_lines(proc_stderr)
     assert len(own) == 1 and "Traceback" not in own[0], "\n".join(own)[-3000:]
+    last = [ln for ln in proc_stderr.splitlines() if ln.strip()][-1]
+    assert last == own[0], (last, own[0])
     return own[0]
 
 
