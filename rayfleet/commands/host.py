@@ -8,6 +8,8 @@ import socket
 import urllib.request
 from pathlib import Path
 
+from rayfleet.facts import RAY_PORTS, RAY_PORTS_BY_NAME
+
 # The token never leaves for a proxy: every request the kit makes to a cluster (they carry
 # the cluster's token) goes straight to its address, whatever http_proxy/https_proxy say.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -91,8 +93,9 @@ def port_in_use(port: int) -> bool:
 # Listener ports the kit picks for a process that binds them later (Ray's, HAProxy's): never in
 # the kernel's ephemeral range, from which every outgoing connection draws its source port (a
 # port picked there can be a client's by the time Ray binds it, and a check cannot tell a leaked
-# listener from someone's connection), and above Ray's own worker ports (10002-19999).
-PICK_FROM = 20000
+# listener from someone's connection); above Ray's own worker ports, and in none of the ranges
+# Ray and Serve bind themselves (facts.RAY_PORTS: Serve's direct ingress among them).
+PICK_FROM = RAY_PORTS_BY_NAME["worker-ports"].to_port + 1
 EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
@@ -107,7 +110,8 @@ def ephemeral_range(path: Path = EPHEMERAL) -> tuple[int, int]:
 
 def pickable(path: Path = EPHEMERAL) -> list[int]:
     low, high = ephemeral_range(path)
-    return [p for p in range(PICK_FROM, 65536) if not low <= p <= high]
+    taken = [(low, high)] + [(r.from_port, r.to_port) for r in RAY_PORTS]
+    return [p for p in range(PICK_FROM, 65536) if not any(a <= p <= b for a, b in taken)]
 
 
 def free_ports(n: int, candidates: list[int] | None = None) -> list[int]:
@@ -128,8 +132,8 @@ def free_ports(n: int, candidates: list[int] | None = None) -> list[int]:
             socks.append(s)
             if len(socks) == n:
                 return [s.getsockname()[1] for s in socks]
-        raise OSError(f"fewer than {n} free ports in {PICK_FROM}-65535 outside the kernel's "
-                      f"ephemeral range {'-'.join(map(str, ephemeral_range()))}")
+        raise OSError(f"fewer than {n} free ports from {PICK_FROM} up, outside the kernel's "
+                      f"ephemeral range {'-'.join(map(str, ephemeral_range()))} and Ray's own")
     finally:
         for s in socks:
             s.close()

@@ -10,13 +10,17 @@ import socket
 import pytest
 
 from rayfleet.commands import host
+from rayfleet.facts import RAY_PORTS_BY_NAME
 
 
 def test_picked_ports_are_outside_the_ephemeral_range_and_free(tmp_path):
     ranges = tmp_path / "ip_local_port_range"
-    ranges.write_text("20500\t64000\n")
-    assert host.pickable(ranges) == list(range(host.PICK_FROM, 20500)) + \
-        list(range(64001, 65536))
+    # Ray's worker ports end just below; Serve's direct ingress ports are never picked.
+    direct = RAY_PORTS_BY_NAME["serve-direct-ingress"]
+    assert host.PICK_FROM == RAY_PORTS_BY_NAME["worker-ports"].to_port + 1
+    ranges.write_text(f"{direct.to_port + 1}\t64000\n")
+    assert host.pickable(ranges) == [p for p in range(host.PICK_FROM, direct.to_port + 1)
+                                     if p < direct.from_port] + list(range(64001, 65536))
     assert host.ephemeral_range(tmp_path / "missing") == (32768, 60999)
     # This machine's own range: no pick falls in it, nor among Ray's worker ports.
     low, high = host.ephemeral_range()
