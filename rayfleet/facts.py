@@ -13,6 +13,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# What `ray up` leaves on the head: the cluster YAML its autoscaler launches nodes from, where
+# a job's driver (which runs on the head) and the `llm` generator read the node types.
+BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"
+
 # ----------------------------------------------------------------------------- tags
 
 # Tag the Ray autoscaler puts on every instance it launches (ray/autoscaler/tags.py,

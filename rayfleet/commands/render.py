@@ -45,6 +45,7 @@ from rayfleet import gcsft, nodeenv, raystart
 from rayfleet.agents import fallover
 from rayfleet.errors import ConfigError, RayfleetError
 from rayfleet.facts import (
+    BOOTSTRAP_CONFIG,
     CAPACITY_BLOCK_MARKET_TYPE,
     GCS_STORE_CA_BUNDLE,
     MARKET_BLOCK,
@@ -462,7 +463,7 @@ def build_config(o: StackOutputs, token_file: str, key_name: str | None = None,
             *head_ray_start(o, f"ulimit -n {raystart.NOFILE}; {auth_env}{serve_env}; "
                                f"{scorer_env(o)}{gcs_env(o, head=True)} ",
                             ray_start(head=True,
-                                      autoscaling_config="~/ray_bootstrap_config.yaml")),
+                                      autoscaling_config=BOOTSTRAP_CONFIG)),
             *head_agents(o, auth_env, autostop_minutes),
             *(prometheus.head_commands(haproxy=ingress == "haproxy") if metrics else []),
         ], HA_HEAD_WHY * bool(o.head_ha)

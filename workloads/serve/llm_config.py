@@ -449,8 +449,7 @@ def node_capacity(path: str) -> list[dict]:
     return out
 
 
-# What `ray up` leaves on the head: the cluster YAML its autoscaler launches nodes from.
-BOOTSTRAP = "~/ray_bootstrap_config.yaml"
+BOOTSTRAP = facts.BOOTSTRAP_CONFIG
 
 
 def cluster_nodes() -> tuple[list[dict], str]:

@@ -31,7 +31,7 @@ from rayfleet.errors import (
     StorageError,
 )
 from rayfleet.entrypoint import ArgumentParser, at_least, byte_size, run_main
-from rayfleet.facts import is_bucket_name
+from rayfleet.facts import BOOTSTRAP_CONFIG, is_bucket_name
 from workloads.common import hf, runs
 from workloads.common.cli import parse_env_pairs
 from workloads.common.deps import require
@@ -562,8 +562,7 @@ def worker_bundle(opts: TrainOptions) -> dict[str, float]:
     return bundle
 
 
-# Where `ray up` leaves the autoscaler's config on the head, which is where a job's driver runs.
-AUTOSCALER_CONFIG = "~/ray_bootstrap_config.yaml"
+AUTOSCALER_CONFIG = BOOTSTRAP_CONFIG
 # How long a run waits for its workers to be placed when the autoscaler may add the nodes.
 AUTOSCALE_START_TIMEOUT_S = 900
 
