@@ -10,8 +10,9 @@ training sequences `workloads.train --dataset` reads.
 
 Stages (streamed block by block, never the whole corpus in memory):
   read     text files (one row per file), JSONL or Parquet (`--column`), local or s3://
-  clean    `map_batches` (one task per block): normalise newlines, drop undecodable bytes,
-           then drop documents too short or binary-ish
+  clean    `map_batches` (one task per block): the kit's text cleaning (workloads/common/
+           text.py: newlines normalised, non-UTF-8 documents discarded), then documents too
+           short or with minified lines dropped
   tokenize `map_batches` over an actor pool of stateful tokenizers (workloads/data/tokenize.py):
            bytes (`--tokenizer byte`) or a Hugging Face tokenizer folder / s3:// prefix (loaded
            on the driver, which hands it to the actors: they need no S3 access or shared disk)
@@ -56,6 +57,7 @@ from workloads.common.shards import (
     write_shard,
 )
 from workloads.common.storage import default_root, resolve, user_path
+from workloads.common.text import clean_text
 from workloads.data.tokenize import (  # noqa: F401  (ByteTokenizer: bench imports it here)
     BYTE, IGNORE, SHAPES, ByteTokenizer, HFTokenizer, SFTBuilder, Tally, ship, tokenizer_files)
 
@@ -113,21 +115,15 @@ def build_parser() -> ArgumentParser:
 # --------------------------------------------------------------------------- stages
 
 def clean(row: dict) -> dict:
-    text = row["text"]
-    if isinstance(text, bytes):
-        text = text.decode("utf-8", errors="replace")
-        # A stray bad byte is dropped below; a document with more than 1% undecodable bytes
-        # (or NULs) is not UTF-8 at all (latin-1, UTF-16, binary): emptied here, so the
-        # --min-chars filter drops it whole instead of training on its mangled remains.
-        if text.count("\ufffd") > max(1, len(text) // 100) or "\x00" in text:
-            text = ""
-    text = str(text).replace("\r\n", "\n").replace("\r", "\n").replace("\ufffd", "")
-    return {"text": text.strip("\n") + "\n"}
+    """The kit's text cleaning (workloads.common.text) and one newline to end the document
+    (documents are concatenated); a discarded one is a bare newline, which `keep` drops."""
+    return {"text": clean_text(row["text"]) + "\n"}
 
 
 def keep(row: dict, min_chars: int) -> bool:
     text = row["text"]
-    if len(text.strip()) < min_chars:
+    # Never an empty one, even at --min-chars 0: that is what `clean` left of a discarded one.
+    if len(text.strip()) < max(1, min_chars):
         return False
     # Minified or generated files (very long lines) teach a byte model nothing useful.
     return max((len(line) for line in text.split("\n")), default=0) <= 1000

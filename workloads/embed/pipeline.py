@@ -10,6 +10,8 @@ Stages (streamed block by block):
   read     text files (id = path below --input, one document per file), JSONL or Parquet
            (`--column` and `--id-column`), local or s3://; or `stdlib-docs`: the module
            docstrings of this Python's standard library (offline, id = module name)
+  clean    `map`: the kit's text cleaning (workloads/common/text.py, as workloads.data's:
+           non-UTF-8 documents discarded), then empty documents filtered out
   embed    `map_batches` over an actor pool of `Embedder`s; each actor loads the
            sentence-transformers model once (one GPU per actor with --num-gpus 1)
   write    Parquet: `id` (string), `text` (unless --no-text), `embedding`
@@ -37,6 +39,7 @@ from workloads.common.deps import require
 from workloads.common.encoder import PACKAGED_MODEL, encode, load_encoder, model_path
 from workloads.common.shards import (
     clear_partial,
+    drop_marker,
     list_inputs,
     read_marker,
     shards_of,
@@ -44,6 +47,7 @@ from workloads.common.shards import (
     write_shard,
 )
 from workloads.common.storage import default_root, resolve, user_path
+from workloads.common.text import clean_text
 
 PROG = "workloads.embed"
 STDLIB_DOCS = "stdlib-docs"
@@ -133,11 +137,10 @@ def stdlib_docs(max_docs: int | None) -> list[dict]:
     return docs
 
 
-def _clean(row: dict) -> dict:
-    text = row["text"]
-    if isinstance(text, bytes):
-        text = text.decode("utf-8", errors="replace")
-    return {"id": str(row["id"]), "text": str(text or "").strip()[:MAX_TEXT_CHARS]}
+def clean(row: dict) -> dict:
+    """The kit's text cleaning (workloads.common.text), cut to what the model reads; a
+    discarded document's text is "", which the pipeline filters out."""
+    return {"id": str(row["id"]), "text": clean_text(row["text"])[:MAX_TEXT_CHARS]}
 
 
 def input_columns(inputs, path: str) -> list[str]:
@@ -240,7 +243,7 @@ def run(argv: list[str] | None) -> int:
         clear_partial(storage, i)
         ds = ray.data.from_items(shard) if inputs is None else read_files(inputs, shard, args,
                                                                          root)
-        ds = ds.map(_clean).filter(lambda r: bool(r["text"]))
+        ds = ds.map(clean).filter(lambda r: bool(r["text"]))
         if inputs is not None and args.max_docs:
             ds = ds.limit(args.max_docs)
         ds = ds.map_batches(
@@ -255,7 +258,13 @@ def run(argv: list[str] | None) -> int:
         written += 1
         rows += marker["rows"]
     if rows == 0:
-        raise RayfleetError(f"{args.input}: no non-empty documents to embed")
+        # No done marker of an empty shard stays: the re-run after the input is fixed (say, a
+        # latin-1 corpus converted) must redo the shards, not skip them.
+        for i in range(len(shards)):
+            drop_marker(storage, i)
+        raise RayfleetError(f"{args.input}: nothing left after cleaning: every document is "
+                            "empty or not UTF-8 text (convert it, e.g. iconv -f latin1 -t "
+                            "utf-8)")
     dim = _dim(storage)
     manifest = {"output": storage.uri, "input": args.input, "model": args.model, "dim": dim,
                 "normalized": True, "shards": len(shards), "written": written,
