@@ -50,7 +50,7 @@ def test_rayfleet_tag_keys_are_written_only_in_facts():
 
 
 def test_secret_patterns_are_one_list_for_lint_and_the_policy_pack():
-    from infra.policy_pack import checks
+    from infra.policy_pack import compute as checks
 
     assert lint.SECRET_PATTERNS is facts.SECRET_PATTERNS
     assert checks.SECRET_PATTERNS is facts.SECRET_PATTERNS
