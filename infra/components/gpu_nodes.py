@@ -35,7 +35,7 @@ import pulumi
 import pulumi_aws as aws
 
 from rayfleet.catalog import InstanceSpec
-from rayfleet.config import CapacityReservation
+from rayfleet.reservations import CapacityReservation
 from rayfleet.facts import (
     CAPACITY_BLOCK_MARKET_TYPE,
     MARKETS,

@@ -36,7 +36,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from rayfleet import catalog
-from rayfleet.config import AWS_REGIONS
+from rayfleet.configkeys import AWS_REGIONS
 from rayfleet.entrypoint import bounded
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError, did_you_mean
 from rayfleet.facts import CAPACITY_BLOCK_MARKET_TYPE, S3_BUCKET_NAME

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from rayfleet.config import AWS_REGIONS
+from rayfleet.configkeys import AWS_REGIONS
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
 from rayfleet.facts import MANAGED_BY_PULUMI, RAY_CLUSTER_TAG, TAG_MANAGED_BY
 

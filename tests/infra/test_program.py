@@ -14,8 +14,8 @@ import pytest
 
 from infra.policy_pack import checks as policy
 from rayfleet.stack import SCHEMA_VERSION
-from rayfleet.config import RAY_CLUSTER_TAG, RAY_PORTS, StackConfig
-from rayfleet.facts import loopback_port
+from rayfleet.config import StackConfig
+from rayfleet.facts import RAY_CLUSTER_TAG, RAY_PORTS, loopback_port
 
 from .conftest import MAXIMAL
 from .harness import AMI_ID, run_program

@@ -10,13 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayfleet.config import (
-    WORKER_REGIONS,
-    DEFAULTS,
-    SCHEMA,
-    StackConfig,
-    load_stack_file,
-)
+from rayfleet.config import StackConfig, load_stack_file
+from rayfleet.configkeys import DEFAULTS, SCHEMA, WORKER_REGIONS
 from rayfleet.errors import ConfigError
 
 pytestmark = pytest.mark.unit

@@ -35,7 +35,7 @@ def test_cli_reports_date_offline_note_and_budget(capsys):
 
 
 def test_price_table_is_dated_and_covers_every_worker_type():
-    from rayfleet.config import WORKER_INSTANCE_TYPES
+    from rayfleet.configkeys import WORKER_INSTANCE_TYPES
 
     p = cost.load_prices()
     assert p["as_of"] and "offline" in p["source"]

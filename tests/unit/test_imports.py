@@ -24,8 +24,9 @@ LEVELS: list[tuple[int, str, str]] = [
     (0, "rayfleet.agents", "agents"),
     # The core: what the workloads, infra and the commands stand on; one group.
     *((1, f"rayfleet.{m}", "core") for m in ("errors", "entrypoint", "facts", "rules",
-                                              "catalog", "config", "stack", "ingress",
-                                              "nodeenv", "raystart")),
+                                              "catalog", "configkeys", "configcheck",
+                                              "reservations", "nodes", "config", "stack",
+                                              "ingress", "nodeenv", "raystart")),
     (1, "rayfleet", "core"),   # the package itself (__init__)
     # The workloads' one shared level: models, the run store, corpora, CLI helpers.
     (2, "workloads.common", "common"),

@@ -20,7 +20,7 @@ import yaml
 
 from rayfleet import nodeenv
 from rayfleet.commands import cli, render
-from rayfleet.config import RAY_PORTS
+from rayfleet.facts import RAY_PORTS
 from rayfleet.stack import parse
 
 REPO = Path(__file__).resolve().parents[2]
