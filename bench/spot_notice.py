@@ -32,7 +32,7 @@ from pathlib import Path
 
 from bench import ArgumentParser, at_least, command, machine
 from rayfleet.commands.host import free_port
-from rayfleet.commands.local import ray_temp_dir
+from rayfleet.commands.localstate import ray_temp_dir
 from workloads.common import runs
 from workloads.common.storage import resolve
 

@@ -40,7 +40,7 @@ from typing import Any
 import yaml
 
 from rayfleet.commands import metrics as prometheus
-from rayfleet.commands.local import ensure_token
+from rayfleet.commands.localstate import ensure_token
 from rayfleet import gcsft, nodeenv, raystart
 from rayfleet.agents import fallover
 from rayfleet.errors import ConfigError, RayfleetError

@@ -26,8 +26,7 @@ import pytest
 import yaml
 
 from rayfleet import raystart
-from rayfleet.commands.host import port_holders
-from rayfleet.commands.local import port_in_use
+from rayfleet.commands.host import port_holders, port_in_use
 from tests.conftest import BIN, REPO, free_port, run
 
 ANSIBLE = REPO / "infra" / "ansible"

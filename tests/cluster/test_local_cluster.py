@@ -110,9 +110,9 @@ def test_cluster_keeps_its_own_ray_session_folder(ray_cluster, monkeypatch):
     # Ray's job supervisor points each driver at the cluster named in
     # <temp dir>/ray_current_cluster: with the shared /tmp/ray, a cluster started later by
     # someone else on this machine would receive this cluster's jobs.
-    from rayfleet.commands import local
+    from rayfleet.commands import localstate
 
     monkeypatch.setenv("RAYFLEET_HOME", str(ray_cluster["home"]))
-    current = local.ray_temp_dir() / "ray_current_cluster"
+    current = localstate.ray_temp_dir() / "ray_current_cluster"
     # (Ray records the host's address there even for a loopback head; the port is ours.)
     assert current.read_text().strip().endswith(f":{ray_cluster['gcs_port']}")

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from rayfleet import gcsft, raystart
-from rayfleet.commands import local
+from rayfleet.commands import localredis, localstate
 from tests.conftest import BIN, ensure_redis_server, free_port, run, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray]
@@ -109,7 +109,7 @@ def ha_cluster(tmp_path, monkeypatch):
     assert up.returncode == 0, up.stdout + up.stderr
     state = json.loads((home / "local" / "cluster.json").read_text())
     monkeypatch.setenv("RAYFLEET_HOME", str(home))
-    head_temp = local.ray_temp_dir()  # the head's Ray folder
+    head_temp = localstate.ray_temp_dir()  # the head's Ray folder
     exports = run([str(BIN / "rayfleet"), "local", "env"], env=env, check=True).stdout
     client_env = dict(ln.removeprefix("export ").split("=", 1) for ln in exports.splitlines())
     worker_temp = tempfile.mkdtemp(prefix="rfha-")  # short: Ray's socket paths
@@ -351,8 +351,8 @@ def test_local_redis_listens_on_loopback_behind_its_password(tmp_path, monkeypat
     writes its files 0600 into its 0700 folder; stopping it removes the folder."""
     ensure_redis_server()
     monkeypatch.setenv("RAYFLEET_HOME", str(tmp_path / "home"))
-    pid, port = local._start_redis(gcsft.redis_binary())
-    folder = local._redis_folder()
+    pid, port = localredis.start_redis(gcsft.redis_binary())
+    folder = localredis.redis_folder()
     try:
         password = (folder / gcsft.PASSWORD_FILE).read_text()
         assert gcsft.redis_ping(port, password) and not gcsft.redis_ping(port, "wrong")
@@ -365,5 +365,5 @@ def test_local_redis_listens_on_loopback_behind_its_password(tmp_path, monkeypat
         assert all(stat.S_IMODE(f.stat().st_mode) & 0o077 == 0 for f in files), \
             {str(f): oct(f.stat().st_mode) for f in files}
     finally:
-        local._stop_redis(pid, None, time.time())   # started just now: before this
+        localredis.stop_redis(pid, None, time.time())   # started just now: before this
     assert not folder.exists() and not _alive(pid)

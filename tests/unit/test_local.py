@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rayfleet.commands import host, local
+from rayfleet.commands import host, local, localhead, localredis, localstate
 from rayfleet.errors import ClusterError, ConfigError
 
 RAYFLEET = [sys.executable, "-m", "rayfleet.commands.cli"]
@@ -20,18 +20,18 @@ RAYFLEET = [sys.executable, "-m", "rayfleet.commands.cli"]
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYFLEET_HOME", str(tmp_path / "state"))
     yield tmp_path / "state"
-    if local.ray_temp_dir().is_dir() and not local.ray_temp_dir().is_symlink():
-        shutil.rmtree(local.ray_temp_dir())   # `up` made it in the shared /tmp
+    if localstate.ray_temp_dir().is_dir() and not localstate.ray_temp_dir().is_symlink():
+        shutil.rmtree(localstate.ray_temp_dir())   # `up` made it in the shared /tmp
 
 
 def test_rays_folder_in_the_shared_tmp_is_this_users_own(home, tmp_path):
     """Its name is predictable: a link planted there, or another user's folder, is refused in
     one line; this user's own, left open by an older run, is tightened to 0700."""
-    folder = local.ray_temp_dir()
+    folder = localstate.ray_temp_dir()
     folder.symlink_to(tmp_path)
     try:
         with pytest.raises(ClusterError, match="is a link or another user's"):
-            local.own_ray_temp_dir()
+            localstate.own_ray_temp_dir()
     finally:
         folder.unlink()
     folder.mkdir(mode=0o755)
@@ -39,27 +39,27 @@ def test_rays_folder_in_the_shared_tmp_is_this_users_own(home, tmp_path):
     os.chown(folder, 65534, 65534)   # nobody's
     try:
         with pytest.raises(ClusterError, match="is a link or another user's"):
-            local.own_ray_temp_dir()
+            localstate.own_ray_temp_dir()
         assert stat.S_IMODE(folder.stat().st_mode) == 0o755   # not chmodded: not ours
         os.chown(folder, os.geteuid(), os.getegid())
-        assert local.own_ray_temp_dir() == folder
+        assert localstate.own_ray_temp_dir() == folder
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     finally:
         shutil.rmtree(folder)
 
 
 def test_token_is_created_once_with_mode_0600(home):
-    path = local.ensure_token()
+    path = localstate.ensure_token()
     first = path.read_text()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert len(first) == 64
-    assert local.ensure_token().read_text() == first  # generated once, then reused
+    assert localstate.ensure_token().read_text() == first  # generated once, then reused
 
 
 def test_token_with_loose_mode_is_tightened(home):
-    path = local.ensure_token()
+    path = localstate.ensure_token()
     os.chmod(path, 0o644)
-    local.ensure_token()
+    localstate.ensure_token()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
@@ -81,7 +81,7 @@ def test_up_refuses_a_taken_port_without_starting_anything(home):
         port = s.getsockname()[1]
         with pytest.raises(ClusterError, match=f"port {port} \\(GCS\\) is already in use"):
             local.up(port=port, dashboard_port=host.free_port(), quiet=True)
-    assert local.load_state() is None
+    assert localstate.load_state() is None
 
 
 def test_up_refuses_tiny_object_store(home):
@@ -109,9 +109,9 @@ def test_haproxy_sockets_fit_haproxys_limit_under_a_long_temp_folder(home, monke
     from rayfleet.agents.haproxy_guard import MAX_SOCKET_PATH
 
     for tmpdir, base in (("/var/t", "/var/t"), ("/tmp/" + "x" * 30, "/tmp")):
-        monkeypatch.setattr(local, "ray_temp_dir",
+        monkeypatch.setattr(localstate, "ray_temp_dir",
                             lambda t=tmpdir: Path(t) / "rayfleet-0a1b2c3d4e")
-        folder = local._haproxy_folder()
+        folder = localstate.haproxy_folder()
         assert str(folder.parent) == base and folder.name == "rfhap-0a1b2c3d4e", folder
         assert len(f"{folder}/{'0' * 56}/metrics.sock") <= MAX_SOCKET_PATH
 
@@ -123,7 +123,7 @@ def test_up_refuses_a_planted_haproxy_folder_in_one_line(home, tmp_path):
     target = tmp_path / "elsewhere"
     target.mkdir()
     (target / "keep").write_text("x")
-    folder = local._haproxy_folder()
+    folder = localstate.haproxy_folder()
     folder.symlink_to(target)
     try:
         proc = subprocess.run(RAYFLEET + ["local", "up", "--port", str(host.free_port()),
@@ -133,7 +133,7 @@ def test_up_refuses_a_planted_haproxy_folder_in_one_line(home, tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert f"cannot make HAProxy's folder {folder}" in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
-        assert local.load_state() is None and (target / "keep").read_text() == "x"
+        assert localstate.load_state() is None and (target / "keep").read_text() == "x"
         assert folder.is_symlink()
     finally:
         folder.unlink()
@@ -159,19 +159,19 @@ def test_up_starts_the_kits_ray_start(home, monkeypatch):
         started.append(cmd)
         raise Started
 
-    monkeypatch.setattr(local, "_check_node_env", lambda python: sys.executable)
-    monkeypatch.setattr(local, "_pick", lambda default: default)
-    monkeypatch.setattr(local.subprocess, "Popen", popen)
+    monkeypatch.setattr(local, "check_node_env", lambda python: sys.executable)
+    monkeypatch.setattr(localhead, "_pick", lambda default: default)
+    monkeypatch.setattr(subprocess, "Popen", popen)
     gcs, dashboard = host.free_port(), host.free_port()
     with pytest.raises(Started):
         local.up(port=gcs, dashboard_port=dashboard, num_cpus=2, quiet=True, ingress="python")
     (cmd,) = started
     assert cmd == raystart.argv(
-        local._ray_bin(sys.executable), head=True, block=True, usage_stats=False,
-        ports={"gcs": gcs, "dashboard": dashboard, "client": local.DEFAULT_CLIENT_PORT,
-               "dashboard-agent-http": local.DEFAULT_AGENT_PORT,
+        localhead._ray_bin(sys.executable), head=True, block=True, usage_stats=False,
+        ports={"gcs": gcs, "dashboard": dashboard, "client": localhead.DEFAULT_CLIENT_PORT,
+               "dashboard-agent-http": localhead.DEFAULT_AGENT_PORT,
                "metrics-export": LOCAL_METRICS_EXPORT_PORT},
-        node_ip_address="127.0.0.1", temp_dir=str(local.ray_temp_dir()), num_cpus=2)
+        node_ip_address="127.0.0.1", temp_dir=str(localstate.ray_temp_dir()), num_cpus=2)
     assert "--dashboard-host=127.0.0.1" in cmd and "--disable-usage-stats" in cmd
     assert f"--metrics-export-port={LOCAL_METRICS_EXPORT_PORT}" in cmd
 
@@ -182,11 +182,11 @@ def test_up_ha_without_redis_fails_in_one_line_before_starting_anything(home, mo
     from rayfleet import gcsft
 
     monkeypatch.setattr(gcsft, "redis_binary", lambda: None)
-    monkeypatch.setattr(local.subprocess, "Popen", lambda *a, **k: pytest.fail("started"))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("started"))
     with pytest.raises(ClusterError) as e:
         local.up(port=host.free_port(), dashboard_port=host.free_port(), quiet=True, ha=True)
     assert "apt-get install redis-server" in str(e.value) and "\n" not in str(e.value)
-    assert local.load_state() is None and not (home / "local" / "redis").exists()
+    assert localstate.load_state() is None and not (home / "local" / "redis").exists()
 
 
 def test_up_ha_runs_ray_start_under_the_supervisor(home, monkeypatch):
@@ -208,16 +208,16 @@ def test_up_ha_runs_ray_start_under_the_supervisor(home, monkeypatch):
         raise Started
 
     def start_redis(binary):
-        folder = gcsft.make_folder(local._redis_folder())
+        folder = gcsft.make_folder(localredis.redis_folder())
         gcsft.write_config(folder, 7777)
         return None, 7777
 
-    monkeypatch.setattr(local, "_check_node_env", lambda python: sys.executable)
-    monkeypatch.setattr(local, "_pick", lambda default: default)
-    monkeypatch.setattr(local, "_start_redis", start_redis)
+    monkeypatch.setattr(local, "check_node_env", lambda python: sys.executable)
+    monkeypatch.setattr(localhead, "_pick", lambda default: default)
+    monkeypatch.setattr(localhead, "start_redis", start_redis)
     # Redis itself is stood in for above: on a fresh machine it need not be installed yet.
     monkeypatch.setattr(gcsft, "redis_binary", lambda: f"/usr/bin/{gcsft.REDIS_BINARY}")
-    monkeypatch.setattr(local.subprocess, "Popen", popen)
+    monkeypatch.setattr(subprocess, "Popen", popen)
     monkeypatch.setenv("RAY_REDIS_ADDRESS", "10.0.0.9:6379")  # a stray one is not used
     gcs, dashboard = host.free_port(), host.free_port()
     with pytest.raises(Started):
@@ -226,13 +226,13 @@ def test_up_ha_runs_ray_start_under_the_supervisor(home, monkeypatch):
     # The head did not start: the Redis folder (password and all) is gone again.
     assert not (home / "local" / "redis").exists()
     split = cmd.index("--")
-    assert cmd[:2] == [sys.executable, str(local._agent(gcsft.SUPERVISOR_NAME))]
+    assert cmd[:2] == [sys.executable, str(localstate.agent(gcsft.SUPERVISOR_NAME))]
     assert cmd[split + 1:] == local.raystart.argv(
-        local._ray_bin(sys.executable), head=True, block=False, usage_stats=False,
-        ports={"gcs": gcs, "dashboard": dashboard, "client": local.DEFAULT_CLIENT_PORT,
-               "dashboard-agent-http": local.DEFAULT_AGENT_PORT,
+        localhead._ray_bin(sys.executable), head=True, block=False, usage_stats=False,
+        ports={"gcs": gcs, "dashboard": dashboard, "client": localhead.DEFAULT_CLIENT_PORT,
+               "dashboard-agent-http": localhead.DEFAULT_AGENT_PORT,
                "metrics-export": LOCAL_METRICS_EXPORT_PORT},
-        node_ip_address="127.0.0.1", temp_dir=str(local.ray_temp_dir()))
+        node_ip_address="127.0.0.1", temp_dir=str(localstate.ray_temp_dir()))
     assert env[gcsft.REDIS_ADDRESS_ENV] == "127.0.0.1:7777"
     assert env[gcsft.RECONNECT_TIMEOUT_ENV] == str(gcsft.RECONNECT_TIMEOUT_S)
     assert not any(password in a for a in cmd) and password not in "".join(env.values())
@@ -285,7 +285,7 @@ def test_gcs_supervisor_starts_the_gcs_again_then_gives_up_on_a_crash_loop(tmp_p
     password.write_text("s3cret-pw")
     status = tmp_path / "status.json"
     proc = subprocess.Popen(
-        [sys.executable, str(local._agent("gcs_supervisor")), "--password-file", str(password),
+        [sys.executable, str(localstate.agent("gcs_supervisor")), "--password-file", str(password),
          "--status", str(status), "--grace-s", "3", "--", sys.executable,
          str(tmp_path / "start.py"), str(tmp_path)], start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -307,7 +307,7 @@ def test_gcs_supervisor_starts_the_gcs_again_then_gives_up_on_a_crash_loop(tmp_p
         gcs = wait("the supervisor to watch gcs_server",
                    lambda: json.loads(status.read_text())["gcs_pid"])
         # What a cloud head's start runs after it (rayfleet render, rayfleet:headHa).
-        waited = subprocess.run([sys.executable, str(local._agent("gcs_supervisor")),
+        waited = subprocess.run([sys.executable, str(localstate.agent("gcs_supervisor")),
                                  "--status", str(status), "--wait", "10"],
                                 capture_output=True, text=True, timeout=30)
         assert (waited.returncode, waited.stdout) == (0, f"gcs_supervisor: supervising "
@@ -346,12 +346,12 @@ def test_gcs_supervisor_wait_fails_in_one_line(tmp_path, start, expected):
     if start is not None:
         (tmp_path / "password").write_text("pw")
         sup = subprocess.run(
-            [sys.executable, str(local._agent("gcs_supervisor")), "--password-file",
+            [sys.executable, str(localstate.agent("gcs_supervisor")), "--password-file",
              str(tmp_path / "password"), "--status", str(status), "--grace-s", "1", "--",
              sys.executable, "-c", start], capture_output=True, text=True, timeout=60,
             start_new_session=True)   # it stops its own process group on the way out
         assert sup.returncode == 3
-    waited = subprocess.run([sys.executable, str(local._agent("gcs_supervisor")), "--status",
+    waited = subprocess.run([sys.executable, str(localstate.agent("gcs_supervisor")), "--status",
                              str(status), "--wait", "2"], capture_output=True, text=True,
                             timeout=30)
     assert waited.returncode == 1 and waited.stdout == ""
@@ -377,12 +377,12 @@ def test_gcs_supervisor_starts_a_failed_head_again(tmp_path):
     (tmp_path / "password").write_text("pw")
     status = tmp_path / "status.json"
     proc = subprocess.Popen(
-        [sys.executable, str(local._agent("gcs_supervisor")), "--password-file",
+        [sys.executable, str(localstate.agent("gcs_supervisor")), "--password-file",
          str(tmp_path / "password"), "--status", str(status), "--grace-s", "3", "--",
          sys.executable, str(tmp_path / "start.py"), str(tmp_path)], start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        waited = subprocess.run([sys.executable, str(local._agent("gcs_supervisor")),
+        waited = subprocess.run([sys.executable, str(localstate.agent("gcs_supervisor")),
                                  "--status", str(status), "--wait", "60"],
                                 capture_output=True, text=True, timeout=90)
         assert waited.returncode == 0, waited.stderr
@@ -419,15 +419,15 @@ def test_a_state_file_naming_a_reused_pid_is_forgotten_and_nothing_is_signalled(
         if recorded == "ticks":   # the head's own start: an hour before this process's
             state["pid_start"] = host.start_ticks(stranger.pid) - 3600 * os.sysconf(
                 "SC_CLK_TCK")
-        local._state_file().parent.mkdir(parents=True, exist_ok=True)
-        local._state_file().write_text(json.dumps(state))
+        localstate._state_file().parent.mkdir(parents=True, exist_ok=True)
+        localstate._state_file().write_text(json.dumps(state))
         assert local.down() is False
         out = capsys.readouterr()
         assert f"its head (pid {stranger.pid}) is gone and the pid is another process's" \
             in out.err and len(out.err.strip().splitlines()) == 1, out
         assert "nothing to stop" in out.out, out
         assert stranger.poll() is None   # not signalled
-        assert not local._state_file().exists()
+        assert not localstate._state_file().exists()
     finally:
         stranger.kill()
         stranger.wait()
@@ -439,13 +439,13 @@ def test_a_state_file_naming_its_own_live_head_is_kept(home):
 
     head = subprocess.Popen(["sleep", "300"], start_new_session=True)
     try:
-        local._state_file().parent.mkdir(parents=True, exist_ok=True)
-        local._state_file().write_text(json.dumps({
+        localstate._state_file().parent.mkdir(parents=True, exist_ok=True)
+        localstate._state_file().write_text(json.dumps({
             "pid": head.pid, "pid_start": host.start_ticks(head.pid), "gcs_port": 1,
             "dashboard_port": 2, "client_port": 3, "agent_port": 4, "num_cpus": None,
             "num_gpus": None, "object_store_memory": None, "log": "x",
             "started_at": time.time()}))
-        cluster = local.load_state()
+        cluster = localstate.load_state()
         assert cluster is not None and cluster.pid == head.pid
         assert host.is_same(head.pid, None, time.time())   # older state: started before now
     finally:

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rayfleet.commands import host, local, status
+from rayfleet.commands import host, localhead, localstate, status
 from tests.moto.pulumi_moto import load_agent
 
 TOKEN = "sekret-token-for-the-trap"
@@ -56,7 +56,7 @@ def trap(monkeypatch):
 def test_the_kits_own_clients_bypass_the_proxy(trap):
     proxied, direct, address = trap
     status.fetch(address, TOKEN)                          # rayfleet status
-    local._request(f"{address}/api/version", TOKEN)      # local's Jobs API probe
+    localhead._request(f"{address}/api/version", TOKEN)  # local's Jobs API probe
     load_agent("autostop").Dashboard(address, TOKEN).get("/api/jobs/")   # auto-stop
     assert proxied == [], proxied
     assert [auth for _, auth in direct] == [f"Bearer {TOKEN}"] * 3, direct
@@ -67,9 +67,10 @@ def test_rays_clients_in_a_local_env_shell_bypass_the_proxy(trap, tmp_path, monk
     user's own NO_PROXY entries kept."""
     proxied, direct, address = trap
     monkeypatch.setenv("NO_PROXY", "corp.example")
-    cluster = local.LocalCluster(pid=1, gcs_port=1, dashboard_port=int(address.rsplit(":", 1)[1]),
-                                 client_port=1, agent_port=1, num_cpus=None, num_gpus=None,
-                                 object_store_memory=None, log="x", started_at=0.0)
+    cluster = localstate.LocalCluster(
+        pid=1, gcs_port=1, dashboard_port=int(address.rsplit(":", 1)[1]), client_port=1,
+        agent_port=1, num_cpus=None, num_gpus=None, object_store_memory=None, log="x",
+        started_at=0.0)
     env = {**os.environ, **cluster.client_env()}
     assert env["NO_PROXY"].split(",")[0] == "corp.example", env["NO_PROXY"]
     code = ("import os, requests; requests.get(os.environ['RAY_DASHBOARD_ADDRESS'] + "

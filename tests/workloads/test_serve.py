@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayfleet.commands import local
+from rayfleet.commands import localstate
 from rayfleet.facts import RAY_PORTS_BY_NAME
 from tests.conftest import REPO
 from tests.workloads.conftest import deploy_lm, serve_shutdown
@@ -88,7 +88,7 @@ def test_haproxy_serves_and_nothing_new_listens_on_the_world(ray_cluster, lm_url
     workers' gRPC, behind the token), and none of it on a port of the ingress."""
     port = int(lm_url.rsplit(":", 1)[1])
     monkeypatch.setenv("RAYFLEET_HOME", str(ray_cluster["home"]))
-    folder = local._haproxy_folder()   # this cluster's HAProxy files
+    folder = localstate.haproxy_folder()   # this cluster's HAProxy files
     assert folder.is_dir(), folder
     # Ray reloads HAProxy when Serve's routing changes (earlier tests deploy and shut apps
     # down on this cluster): read the listeners once HAProxy holds the Serve port again.
