@@ -165,7 +165,7 @@ def _hf_assets() -> Path:
     (an untrained adapter: what is refused is its base, named in rayfleet_base.json)."""
     from tests.hf_fixtures import (instruction_records, make_hf_model_dir, make_model,
                                    write_jsonl, write_sft_dataset)
-    from workloads.train import driver, hf_model
+    from workloads.train import hf_model, inputs, options
 
     root = Path(tempfile.mkdtemp(prefix="rayfleet-bad-input-hf-"))
     atexit.register(shutil.rmtree, root, True)
@@ -174,9 +174,9 @@ def _hf_assets() -> Path:
                              root / "sft", str(model), 48)
     shutil.copytree(model, root / "other-base")
     make_model(root / "other-base", 512, seed=1)
-    opts = driver.TrainOptions.parse(["--model", str(model), "--dataset", str(data),
+    opts = options.TrainOptions.parse(["--model", str(model), "--dataset", str(data),
                                       "--lora-r", "8", "--lora-targets", "q_proj,v_proj"])
-    spec, source, tokenizer = driver.resolve_hf(opts, driver.dataset_manifest(str(data)))
+    spec, source, tokenizer = inputs.resolve_hf(opts, inputs.dataset_manifest(str(data)))
     lm = hf_model.build(source, spec.config, lora=spec.lora)
     hf_model.export_adapter(lm.state_dict(), spec.lora, tokenizer, root / "adapter")
     return root

@@ -20,7 +20,7 @@ import pytest
 
 from rayfleet import capacity
 from rayfleet.commands import cli
-from workloads.train import driver
+from workloads.train import options, placement
 
 ORDER = ["ray.worker.p4d.24xlarge.spot", "ray.worker.p4d.24xlarge.ondemand",
          "ray.worker.p4de.24xlarge.spot"]
@@ -169,14 +169,14 @@ def test_rayfleet_status_without_the_token_is_one_line(dashboard, monkeypatch, c
 def test_the_driver_stops_waiting_when_every_fitting_type_fails():
     types = {n: {"CPU": 96, "GPU": 8, "accelerator_type:A100": 1} for n in ORDER}
     types["ray.worker.cpu"] = {"CPU": 16}
-    opts = driver.TrainOptions.parse(["--smoke-test", "--resources-per-worker",
+    opts = options.TrainOptions.parse(["--smoke-test", "--resources-per-worker",
                                       '{"accelerator_type:A100": 0.5}'])
     # The CPU type cannot hold an A100 worker: it is no candidate.
-    assert driver.fitting_types(opts, types) == ORDER
+    assert placement.fitting_types(opts, types) == ORDER
     # Failures made after the watch starts, as the autoscaler tries each type for the run.
     failing = iter([ORDER[:1], ORDER[:2]] + [ORDER] * 1000)
     fired = threading.Event()
-    watch = driver.LaunchWatch(ORDER, lambda: ray_report(next(failing), ago=0), poll_s=0.01,
+    watch = placement.LaunchWatch(ORDER, lambda: ray_report(next(failing), ago=0), poll_s=0.01,
                                on_fail=lambda line: fired.set())
     with watch:
         assert fired.wait(10)
@@ -187,7 +187,7 @@ def test_the_driver_stops_waiting_when_every_fitting_type_fails():
     # A run whose bundle no launchable type fits has nothing to watch.
     # (A report in which everything fails, read every 10 ms: a watch that ran would see it.)
     said: list[str] = []
-    idle = driver.LaunchWatch([], lambda: ray_report(ORDER, ago=-60), poll_s=0.01,
+    idle = placement.LaunchWatch([], lambda: ray_report(ORDER, ago=-60), poll_s=0.01,
                               on_fail=said.append)
     with idle:
         time.sleep(0.3)
@@ -200,7 +200,7 @@ def test_a_report_the_watch_cannot_read_is_said_once_and_no_verdict(capsys):
     def broken():
         raise ConnectionError("GCS unreachable")
 
-    with driver.LaunchWatch(ORDER, broken, poll_s=0.01, on_fail=said.append):
+    with placement.LaunchWatch(ORDER, broken, poll_s=0.01, on_fail=said.append):
         time.sleep(0.3)
     out = capsys.readouterr().out.splitlines()
     assert out == ["[rayfleet] cannot read the autoscaler's report (ConnectionError: GCS "
@@ -218,9 +218,9 @@ def test_the_driver_ends_with_one_line_and_exit_2(tmp_path):
 
     (tmp_path / "report.json").write_text(ray_report(ORDER, ago=-60))   # tried after start
     probe = ("import pathlib, time\n"
-             "from workloads.train import driver\n"
+             "from workloads.train import placement\n"
              f"r = pathlib.Path({str(tmp_path / 'report.json')!r}).read_text()\n"
-             f"with driver.LaunchWatch({ORDER!r}, lambda: r, poll_s=0.01):\n"
+             f"with placement.LaunchWatch({ORDER!r}, lambda: r, poll_s=0.01):\n"
              "    time.sleep(30)\n"
              "print('not reached')\n")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,

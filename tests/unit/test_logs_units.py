@@ -134,15 +134,15 @@ def test_agent_bad_args_are_one_line_exit_2(argv, env, says):
     (None, "smoke-ddp"),                            # not a Ray job
 ])
 def test_a_job_submitted_with_an_id_names_its_run(submission_id, name, monkeypatch):
-    from workloads.train import driver
+    from workloads.train import driver, options
 
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
     if submission_id is not None:
         monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(
             {"runtime_env": {}, "metadata": {"job_submission_id": submission_id,
                                              "job_name": submission_id}}))
-    opts = driver.TrainOptions.parse(["--smoke-test"])
+    opts = options.TrainOptions.parse(["--smoke-test"])
     assert driver.run_name(opts, None) == name
     # --name always wins.
-    assert driver.run_name(driver.TrainOptions.parse(["--smoke-test", "--name", "x1"]),
+    assert driver.run_name(options.TrainOptions.parse(["--smoke-test", "--name", "x1"]),
                            None) == "x1"

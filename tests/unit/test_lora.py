@@ -21,7 +21,7 @@ import torch
 from tests.unit.test_serve_hf_units import _refusal  # lm's one-line refusal, as there
 from workloads.common import hf
 from workloads.common import runs as ckpt
-from workloads.train import driver, hf_model
+from workloads.train import hf_model, inputs, options
 from workloads.train.context import TorchrunContext
 from workloads.train.loop import LoopConfig, train_loop
 
@@ -34,9 +34,9 @@ FULL_LR, LORA_LR = 3e-3, 1e-2
 
 
 def _spec(model_dir, data, *extra):
-    opts = driver.TrainOptions.parse(["--model", str(model_dir), "--dataset", str(data), *extra])
-    assert driver.check_options(opts) is None
-    return driver.resolve_hf(opts, driver.dataset_manifest(str(data)))
+    opts = options.TrainOptions.parse(["--model", str(model_dir), "--dataset", str(data), *extra])
+    assert options.check_options(opts) is None
+    return inputs.resolve_hf(opts, inputs.dataset_manifest(str(data)))
 
 
 def _train(root, model_dir, data, max_steps, lr, *extra, merge=False) -> list[float]:

@@ -16,16 +16,16 @@ import torch
 
 from tests.conftest import BIN, REPO, SFT_MAX_LENGTH, run, summary_of
 from workloads.common import runs as ckpt
-from workloads.train import driver, hf_model
+from workloads.train import driver, hf_model, inputs, options, placement
 from workloads.train.context import TorchrunContext
 from workloads.train.loop import LoopConfig, train_loop
 
 
 
 def _spec(hf_model_dir, sft_data):
-    opts = driver.TrainOptions.parse(["--model", str(hf_model_dir), "--dataset", str(sft_data)])
-    assert driver.check_options(opts) is None
-    return driver.resolve_hf(opts, driver.dataset_manifest(str(sft_data)))
+    opts = options.TrainOptions.parse(["--model", str(hf_model_dir), "--dataset", str(sft_data)])
+    assert options.check_options(opts) is None
+    return inputs.resolve_hf(opts, inputs.dataset_manifest(str(sft_data)))
 
 
 def _loop(root, spec, source, tokenizer, data, max_steps, **kw) -> tuple[TorchrunContext, dict]:
@@ -181,13 +181,13 @@ def test_bad_hf_inputs_are_one_line_before_any_worker(hf_model_dir, sft_data, tm
 
 def test_memory_estimate_reads_the_hf_config(hf_model_dir, sft_data):
     spec, _, _ = _spec(hf_model_dir, sft_data)
-    opts = driver.TrainOptions.parse(["--model", str(hf_model_dir), "--dataset", "x",
+    opts = options.TrainOptions.parse(["--model", str(hf_model_dir), "--dataset", "x",
                                       "--batch-size", "8"])
-    driver.check_options(opts)
-    base = driver.memory_estimate_bytes(spec, opts)
+    options.check_options(opts)
+    base = placement.memory_estimate_bytes(spec, opts)
     assert base["params"] == 4.0 * spec.n_params
     opts = dataclasses.replace(opts, activation_checkpointing=True)
-    assert driver.memory_estimate_bytes(spec, opts)["activations"] < base["activations"] / 10
+    assert placement.memory_estimate_bytes(spec, opts)["activations"] < base["activations"] / 10
 
 
 def test_torchrun_entry_point_is_importable_without_ray():
@@ -198,11 +198,11 @@ def test_torchrun_entry_point_is_importable_without_ray():
 
 def test_relative_model_paths_are_made_absolute_for_the_workers(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    opts = driver.absolute_hf_paths(driver.TrainOptions.parse(
+    opts = inputs.absolute_hf_paths(options.TrainOptions.parse(
         ["--model", "./models/m", "--tokenizer", "tok", "--dataset", "d"]))
     assert opts.model == str(tmp_path / "models" / "m")
     assert opts.tokenizer == str(tmp_path / "tok")
-    opts = driver.absolute_hf_paths(driver.TrainOptions.parse(["--model", "tiny"]))
+    opts = inputs.absolute_hf_paths(options.TrainOptions.parse(["--model", "tiny"]))
     assert opts.model == "tiny"                     # a preset, not a path
 
 

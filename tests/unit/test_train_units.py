@@ -12,14 +12,9 @@ from tests.conftest import REPO
 from rayfleet.errors import CheckpointError, ClusterError, ConfigError, RayfleetError
 from workloads.common import runs as ckpt
 from workloads.train.context import TorchrunContext
-from workloads.train.driver import (
-    TrainOptions,
-    check_memory,
-    check_options,
-    check_resources,
-    memory_estimate_bytes,
-)
 from workloads.train.loop import LoopConfig, lr_at, train_loop
+from workloads.train.options import TrainOptions, check_options
+from workloads.train.placement import check_memory, check_resources, memory_estimate_bytes
 from workloads.common.model import GPT, PRESETS
 
 
@@ -94,7 +89,7 @@ def test_a_resource_only_the_autoscaler_can_add_waits_for_it(tmp_path):
     types, read the way the driver reads them on the head)."""
     import shutil
 
-    from workloads.train.driver import (
+    from workloads.train.placement import (
         autoscaler_config,
         fitting_types,
         launchable_nodes,
@@ -271,7 +266,7 @@ def test_the_training_corpus_is_the_sorted_standard_library_without_tests():
 def test_training_options_are_every_flag_parsed_once_and_frozen():
     import dataclasses
 
-    from workloads.train.driver import build_parser
+    from workloads.train.options import build_parser
 
     dests = {a.dest for a in build_parser()._actions if a.dest != "help"}
     assert {f.name for f in dataclasses.fields(TrainOptions)} == dests

@@ -174,10 +174,10 @@ def test_demo_script_wires_every_stage(tmp_path, endpoint, running):
     assert data == readme_data[readme_data.index("--") + 1:-1] + [dataset]
     # Training streams that output; its flags pass the real driver's checks.
     assert train[:3] == ["python", "-m", "workloads.train"]
-    from workloads.train import driver
+    from workloads.train import options
 
-    args = driver.TrainOptions.parse(train[3:])
-    driver.check_options(args)
+    args = options.TrainOptions.parse(train[3:])
+    options.check_options(args)
     assert args.smoke_test and args.dataset == dataset and args.num_workers == 2
     assert args.storage_path == str(runs) and args.name.startswith("demo-")
     assert args.max_steps == 300 and args.checkpoint_every == 100  # `make demo`'s defaults

@@ -14,19 +14,9 @@ from rayfleet.entrypoint import run_main
 from rayfleet.errors import ConfigError
 from workloads.common.runs import METRICS, read_history
 from workloads.train.context import TorchrunContext
-from workloads.train.driver import (
-    TrainOptions,
-    absolute_hf_paths,
-    build_parser,
-    check_byte_dataset,
-    check_dataset,
-    check_deepspeed,
-    dataset_manifest,
-    loop_config,
-    check_options,
-    resolve_hf,
-)
+from workloads.train.inputs import absolute_hf_paths, loop_config, prepare_inputs
 from workloads.train.loop import train_loop
+from workloads.train.options import TrainOptions, build_parser, check_options
 
 PROG = "workloads.train.torchrun"
 
@@ -39,18 +29,11 @@ def _main(argv: list[str] | None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     opts = TrainOptions.from_args(args, num_workers=world)
     model = check_options(opts)
-    check_deepspeed(opts)
     opts = absolute_hf_paths(opts)
     if opts.dataset not in (None, "stdlib") and opts.dataset.startswith("s3://"):
         raise ConfigError("--dataset", "torchrun reads a local dataset folder (Ray Train "
                                        "streams s3:// ones)")
-    check_dataset(opts.dataset)
-    manifest = dataset_manifest(opts.dataset)
-    hf_source = tokenizer = None
-    if model is None:
-        model, hf_source, tokenizer = resolve_hf(opts, manifest)
-    else:
-        check_byte_dataset(opts.dataset, manifest)
+    model, hf_source, tokenizer = prepare_inputs(opts, model)
     ctx = TorchrunContext(args.output, keep=opts.num_to_keep)
     # As the Ray driver: a DataLoader process only beside a GPU.
     cfg = loop_config(opts, model, hf_source, tokenizer, world,
