@@ -50,7 +50,7 @@ def test_sharded_export_loads_everywhere_with_the_models_logits(hf_model_dir, tm
     from transformers import AutoModelForCausalLM
 
     from workloads.common import hf
-    from workloads.serve import llm_config
+    from workloads.serve import llm_source
     from workloads.serve.engines import HFEngine
 
     if tied:
@@ -97,7 +97,7 @@ def test_sharded_export_loads_everywhere_with_the_models_logits(hf_model_dir, tm
         assert torch.equal(engine.model(x).logits, want)
     info = hf.check_model_folder(str(out), "x")
     assert info["weights"] == shards
-    assert llm_config.model_source(str(out), 32, device="cpu")[0] == str(out.resolve())
+    assert llm_source.model_source(str(out), 32, device="cpu")[0] == str(out.resolve())
 
 
 def test_a_model_that_fits_one_shard_is_one_model_safetensors(hf_model_dir, tmp_path):

@@ -10,8 +10,10 @@ import shlex
 import pytest
 import yaml
 
+from rayfleet.errors import ConfigError
 from tests.conftest import REPO
 from workloads.serve import llm_config
+from workloads.serve.llm_placement import check_placement, device_of, replica_bundles
 
 COMMITTED = REPO / "cluster-configs" / "serve" / "llm.yaml"
 CLUSTER = REPO / "cluster-configs" / "aws-a100.example.yaml"
@@ -89,11 +91,11 @@ def test_cpu_config_sizes_the_kv_cache_and_asks_for_cpus_only(tmp_path):
     assert "accelerator_type" not in llm
     assert llm["engine_kwargs"]["kv_cache_memory_bytes"] == 1 << 28
     assert LLMConfig(**llm).accelerator_config.kind == "cpu"
-    assert llm_config.device_of(llm) == "cpu"
-    assert llm_config.replica_bundles(llm) == ([{"CPU": 2}, {"CPU": 2}], "STRICT_PACK")
+    assert device_of(llm) == "cpu"
+    assert replica_bundles(llm) == ([{"CPU": 2}, {"CPU": 2}], "STRICT_PACK")
     gpu = yaml.safe_load(COMMITTED.read_text())["applications"][0]["args"]["llm_configs"][0]
-    assert llm_config.device_of(gpu) == "gpu"
-    assert llm_config.replica_bundles(gpu) == ([{"CPU": 2, "GPU": 1}] + [{"CPU": 1, "GPU": 1}] * 7,
+    assert device_of(gpu) == "gpu"
+    assert replica_bundles(gpu) == ([{"CPU": 2, "GPU": 1}] + [{"CPU": 1, "GPU": 1}] * 7,
                                                "STRICT_PACK")
 
 
@@ -123,18 +125,18 @@ def test_a_replica_that_no_node_set_can_hold_is_refused():
            "placement_group_config": {"bundle_per_worker": {"GPU": 1, "CPU": 1},
                                       "strategy": "PACK"}}
     two_nodes = [{"CPU": 8, "GPU": 1}, {"CPU": 8, "GPU": 1}]
-    llm_config.check_placement([llm], two_nodes, "x")     # a stage on each node
-    with pytest.raises(llm_config.ConfigError, match="needs 3 CPU, 2 GPU; x has 8 CPU, 1 GPU"):
-        llm_config.check_placement([llm], two_nodes[:1], "x")
+    check_placement([llm], two_nodes, "x")     # a stage on each node
+    with pytest.raises(ConfigError, match="needs 3 CPU, 2 GPU; x has 8 CPU, 1 GPU"):
+        check_placement([llm], two_nodes[:1], "x")
     strict = {**llm, "placement_group_config": {**llm["placement_group_config"],
                                                 "strategy": "STRICT_PACK"}}
-    with pytest.raises(llm_config.ConfigError, match="on one node"):
-        llm_config.check_placement([strict], two_nodes, "x")
+    with pytest.raises(ConfigError, match="on one node"):
+        check_placement([strict], two_nodes, "x")
     cpu = {"model_loading_config": {"model_id": "m"},
            "engine_kwargs": {"kv_cache_memory_bytes": 8 << 30},
            "placement_group_config": {"bundle_per_worker": {"CPU": 1}, "strategy": "STRICT_PACK"},
            "deployment_config": {"ray_actor_options": {"num_cpus": 0}}}
-    llm_config.check_placement([cpu], [{"CPU": 4, "memory": 16 << 30}], "x")
-    with pytest.raises(llm_config.ConfigError, match="KV cache is 8.0 GiB; the largest node of x "
+    check_placement([cpu], [{"CPU": 4, "memory": 16 << 30}], "x")
+    with pytest.raises(ConfigError, match="KV cache is 8.0 GiB; the largest node of x "
                                                      "has 4.0 GiB for Ray: lower --kv-cache-gib"):
-        llm_config.check_placement([cpu], [{"CPU": 4, "memory": 4 << 30}], "x")
+        check_placement([cpu], [{"CPU": 4, "memory": 4 << 30}], "x")

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from rayfleet.errors import RayfleetError
-from workloads.serve import llm_config
+from workloads.serve import llm_build, llm_config
 
 MULTIBYTE = "naïve café → 日本語 🚀 ok"
 
@@ -236,7 +236,7 @@ def test_llm_config_from_a_local_export(tmp_path, hf_model_dir):
     assert rc == 0
     source, engine = _source(cfg)
     assert source == f"{ckpt}/hf" and engine["max_model_len"] == 256
-    llm_config.validate(cfg)                   # Serve's schema and Ray's LLMConfig
+    llm_build.validate(cfg)                   # Serve's schema and Ray's LLMConfig
     assert LLMConfig(**cfg["applications"][0]["args"]["llm_configs"][0]).model_id == "my-sft"
     rc, cfg = _llm(tmp_path, "--model-source", str(hf_model_dir), "--max-model-len", "128")
     assert rc == 0 and _source(cfg)[0] == str(hf_model_dir)

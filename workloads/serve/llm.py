@@ -19,7 +19,8 @@ import socket
 from rayfleet.errors import RayfleetError
 from workloads.serve.app_args import builder_errors
 # check_args is also what `rayfleet serve-config` calls on this app's args before a deploy.
-from workloads.serve.llm_config import check_args, cluster_nodes
+from workloads.serve.llm_config import check_args
+from workloads.serve.llm_placement import cluster_nodes
 
 # By name: that module imports ray.serve.llm's internals, which need vLLM.
 INGRESS = "workloads.serve.llm_ingress:OpenAIErrorsIngress"
