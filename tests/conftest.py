@@ -186,8 +186,15 @@ def pytest_unconfigure(config):
     scratch.leave(SCRATCH, passed=_OUTCOME.get("passed", False))
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     from tests.tiers import required
+
+    # pytest's own temporary folders inside the run's folder, and short: a test's Unix sockets
+    # (HAProxy's, 97 characters at most; Ray's, 107) live under tmp_path. The controller sets
+    # it; pytest-xdist gives each worker a folder of its own below (<basetemp>/gw0, ...).
+    if not os.environ.get("PYTEST_XDIST_WORKER") and not config.option.basetemp:
+        config.option.basetemp = str(SCRATCH / "p")
 
     required()   # an unknown tier in RAYFLEET_REQUIRE stops the run before any test
     # The controller (it collects nothing) names a file for the workers' groups.
