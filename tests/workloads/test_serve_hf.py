@@ -17,11 +17,14 @@ each client picking one by model id, with the greedy answers PEFT gives for each
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +65,7 @@ def trained(ray_cluster, aws_env, hf_model_dir, sft_data, checkpoint_bucket, s3_
 
 
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
+LORA_CACHE = Path("/tmp/ray/llm/lora/cache")   # Ray LLM's LoraModelLoader default lora_root
 ADAPTERS = "hf-adapters"          # the llm app's lora_config path, under the bucket
 
 
@@ -151,7 +155,19 @@ def adapters(lora_trained, checkpoint_bucket, s3_client, tmp_path_factory) -> di
     for d in (sft, neg):
         for f in d.iterdir():
             s3_client.upload_file(str(f), checkpoint_bucket, f"{ADAPTERS}/{d.name}/{f.name}")
-    return {"sft": sft, "neg": neg}
+    # Ray's LoRA loader caches each adapter a replica downloads in a fixed folder under /tmp
+    # (ray/llm/_internal/serve/utils/lora_serve_utils.py), not TMPDIR: what this module's
+    # adapters add there goes when it is done, and nothing that was there before.
+    made = [p for p in (LORA_CACHE, *LORA_CACHE.parents[:3]) if not p.exists()]
+    before = {e.name for e in LORA_CACHE.iterdir()} if LORA_CACHE.is_dir() else set()
+    yield {"sft": sft, "neg": neg}
+    for entry in (f"{n}{suffix}" for n in ("sft", "neg") for suffix in ("", ".lock")):
+        path = LORA_CACHE / entry
+        if entry not in before and path.exists() and not path.is_symlink():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for folder in made:   # deepest first; only when nothing else was put there meanwhile
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 @pytest.fixture(scope="module")
