@@ -134,9 +134,13 @@ def _resubscribed_after(node, after: float) -> float | None:
     node table, which a restarted GCS reloads from Redis with every stored node ALIVE."""
     import datetime
 
-    log = node.root / "tmp" / "ray" / "session_latest" / "logs" / "raylet.out"
+    # Ray's session_latest link is absolute inside the node (its own /tmp): read the session
+    # folders themselves, under the node's root.
+    logs = [d / "logs" / "raylet.out" for d in (node.root / "tmp" / "ray").glob("session_2*")
+            if d.is_dir() and not d.is_symlink()]
     try:
-        lines = log.read_text(errors="replace").splitlines()
+        lines = [ln for log in sorted(logs) for ln in log.read_text(errors="replace")
+                 .splitlines()]
     except OSError:
         return None
     for line in lines:
