@@ -12,6 +12,7 @@ torchrun; a killed Ray Train worker and vLLM's LoRA are tests/workloads/test_ser
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 
@@ -153,6 +154,7 @@ def _torchrun(model_dir, data, out, max_steps, *args) -> tuple[list[float], str]
                 "--max-steps", str(max_steps), "--log-every", "1", "--checkpoint-every", "2",
                 "--batch-size", "4", "--lr", str(LORA_LR), "--output", str(out), *LORA, *args],
                env={"PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+                    "TMPDIR": os.environ["TMPDIR"],   # the run's folder (tests/scratch.py)
                     "HOME": str(out.parent)}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [h["loss"] for h in summary_of(proc.stdout)["history"]], proc.stdout

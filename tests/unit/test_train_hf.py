@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
 
@@ -99,6 +100,7 @@ def _torchrun(hf_model_dir, sft_data, out, *strategy):
                 str(sft_data), "--max-steps", "3", "--log-every", "1", "--checkpoint-every",
                 "3", "--batch-size", "4", "--lr", "3e-3", "--output", str(out), *strategy],
                env={"PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+                    "TMPDIR": os.environ["TMPDIR"],   # the run's folder (tests/scratch.py)
                     "HOME": str(out.parent)}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [h["loss"] for h in summary_of(proc.stdout)["history"]]

@@ -3,6 +3,7 @@ resource check, the memory estimate, checkpoint validation, and the loop itself 
 process (the same code Ray Train and torchrun run)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -308,6 +309,7 @@ def test_deepspeed_on_one_rank_trains(tmp_path):
                 "--smoke-test", "--strategy", "deepspeed", "--max-steps", "2",
                 "--output", str(tmp_path / "out")],
                env={"PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+                    "TMPDIR": os.environ["TMPDIR"],   # the run's folder (tests/scratch.py)
                     "HOME": str(tmp_path)}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = summary_of(proc.stdout)
