@@ -72,6 +72,24 @@ def kit_lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.strip() and not _RAY_LOG_LINE.match(ln)]
 
 
+def ray_logged_at(logs, text: str, after: float = 0.0) -> float | None:
+    """When a line holding ``text`` was first written to one of Ray's ``logs`` after ``after``
+    (its `[YYYY-mm-dd HH:MM:SS,mmm` stamp, the machine's local time), or None."""
+    import datetime
+
+    for log in logs:
+        try:
+            lines = Path(log).read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if text in line:
+                at = datetime.datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                if at > after:
+                    return at
+    return None
+
+
 def summary_of(stdout: str) -> dict:
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RAYFLEET_SUMMARY ")]
     assert lines, f"no summary line in output:\n{stdout[-3000:]}"

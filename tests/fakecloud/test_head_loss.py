@@ -41,7 +41,8 @@ import pytest
 import yaml
 
 from rayfleet.agents.gcs_supervisor import comm
-from tests.conftest import BIN, REPO, ensure_redis_server, free_port, run, summary_of, wait_until
+from tests.conftest import (BIN, REPO, ensure_redis_server, free_port, ray_logged_at, run,
+                            summary_of, wait_until)
 from tests.moto.pulumi_moto import cluster_instances
 from tests.tiers import unavailable
 
@@ -131,24 +132,12 @@ def _pids(node, name: str) -> list[int]:
 def _resubscribed_after(node, after: float) -> float | None:
     """When the node's own raylet logged that the GCS had restarted (it re-subscribes to the
     new GCS), first after ``after``: Ray's log stamp, or None. The raylet's word, not the GCS's
-    node table, which a restarted GCS reloads from Redis with every stored node ALIVE."""
-    import datetime
-
-    # Ray's session_latest link is absolute inside the node (its own /tmp): read the session
-    # folders themselves, under the node's root.
-    logs = [d / "logs" / "raylet.out" for d in (node.root / "tmp" / "ray").glob("session_2*")
-            if d.is_dir() and not d.is_symlink()]
-    try:
-        lines = [ln for log in sorted(logs) for ln in log.read_text(errors="replace")
-                 .splitlines()]
-    except OSError:
-        return None
-    for line in lines:
-        if "The GCS has restarted" in line:
-            at = datetime.datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            if at > after:
-                return at
-    return None
+    node table, which a restarted GCS reloads from Redis with every stored node ALIVE. Ray's
+    session_latest link is absolute inside the node (its own /tmp): the session folders
+    themselves are read, under the node's root."""
+    logs = sorted(d / "logs" / "raylet.out" for d in (node.root / "tmp" / "ray").glob("session_2*")
+                  if d.is_dir() and not d.is_symlink())
+    return ray_logged_at(logs, "The GCS has restarted", after)
 
 
 def test_head_instance_lost_on_the_fake_cloud(monkeypatch):

@@ -11,7 +11,6 @@ time until the GCS answers again are measured and held to what docs/faults.md st
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ import yaml
 
 from rayfleet import gcsft, raystart
 from rayfleet.commands import localredis, localstate
-from tests.conftest import BIN, ensure_redis_server, free_port, run, wait_until
+from tests.conftest import BIN, ensure_redis_server, free_port, ray_logged_at, run, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray]
 
@@ -259,7 +258,7 @@ def test_gcs_killed_under_serve_load(ha_cluster, tmp_path):
     for node, temp in (("head", Path(c["head_temp"])), ("worker", Path(c["worker_temp"]))):
         log = temp / "session_latest" / "logs" / "raylet.out"
         rejoined[node] = wait_until(f"the {node}'s raylet to find the GCS back",
-                                    lambda log=log: _logged_at(log, "The GCS has restarted"),
+                                    lambda log=log: ray_logged_at([log], "The GCS has restarted"),
                                     timeout=60)
         assert _raylets(temp) == raylets[node], (node, raylets[node], _raylets(temp))
     during = [a for a in load.answers if killed <= a[0] <= killed + after["recovered_s"]]
@@ -303,20 +302,6 @@ def test_gcs_killed_under_serve_load(ha_cluster, tmp_path):
                 if f.is_file() and not f.is_symlink() and _world_readable(f)
                 and password.encode() in f.read_bytes()]
     assert not readable, readable
-
-
-def _logged_at(log: Path, text: str) -> float | None:
-    """When Ray's log line holding ``text`` was written (its `[YYYY-mm-dd HH:MM:SS,mmm` stamp,
-    the machine's local time), or None."""
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        if text in line:
-            stamp = line[1:24]
-            return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    return None
 
 
 def _raylets(temp: Path) -> list[int]:
