@@ -367,6 +367,19 @@ class FakeCloud:
         if self.errors:
             raise RuntimeError("; ".join(self.errors[:5]))
 
+    def moto_failures(self) -> list[str]:
+        """The exception of each traceback moto's log holds (a request it answered with a
+        500): what a failed run's report names, since the log stays on the runner."""
+        log = self.root / "moto.log"
+        failures, inside = [], False
+        for ln in log.read_text(errors="replace").splitlines() if log.exists() else []:
+            if ln.startswith("Traceback (most recent call last)"):
+                inside = True
+            elif inside and ln and not ln.startswith(" "):
+                failures.append(ln)
+                inside = False
+        return failures
+
     # ------------------------------------------------------------------ nodes
 
     def start_node(self, instance_id: str, ip: str, key_name: str | None) -> Node:

@@ -4,15 +4,22 @@ EC2 frees a terminated instance's private address (a new instance may take it, a
 head of a rayfleet:headHa stack does, at its fixed address). moto 5.2 keeps it until the
 Instance object is garbage-collected, which never happens while DescribeInstances lists the
 terminated instance, so RunInstances with that PrivateIpAddress fails with "IP already in
-use". Here TerminateInstances releases the addresses as EC2 does; nothing else changes.
+use". Here TerminateInstances releases the addresses as EC2 does.
+
+moto's backends are not thread-safe (getmoto/moto#5881): DescribeInstances iterating an
+instance's block devices while RunInstances fills them failed once with a 500 during a replaced
+head's `ray up`. EC2 answers each call consistently, so here one request is served at a time
+(the server keeps its threads; the backends see one caller).
 
 Run as moto_server is: ``python motoserver.py -H HOST -p PORT``."""
 
 from __future__ import annotations
 
 import sys
+import threading
 
 from moto.ec2.models.instances import Instance
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication
 from moto.server import main
 
 _terminate = Instance.terminate
@@ -32,6 +39,17 @@ def _terminate_and_release(self):
 
 
 Instance.terminate = _terminate_and_release
+
+_dispatch = DomainDispatcherApplication.__call__
+_one_at_a_time = threading.Lock()
+
+
+def _serialized(self, environ, start_response):
+    with _one_at_a_time:
+        return _dispatch(self, environ, start_response)
+
+
+DomainDispatcherApplication.__call__ = _serialized
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -230,7 +230,8 @@ def prepare(prefix: str) -> tuple[Path, Steps, FakeCloud, Path]:
                   else wheelhouse(BIN / "pip"))
     cloud = FakeCloud(root=root / "cloud", vpc_cidr=VPC, wheelhouse=wheels)
     # A node stopped under a step (auto-stop, a crash) is the first thing to know of a failure.
-    step.context = lambda: f"\nthe fake cloud's last events: {cloud.events[-4:]}"
+    step.context = lambda: (f"\nthe fake cloud's last events: {cloud.events[-4:]}"
+                            f"\nmoto's failures: {cloud.moto_failures()[-3:]}")
     op_home = root / "operator"
     (op_home / ".ssh").mkdir(parents=True)
     return root, step, cloud, op_home
