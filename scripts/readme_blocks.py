@@ -23,8 +23,9 @@ README = ROOT / "README.md"
 # (docs/workloads.md picks up the README's local cluster and shell state). Every page of docs/
 # is listed, so a new page's examples cannot be missed (tests/cluster/test_readme.py).
 PAGES = ("README.md", "docs/local-cluster.md", "docs/workloads.md", "docs/nodes.md",
-         "docs/node-types.md", "docs/on-prem.md", "docs/operations.md", "docs/security.md",
-         "docs/testing.md", "docs/faults.md", "docs/benchmarks.md", "docs/house.md")
+         "docs/node-types.md", "docs/aws.md", "docs/on-prem.md", "docs/operations.md",
+         "docs/security.md", "docs/testing.md", "docs/faults.md", "docs/benchmarks.md",
+         "docs/house.md")
 MARKER = re.compile(r'<!-- readme-test(?P<opts>[^\n]*?)-->\n```bash\n(?P<body>.*?)\n```', re.S)
 EXPECT = re.compile(r'expect="((?:[^"\\]|\\.)*)"')
 FENCE = re.compile(r"^```bash$", re.M)

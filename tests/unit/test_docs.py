@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from scripts.readme_blocks import PAGES, all_examples
+from scripts.readme_blocks import PAGES
 from tests.conftest import REPO
 
 # [text](target) outside code; images and links alike. Absolute URLs are not checked here.
@@ -69,7 +69,7 @@ def test_the_node_types_page_table_is_the_catalogs():
 
 
 def test_the_reservation_examples_are_configs_the_kit_accepts():
-    """README's two lines and docs/node-types.md's example of rayfleet:capacityReservations
+    """docs/aws.md's two lines and docs/node-types.md's example of rayfleet:capacityReservations
     (and Pulumi.dev.yaml's commented one) are what rayfleet/config.py accepts for the example
     stack's worker types."""
     import yaml
@@ -77,7 +77,7 @@ def test_the_reservation_examples_are_configs_the_kit_accepts():
     from rayfleet.config import StackConfig
 
     found = []
-    for page in ("README.md", "docs/node-types.md", "Pulumi.dev.yaml"):
+    for page in ("docs/aws.md", "docs/node-types.md", "Pulumi.dev.yaml"):
         text = (REPO / page).read_text()
         if page.endswith(".yaml"):
             blocks = ["\n".join(ln.replace("# ", "", 1) for ln in text.splitlines()
@@ -93,7 +93,7 @@ def test_the_reservation_examples_are_configs_the_kit_accepts():
                       "rayfleet:capacityReservations": doc["rayfleet:capacityReservations"]}
             found.append((page, len(StackConfig.from_mapping(values).nodes
                                     .capacity_reservations)))
-    assert found == [("README.md", 2), ("docs/node-types.md", 2), ("Pulumi.dev.yaml", 1)]
+    assert found == [("docs/aws.md", 2), ("docs/node-types.md", 2), ("Pulumi.dev.yaml", 1)]
 
 
 def test_the_fallback_az_examples_are_configs_the_kit_accepts():
@@ -116,19 +116,3 @@ def test_the_fallback_az_examples_are_configs_the_kit_accepts():
         values = {"rayfleet:workerAz": doc.get("rayfleet:workerAz", worker_az),
                   "rayfleet:workerFallbackAzs": doc["rayfleet:workerFallbackAzs"]}
         assert StackConfig.from_mapping(values).nodes.worker_fallback_azs == ("us-east-1c",)
-
-
-def test_readmes_lora_line_is_the_one_the_readme_test_runs():
-    """README shows the LoRA line (skipped there: it needs the model and data that
-    docs/workloads.md's blocks make first); each of its commands is, verbatim, in a block of
-    docs/workloads.md that tests/cluster/test_readme.py runs."""
-    blocks = all_examples(REPO)
-    ((shown, expects),) = [(body, expects) for where, body, expects in blocks
-                           if where.startswith("README.md") and "--lora-r" in body]
-    assert expects is None   # skipped in README: run where the model and data exist
-    run = "\n".join(body for where, body, expects in blocks
-                     if where.startswith("docs/workloads.md") and expects is not None)
-    lines = [ln.split("   #")[0].rstrip() for ln in shown.splitlines()]
-    assert len([ln for ln in lines if ln]) >= 4
-    for line in filter(None, lines):
-        assert line in run, line
