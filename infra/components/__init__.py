@@ -38,9 +38,39 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
     """Create every resource of the stack; return ``{"rayfleet": <StackOutputs as a dict>}``."""
     stack = stack or pulumi.get_stack()
     c = cfg.cluster_name
+    opts = pulumi.ResourceOptions(providers={"aws": _provider(cfg, stack)})
+    network = _network(cfg, opts)
+    security = Security(f"{c}-security", SecurityArgs(
+        cluster_name=c,
+        vpc_id=network.vpc.id,
+        operator_cidrs=cfg.access.operator_cidrs,
+    ), opts)
+    storage = _storage(cfg, opts)
+    iam = _iam(cfg, network, storage, opts)
+    # One private subnet per AZ, the fallback and reservations' AZs among them (Network made
+    # sure); the workers' AZ first.
+    subnet_by_az = dict(zip(network.availability_zones, network.private_subnet_ids,
+                            strict=True))
+    worker_az = network.availability_zones[0]
+    nodes = _nodes(cfg, stack, network, security, iam, subnet_by_az, worker_az, opts)
+    head_ha = _head_ha(cfg, network, security, iam, opts) if cfg.head_ha else None
+    budget = None
+    if cfg.budget.enabled:
+        budget = Budget(f"{c}-budget", BudgetArgs(
+            cluster_name=c, monthly_usd=cfg.budget.monthly_usd, emails=cfg.budget.emails,
+        ), opts)
+    return {"rayfleet": _stack_outputs(
+        cfg, stack, network=network, security=security, storage=storage, iam=iam, nodes=nodes,
+        workers=_worker_node_types(cfg, nodes, subnet_by_az, worker_az), budget=budget,
+        head_ha=head_ha).to_dict()}
+
+
+def _provider(cfg: StackConfig, stack: str) -> aws.Provider:
+    """The stack's AWS provider."""
+    c = cfg.cluster_name
     # An explicit provider: every resource gets the validated region and these tags, whatever
     # aws:region or AWS_REGION the shell happens to hold.
-    provider = aws.Provider(
+    return aws.Provider(
         f"{c}-aws",
         region=cfg.region,
         default_tags=aws.ProviderDefaultTagsArgs(tags={
@@ -49,10 +79,12 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
             TAG_MANAGED_BY: MANAGED_BY_PULUMI,
         }),
     )
-    opts = pulumi.ResourceOptions(providers={"aws": provider})
 
+
+def _network(cfg: StackConfig, opts: pulumi.ResourceOptions) -> Network:
+    c = cfg.cluster_name
     private_cidrs, public_cidrs = cfg.network.subnet_cidrs()
-    network = Network(f"{c}-network", NetworkArgs(
+    return Network(f"{c}-network", NetworkArgs(
         cluster_name=c,
         region=cfg.region,
         partition=cfg.partition,
@@ -65,13 +97,11 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         reserved_azs=cfg.nodes.reserved_azs,
         fallback_azs=cfg.nodes.worker_fallback_azs,
     ), opts)
-    security = Security(f"{c}-security", SecurityArgs(
-        cluster_name=c,
-        vpc_id=network.vpc.id,
-        operator_cidrs=cfg.access.operator_cidrs,
-    ), opts)
-    storage = Storage(f"{c}-storage", StorageArgs(
-        cluster_name=c,
+
+
+def _storage(cfg: StackConfig, opts: pulumi.ResourceOptions) -> Storage:
+    return Storage(f"{cfg.cluster_name}-storage", StorageArgs(
+        cluster_name=cfg.cluster_name,
         region=cfg.region,
         partition=cfg.partition,
         bucket_prefix=cfg.storage.bucket_prefix,
@@ -79,8 +109,12 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         noncurrent_version_days=cfg.storage.noncurrent_version_days,
         abort_multipart_days=cfg.storage.abort_multipart_days,
     ), opts)
-    iam = Iam(f"{c}-iam", IamArgs(
-        cluster_name=c,
+
+
+def _iam(cfg: StackConfig, network: Network, storage: Storage,
+         opts: pulumi.ResourceOptions) -> Iam:
+    return Iam(f"{cfg.cluster_name}-iam", IamArgs(
+        cluster_name=cfg.cluster_name,
         region=cfg.region,
         partition=cfg.partition,
         vpc_arn=network.vpc.arn,
@@ -89,13 +123,13 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         kms_key_arn=storage.kms_key_arn,
         capacity_reservations=tuple(r.target for r in cfg.nodes.capacity_reservations),
     ), opts)
-    # One private subnet per AZ, the fallback and reservations' AZs among them (Network made
-    # sure); the workers' AZ first.
-    subnet_by_az = dict(zip(network.availability_zones, network.private_subnet_ids,
-                            strict=True))
-    worker_az = network.availability_zones[0]
-    nodes = GpuNodes(f"{c}-nodes", GpuNodesArgs(
-        cluster_name=c,
+
+
+def _nodes(cfg: StackConfig, stack: str, network: Network, security: Security, iam: Iam,
+           subnet_by_az: dict[str, Any], worker_az: str,
+           opts: pulumi.ResourceOptions) -> GpuNodes:
+    return GpuNodes(f"{cfg.cluster_name}-nodes", GpuNodesArgs(
+        cluster_name=cfg.cluster_name,
         stack=stack,
         head_instance_type=cfg.nodes.head_instance_type,
         workers=cfg.nodes.workers,
@@ -113,40 +147,40 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         worker_az=worker_az,
         fallback_azs=cfg.nodes.worker_fallback_azs,
     ), opts)
-    # rayfleet:headHa: the GCS's Redis and the head's fixed address (the workers' subnet, where
-    # the head's GCS is nearest the raylets that dial it).
-    head_ha = None
-    if cfg.head_ha:
-        store = GcsStore(f"{c}-gcs", GcsStoreArgs(
-            cluster_name=c,
-            partition=cfg.partition,
-            region=cfg.region,
-            vpc_id=network.vpc.id,
-            private_subnet_ids=network.private_subnet_ids,
-            cluster_security_group_id=security.cluster.id,
-            head_role_name=iam.head_role.name,
-        ), opts)
-        address = HeadAddress(f"{c}-head-address", HeadAddressArgs(
-            cluster_name=c,
-            subnet_id=network.worker_subnet.id,
-            subnet_cidr=network.worker_subnet.cidr_block,
-        ), opts)
-        head_ha = contract.HeadHa(
-            gcs_store=contract.GcsStore(endpoint=store.endpoint, port=store.port,
-                                        auth_secret_arn=store.secret.arn),
-            head_address=contract.HeadAddress(private_ip=address.private_ip,
-                                              subnet_id=address.subnet_id))
-    budget = None
-    if cfg.budget.enabled:
-        budget = Budget(f"{c}-budget", BudgetArgs(
-            cluster_name=c, monthly_usd=cfg.budget.monthly_usd, emails=cfg.budget.emails,
-        ), opts)
 
-    head = cfg.nodes.head
-    # One worker node type per (allowed type, market, AZ), in the stack's order (the order of
-    # preference: per type its reservations, spot, on-demand, then spot and on-demand in each
-    # fallback AZ), each with the template built for it and the AZ it launches in; a
-    # reservation's also says what it targets, in which AZ and subnet.
+
+def _head_ha(cfg: StackConfig, network: Network, security: Security, iam: Iam,
+             opts: pulumi.ResourceOptions) -> contract.HeadHa:
+    """rayfleet:headHa: the GCS's Redis and the head's fixed address (the workers' subnet,
+    where the head's GCS is nearest the raylets that dial it)."""
+    c = cfg.cluster_name
+    store = GcsStore(f"{c}-gcs", GcsStoreArgs(
+        cluster_name=c,
+        partition=cfg.partition,
+        region=cfg.region,
+        vpc_id=network.vpc.id,
+        private_subnet_ids=network.private_subnet_ids,
+        cluster_security_group_id=security.cluster.id,
+        head_role_name=iam.head_role.name,
+    ), opts)
+    address = HeadAddress(f"{c}-head-address", HeadAddressArgs(
+        cluster_name=c,
+        subnet_id=network.worker_subnet.id,
+        subnet_cidr=network.worker_subnet.cidr_block,
+    ), opts)
+    return contract.HeadHa(
+        gcs_store=contract.GcsStore(endpoint=store.endpoint, port=store.port,
+                                    auth_secret_arn=store.secret.arn),
+        head_address=contract.HeadAddress(private_ip=address.private_ip,
+                                          subnet_id=address.subnet_id))
+
+
+def _worker_node_types(cfg: StackConfig, nodes: GpuNodes, subnet_by_az: dict[str, Any],
+                       worker_az: str) -> list[contract.WorkerNodeType]:
+    """One worker node type per (allowed type, market, AZ), in the stack's order (the order of
+    preference: per type its reservations, spot, on-demand, then spot and on-demand in each
+    fallback AZ), each with the template built for it and the AZ it launches in; a
+    reservation's also says what it targets, in which AZ and subnet."""
     def reserved(r):
         if r is None:
             return None
@@ -159,7 +193,7 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
             return nodes.fallback_workers[(w.spec.name, w.market, w.fallback_az)]
         return nodes.workers[(w.spec.name, w.market)]
 
-    workers = [contract.WorkerNodeType(
+    return [contract.WorkerNodeType(
         instance_type=w.spec.name, market=w.market, vcpus=w.spec.vcpus, gpus=w.spec.gpus,
         accelerator_type=w.spec.accelerator_type, efa_interfaces=w.spec.efa_interfaces,
         min_workers=w.min_workers, max_workers=w.max_workers,
@@ -170,12 +204,19 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         workers_az=worker_az)
         for w in cfg.nodes.worker_splits()]
 
-    return {"rayfleet": contract.StackOutputs(
+
+def _stack_outputs(cfg: StackConfig, stack: str, *, network: Network, security: Security,
+                   storage: Storage, iam: Iam, nodes: GpuNodes,
+                   workers: list[contract.WorkerNodeType], budget: Budget | None,
+                   head_ha: contract.HeadHa | None) -> contract.StackOutputs:
+    """The stack output ``rayfleet``: what ``rayfleet render`` reads."""
+    head = cfg.nodes.head
+    return contract.StackOutputs(
         stack=stack,
-        cluster_name=c,
+        cluster_name=cfg.cluster_name,
         region=cfg.region,
         availability_zones=network.availability_zones,
-        worker_availability_zone=worker_az,
+        worker_availability_zone=network.availability_zones[0],
         vpc_id=network.vpc.id,
         private_subnet_ids=network.private_subnet_ids,
         worker_subnet_id=network.worker_subnet.id,
@@ -204,4 +245,4 @@ def build(cfg: StackConfig, stack: str | None = None) -> dict[str, Any]:
         budget_name=budget.budget.name if budget is not None else None,
         autostop_minutes=cfg.autostop_minutes,
         head_ha=head_ha,
-    ).to_dict()}
+    )

@@ -76,28 +76,41 @@ class GcsStore(pulumi.ComponentResource):
     def __init__(self, name: str, args: GcsStoreArgs,
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__("rayfleet:infra:GcsStore", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
-        c = args.cluster_name
-        multi_az = len(args.private_subnet_ids) >= 2
-
         self.subnet_group = aws.elasticache.SubnetGroup(
             f"{name}-subnets",
-            description=f"GCS store of {c}: the private subnets only",
+            description=f"GCS store of {args.cluster_name}: the private subnets only",
             subnet_ids=list(args.private_subnet_ids),
-            opts=child,
+            opts=pulumi.ResourceOptions(parent=self),
         )
-        self.security_group = aws.ec2.SecurityGroup(
+        self.security_group = self._security_group(name, args)
+        self.secret, self.secret_version = self._auth_token(name, args)
+        self.replication_group = self._replication_group(name, args)
+        self.head_policy = self._head_policy(name, args)
+
+        self.endpoint = self.replication_group.primary_endpoint_address
+        self.port = args.port
+        self.register_outputs({
+            "endpoint": self.endpoint,
+            "port": self.port,
+            "auth_secret_arn": self.secret.arn,
+            "security_group_id": self.security_group.id,
+        })
+
+    def _security_group(self, name: str, args: GcsStoreArgs) -> aws.ec2.SecurityGroup:
+        """The store's group: its port from the cluster's group, nothing else (rule 33)."""
+        child = pulumi.ResourceOptions(parent=self)
+        group = aws.ec2.SecurityGroup(
             f"{name}-sg",
-            description=(f"GCS store of {c}: Redis from the cluster security group only, no "
-                         "other inbound, no outbound"),
+            description=(f"GCS store of {args.cluster_name}: Redis from the cluster security "
+                         "group only, no other inbound, no outbound"),
             vpc_id=args.vpc_id,
             revoke_rules_on_delete=True,
-            tags={"Name": f"{c}-gcs-store"},
+            tags={"Name": f"{args.cluster_name}-gcs-store"},
             opts=child,
         )
         aws.vpc.SecurityGroupIngressRule(
             f"{name}-redis-from-cluster",
-            security_group_id=self.security_group.id,
+            security_group_id=group.id,
             referenced_security_group_id=args.cluster_security_group_id,
             ip_protocol="tcp",
             from_port=args.port,
@@ -105,27 +118,39 @@ class GcsStore(pulumi.ComponentResource):
             description="Redis over TLS for the GCS on the head - from cluster nodes only",
             opts=child,
         )
+        return group
 
-        self.secret = aws.secretsmanager.Secret(
+    def _auth_token(self, name: str, args: GcsStoreArgs) -> tuple[
+            aws.secretsmanager.Secret, aws.secretsmanager.SecretVersion]:
+        """The auth token's secret and its one version, the token drawn once."""
+        secret = aws.secretsmanager.Secret(
             f"{name}-auth",
-            description=(f"Auth token of the GCS store of {c}: read by the head role only, at "
-                         "boot, into a 0600 file"),
+            description=(f"Auth token of the GCS store of {args.cluster_name}: read by the head "
+                         "role only, at boot, into a 0600 file"),
             # AWS's aws/secretsmanager key: the stack's own key serves S3 alone (its key policy
             # allows no other service, rule 29), and the head needs no KMS grant for this one.
             recovery_window_in_days=7,
-            opts=child,
+            opts=pulumi.ResourceOptions(parent=self),
         )
         # Drawn once: the version keeps its first value (ignore_changes), and the cache takes
         # its token from the version's state, so both hold the same one on every later `pulumi
         # up`, a replaced cache included. pulumi_random is not a dependency of the kit; the
         # secrets module is the standard library's CSPRNG.
-        self.secret_version = aws.secretsmanager.SecretVersion(
+        version = aws.secretsmanager.SecretVersion(
             f"{name}-auth",
-            secret_id=self.secret.id,
+            secret_id=secret.id,
             secret_string=pulumi.Output.secret(secrets.token_hex(AUTH_TOKEN_BYTES)),
             opts=pulumi.ResourceOptions(parent=self, ignore_changes=["secretString"]),
         )
-        self.replication_group = aws.elasticache.ReplicationGroup(
+        return secret, version
+
+    def _replication_group(self, name: str,
+                           args: GcsStoreArgs) -> aws.elasticache.ReplicationGroup:
+        """The Redis itself: encrypted, TLS required, behind the token; with a replica in
+        another AZ when the subnets span two or more."""
+        c = args.cluster_name
+        multi_az = len(args.private_subnet_ids) >= 2
+        return aws.elasticache.ReplicationGroup(
             f"{name}-redis",
             # ElastiCache ids are at most 40 characters; a cluster name is at most 32.
             replication_group_id=f"{c}-gcs",
@@ -146,31 +171,24 @@ class GcsStore(pulumi.ComponentResource):
             auth_token=pulumi.Output.secret(self.secret_version.secret_string),
             snapshot_retention_limit=1,
             apply_immediately=True,
-            opts=child,
+            opts=pulumi.ResourceOptions(parent=self),
         )
 
+    def _head_policy(self, name: str, args: GcsStoreArgs) -> aws.iam.RolePolicy:
+        """The head role's permission to read the token (rule 33)."""
         statements = [{
             "Sid": "ReadTheGcsStoreToken",
             "Effect": "Allow",
             "Action": "secretsmanager:GetSecretValue",
             "Resource": self.secret.arn,
         }]
-        self.head_policy = aws.iam.RolePolicy(
+        return aws.iam.RolePolicy(
             f"{name}-head-token",
             role=args.head_role_name,
             policy=pulumi.Output.json_dumps({"Version": "2012-10-17",
                                              "Statement": statements}),
-            opts=child,
+            opts=pulumi.ResourceOptions(parent=self),
         )
-
-        self.endpoint = self.replication_group.primary_endpoint_address
-        self.port = args.port
-        self.register_outputs({
-            "endpoint": self.endpoint,
-            "port": self.port,
-            "auth_secret_arn": self.secret.arn,
-            "security_group_id": self.security_group.id,
-        })
 
 
 @dataclass(frozen=True)

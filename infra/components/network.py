@@ -42,13 +42,32 @@ class Network(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: NetworkArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("rayfleet:infra:Network", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
-        tag = args.cluster_name
-
         self.availability_zones = self._zones(args)
         letters = [az[len(args.region):] for az in self.availability_zones]
 
-        self.vpc = aws.ec2.Vpc(
+        self.vpc = self._vpc(name, args)
+        igw = self._public_subnets(name, args, letters)
+        nats = self._nat_gateways(name, args, letters, igw)
+        private_rts = self._private_subnets(name, args, letters, nats)
+        self._s3_endpoint(name, args, private_rts)
+        self._flow_logs(name, args)
+
+        self.worker_subnet = self.private_subnets[0]
+        self.private_subnet_ids = [s.id for s in self.private_subnets]
+        self.register_outputs({
+            "vpc_id": self.vpc.id,
+            "vpc_arn": self.vpc.arn,
+            "availability_zones": self.availability_zones,
+            "private_subnet_ids": self.private_subnet_ids,
+            "public_subnet_ids": [s.id for s in self.public_subnets],
+            "worker_subnet_id": self.worker_subnet.id,
+        })
+
+    def _vpc(self, name: str, args: NetworkArgs) -> aws.ec2.Vpc:
+        """The VPC, and its default security group stripped of every rule."""
+        child = pulumi.ResourceOptions(parent=self)
+        tag = args.cluster_name
+        vpc = aws.ec2.Vpc(
             f"{name}-vpc",
             cidr_block=args.vpc_cidr,
             # SSM, the S3 endpoint and EFA peers resolve each other through VPC DNS.
@@ -62,13 +81,20 @@ class Network(pulumi.ComponentResource):
         # so a node launched without an explicit group talks to nothing (rule 5, EC2.2).
         self.default_security_group = aws.ec2.DefaultSecurityGroup(
             f"{name}-default-sg",
-            vpc_id=self.vpc.id,
+            vpc_id=vpc.id,
             ingress=[],
             egress=[],
             tags={"Name": f"{tag}-default-deny-all"},
             opts=child,
         )
+        return vpc
 
+    def _public_subnets(self, name: str, args: NetworkArgs,
+                        letters: list[str]) -> aws.ec2.InternetGateway:
+        """The internet gateway, the public route table and one public subnet per AZ (in
+        ``self.public_subnets``); returns the gateway."""
+        child = pulumi.ResourceOptions(parent=self)
+        tag = args.cluster_name
         igw = aws.ec2.InternetGateway(f"{name}-igw", vpc_id=self.vpc.id,
                                       tags={"Name": tag}, opts=child)
         public_rt = aws.ec2.RouteTable(f"{name}-public", vpc_id=self.vpc.id,
@@ -77,7 +103,6 @@ class Network(pulumi.ComponentResource):
                       destination_cidr_block="0.0.0.0/0", gateway_id=igw.id, opts=child)
 
         self.public_subnets: list[aws.ec2.Subnet] = []
-        self.private_subnets: list[aws.ec2.Subnet] = []
         for az, letter, cidr in zip(self.availability_zones, letters, args.public_subnet_cidrs,
                                     strict=True):
             subnet = aws.ec2.Subnet(
@@ -93,7 +118,13 @@ class Network(pulumi.ComponentResource):
             aws.ec2.RouteTableAssociation(f"{name}-public-{letter}", subnet_id=subnet.id,
                                           route_table_id=public_rt.id, opts=child)
             self.public_subnets.append(subnet)
+        return igw
 
+    def _nat_gateways(self, name: str, args: NetworkArgs, letters: list[str],
+                      igw: aws.ec2.InternetGateway) -> list[aws.ec2.NatGateway]:
+        """One NAT gateway (with its Elastic IP) in the first public subnet, or one in each."""
+        child = pulumi.ResourceOptions(parent=self)
+        tag = args.cluster_name
         nat_count = len(self.availability_zones) if args.nat_gateways == "per-az" else 1
         nats = []
         for letter, subnet in list(zip(letters, self.public_subnets, strict=True))[:nat_count]:
@@ -107,7 +138,15 @@ class Network(pulumi.ComponentResource):
                 # A NAT gateway created before the IGW is attached fails to route.
                 opts=pulumi.ResourceOptions(parent=self, depends_on=[igw]),
             ))
+        return nats
 
+    def _private_subnets(self, name: str, args: NetworkArgs, letters: list[str],
+                         nats: list[aws.ec2.NatGateway]) -> list[aws.ec2.RouteTable]:
+        """One private subnet per AZ (in ``self.private_subnets``), each with a route table
+        leaving through a NAT gateway; returns the route tables."""
+        child = pulumi.ResourceOptions(parent=self)
+        tag = args.cluster_name
+        self.private_subnets: list[aws.ec2.Subnet] = []
         private_rts = []
         for i, (az, letter, cidr) in enumerate(
                 zip(self.availability_zones, letters, args.private_subnet_cidrs, strict=True)):
@@ -130,7 +169,11 @@ class Network(pulumi.ComponentResource):
                                           route_table_id=rt.id, opts=child)
             self.private_subnets.append(subnet)
             private_rts.append(rt)
+        return private_rts
 
+    def _s3_endpoint(self, name: str, args: NetworkArgs,
+                     private_rts: list[aws.ec2.RouteTable]) -> None:
+        """The S3 gateway endpoint on the private route tables."""
         # Checkpoints and data go to S3 without crossing the NAT (no per-GB NAT charge). The
         # endpoint policy stays AWS's default (full access): nodes also read AWS-owned buckets
         # (ECR layers, package mirrors); the roles' IAM policies are what limit the bucket.
@@ -140,22 +183,9 @@ class Network(pulumi.ComponentResource):
             service_name=f"com.amazonaws.{args.region}.s3",
             vpc_endpoint_type="Gateway",
             route_table_ids=[rt.id for rt in private_rts],
-            tags={"Name": f"{tag}-s3"},
-            opts=child,
+            tags={"Name": f"{args.cluster_name}-s3"},
+            opts=pulumi.ResourceOptions(parent=self),
         )
-
-        self._flow_logs(name, args)
-
-        self.worker_subnet = self.private_subnets[0]
-        self.private_subnet_ids = [s.id for s in self.private_subnets]
-        self.register_outputs({
-            "vpc_id": self.vpc.id,
-            "vpc_arn": self.vpc.arn,
-            "availability_zones": self.availability_zones,
-            "private_subnet_ids": self.private_subnet_ids,
-            "public_subnet_ids": [s.id for s in self.public_subnets],
-            "worker_subnet_id": self.worker_subnet.id,
-        })
 
     def _zones(self, args: NetworkArgs) -> list[str]:
         """The AZs to use, the workers' AZ first (its private subnet hosts the A100s), and

@@ -32,18 +32,32 @@ class Security(pulumi.ComponentResource):
     def __init__(self, name: str, args: SecurityArgs,
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__("rayfleet:infra:Security", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
+        self.cluster = self._cluster_group(name, args)
+        self._ray_port_rules(name, args)
+        self._operator_rules(name, args)
+        self._cluster_egress(name)
+        self.efa = self._efa_group(name, args)
+        self.register_outputs({
+            "cluster_security_group_id": self.cluster.id,
+            "efa_security_group_id": self.efa.id,
+        })
 
-        self.cluster = aws.ec2.SecurityGroup(
+    def _cluster_group(self, name: str, args: SecurityArgs) -> aws.ec2.SecurityGroup:
+        """The group every node of the cluster carries."""
+        return aws.ec2.SecurityGroup(
             f"{name}-cluster",
             description=(f"Ray nodes of {args.cluster_name}: Ray ports from this group only, "
                          "no inbound from the internet"),
             vpc_id=args.vpc_id,
-            # Rules live in their own resources below; never mix them with inline rules.
+            # Rules live in their own resources; never mix them with inline rules.
             revoke_rules_on_delete=True,
             tags={"Name": f"{args.cluster_name}-cluster"},
-            opts=child,
+            opts=pulumi.ResourceOptions(parent=self),
         )
+
+    def _ray_port_rules(self, name: str, args: SecurityArgs) -> None:
+        """Each of Ray's ports, from the cluster group itself only."""
+        child = pulumi.ResourceOptions(parent=self)
         for ray_port in args.ray_ports:
             aws.vpc.SecurityGroupIngressRule(
                 f"{name}-{ray_port.name}",
@@ -56,6 +70,9 @@ class Security(pulumi.ComponentResource):
                 opts=child,
             )
 
+    def _operator_rules(self, name: str, args: SecurityArgs) -> None:
+        """SSH and the dashboard from each of rayfleet:operatorCidrs, if it names any."""
+        child = pulumi.ResourceOptions(parent=self)
         for i, cidr in enumerate(args.operator_cidrs):
             v6 = ipaddress.ip_network(cidr).version == 6
             for port_name, what in OPERATOR_PORTS:
@@ -72,23 +89,28 @@ class Security(pulumi.ComponentResource):
                     opts=child,
                 )
 
+    def _cluster_egress(self, name: str) -> None:
+        """All outbound from the cluster group."""
         # Egress stays open: nodes pull wheels, images and models, and call the SSM, EC2 (the
         # autoscaler) and S3 APIs, all through the NAT gateway or the S3 endpoint. Egress opens
-        # no listener; what can reach the nodes is decided by the ingress rules above.
+        # no listener; what can reach the nodes is decided by the ingress rules.
         aws.vpc.SecurityGroupEgressRule(
             f"{name}-egress-all",
             security_group_id=self.cluster.id,
             cidr_ipv4="0.0.0.0/0",
             ip_protocol="-1",
             description="All outbound via NAT or the S3 endpoint: packages, models, SSM, EC2, S3",
-            opts=child,
+            opts=pulumi.ResourceOptions(parent=self),
         )
 
+    def _efa_group(self, name: str, args: SecurityArgs) -> aws.ec2.SecurityGroup:
+        """The EFA group, with all traffic in from and out to itself."""
+        child = pulumi.ResourceOptions(parent=self)
         # EFA requires a group that admits all traffic from and to itself
         # (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-start.html#efa-start-security).
         # It sits only on the A100 workers' EFA interfaces, next to the cluster group; NCCL's
         # bootstrap sockets between workers use ephemeral ports it also covers.
-        self.efa = aws.ec2.SecurityGroup(
+        efa = aws.ec2.SecurityGroup(
             f"{name}-efa",
             description=(f"EFA and NCCL between A100 workers of {args.cluster_name}: all "
                          "traffic from and to this group only"),
@@ -99,22 +121,18 @@ class Security(pulumi.ComponentResource):
         )
         aws.vpc.SecurityGroupIngressRule(
             f"{name}-efa-in",
-            security_group_id=self.efa.id,
-            referenced_security_group_id=self.efa.id,
+            security_group_id=efa.id,
+            referenced_security_group_id=efa.id,
             ip_protocol="-1",
             description="EFA: all traffic from A100 workers in this group",
             opts=child,
         )
         aws.vpc.SecurityGroupEgressRule(
             f"{name}-efa-out",
-            security_group_id=self.efa.id,
-            referenced_security_group_id=self.efa.id,
+            security_group_id=efa.id,
+            referenced_security_group_id=efa.id,
             ip_protocol="-1",
             description="EFA: all traffic to A100 workers in this group",
             opts=child,
         )
-
-        self.register_outputs({
-            "cluster_security_group_id": self.cluster.id,
-            "efa_security_group_id": self.efa.id,
-        })
+        return efa

@@ -51,6 +51,85 @@ def stack_key(resource_name: str, description: str, partition: str,
     )
 
 
+def sse_default(**kwargs):
+    """A bucket's default encryption (``sse_algorithm``, ``kms_master_key_id``)."""
+    return (aws.s3.
+            BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultArgs(
+                **kwargs))
+
+
+def lifecycle_rules(noncurrent_days: int, abort_days: int, expire_days: int | None = None
+                    ) -> list[aws.s3.BucketLifecycleConfigurationRuleArgs]:
+    """A bucket's lifecycle: old versions, abandoned uploads and stray delete markers go, and
+    with ``expire_days`` every object after that many days."""
+    every_object = aws.s3.BucketLifecycleConfigurationRuleFilterArgs(prefix="")
+    rules = [
+        # Versioning keeps an overwritten checkpoint recoverable for a while, not
+        # forever.
+        aws.s3.BucketLifecycleConfigurationRuleArgs(
+            id="expire-noncurrent-versions",
+            status="Enabled",
+            filter=every_object,
+            noncurrent_version_expiration=aws.s3
+            .BucketLifecycleConfigurationRuleNoncurrentVersionExpirationArgs(
+                noncurrent_days=noncurrent_days),
+        ),
+        # A checkpoint upload killed midway leaves parts that bill until aborted.
+        aws.s3.BucketLifecycleConfigurationRuleArgs(
+            id="abort-incomplete-multipart-uploads",
+            status="Enabled",
+            filter=every_object,
+            abort_incomplete_multipart_upload=aws.s3
+            .BucketLifecycleConfigurationRuleAbortIncompleteMultipartUploadArgs(
+                days_after_initiation=abort_days),
+        ),
+        aws.s3.BucketLifecycleConfigurationRuleArgs(
+            id="remove-expired-delete-markers",
+            status="Enabled",
+            filter=every_object,
+            expiration=aws.s3.BucketLifecycleConfigurationRuleExpirationArgs(
+                expired_object_delete_marker=True),
+        ),
+    ]
+    if expire_days is not None:
+        rules.append(aws.s3.BucketLifecycleConfigurationRuleArgs(
+            id="expire-after-retention",
+            status="Enabled",
+            filter=every_object,
+            expiration=aws.s3.BucketLifecycleConfigurationRuleExpirationArgs(
+                days=expire_days),
+        ))
+    return rules
+
+
+def tls_only_policy(bucket: aws.s3.Bucket, allow: list[dict] | None) -> pulumi.Output[str]:
+    """A bucket policy denying plain HTTP and TLS before 1.2, granting ``allow`` besides."""
+    objects = pulumi.Output.concat(bucket.arn, "/*")
+    return pulumi.Output.json_dumps({
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                # Rule 13 (S3.5): nothing reaches the bucket over plain HTTP.
+                "Sid": "DenyInsecureTransport",
+                "Effect": "Deny",
+                "Principal": "*",
+                "Action": "s3:*",
+                "Resource": [bucket.arn, objects],
+                "Condition": {"Bool": {"aws:SecureTransport": "false"}},
+            },
+            {
+                "Sid": "DenyOutdatedTls",
+                "Effect": "Deny",
+                "Principal": "*",
+                "Action": "s3:*",
+                "Resource": [bucket.arn, objects],
+                "Condition": {"NumericLessThan": {"s3:TlsVersion": "1.2"}},
+            },
+            *(allow or []),
+        ],
+    })
+
+
 @dataclass(frozen=True)
 class StorageArgs:
     cluster_name: str
@@ -69,74 +148,10 @@ class Storage(pulumi.ComponentResource):
     def __init__(self, name: str, args: StorageArgs,
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__("rayfleet:infra:Storage", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
-
         account = aws.get_caller_identity(opts=pulumi.InvokeOptions(parent=self)).account_id
-        self.kms_key: aws.kms.Key | None = None
-        if args.encryption == "kms":
-            # A key of the stack's own: access to data needs both the bucket and the key, and
-            # CloudTrail records every decrypt. Its policy lets the account administer it and
-            # use it only through S3 in this region; the node roles' IAM policies then say
-            # which roles may (rule 29).
-            self.kms_key = stack_key(
-                f"{name}-key", f"rayfleet {args.cluster_name}: checkpoint and data bucket",
-                args.partition, account, {
-                    "Sid": "UseOnlyThroughS3",
-                    "Effect": "Allow",
-                    "Principal": {"AWS": pulumi.Output.concat(
-                        f"arn:{args.partition}:iam::", account, ":root")},
-                    "Action": ["kms:Decrypt", "kms:GenerateDataKey", "kms:Encrypt",
-                               "kms:ReEncrypt*", "kms:DescribeKey"],
-                    "Resource": "*",
-                    "Condition": {"StringEquals": {
-                        "kms:ViaService": f"s3.{args.region}.amazonaws.com",
-                        "kms:CallerAccount": account}},
-                }, child)
-
-        self.bucket = aws.s3.Bucket(
-            f"{name}-bucket",
-            bucket_prefix=args.bucket_prefix,
-            # Checkpoints are the one thing a `pulumi destroy` must not take silently.
-            force_destroy=False,
-            tags={"Name": f"{args.cluster_name}-data"},
-            opts=child,
-        )
-        sse_default = (aws.s3.
-                       BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultArgs)
-        if self.kms_key is not None:
-            default = sse_default(sse_algorithm="aws:kms", kms_master_key_id=self.kms_key.arn)
-        else:
-            default = sse_default(sse_algorithm="AES256")
-        self._harden(name, self.bucket, default, args.noncurrent_version_days,
-                     args.abort_multipart_days)
-
-        # Rule 27 (S3.9): every request to the data bucket is logged (S3 server access logs)
-        # into a bucket of its own, private and TLS-only like the data bucket. S3 delivers
-        # access logs only to a bucket encrypted with S3-managed keys (SSE-KMS targets are
-        # not supported: https://docs.aws.amazon.com/AmazonS3/latest/userguide/enable-server-access-logging.html),
-        # and, ACLs being disabled, the logging service is granted by the bucket policy.
-        self.log_bucket = aws.s3.Bucket(
-            f"{name}-logs-bucket",
-            bucket_prefix=args.bucket_prefix[:BUCKET_PREFIX_MAX - len(LOG_SUFFIX)] + LOG_SUFFIX,
-            force_destroy=False,
-            tags={"Name": f"{args.cluster_name}-access-logs"},
-            opts=child,
-        )
-        log_policy = self._harden(
-            f"{name}-logs", self.log_bucket, sse_default(sse_algorithm="AES256"),
-            args.noncurrent_version_days, args.abort_multipart_days,
-            expire_days=args.access_log_days,
-            allow=[{
-                "Sid": "S3ServerAccessLogsOfTheDataBucket",
-                "Effect": "Allow",
-                "Principal": {"Service": "logging.s3.amazonaws.com"},
-                "Action": "s3:PutObject",
-                "Resource": pulumi.Output.concat(self.log_bucket.arn, f"/{ACCESS_LOG_PREFIX}*"),
-                "Condition": {
-                    "ArnLike": {"aws:SourceArn": self.bucket.arn},
-                    "StringEquals": {"aws:SourceAccount": account},
-                },
-            }])
+        self.kms_key = self._key(name, args, account)
+        self.bucket = self._data_bucket(name, args)
+        self.log_bucket, log_policy = self._log_bucket(name, args, account)
         aws.s3.BucketLogging(
             f"{name}-access-logging",
             bucket=self.bucket.id,
@@ -154,13 +169,107 @@ class Storage(pulumi.ComponentResource):
             "access_log_bucket": self.log_bucket.bucket,
         })
 
+    def _key(self, name: str, args: StorageArgs,
+             account: pulumi.Input[str]) -> aws.kms.Key | None:
+        """The data bucket's KMS key with rayfleet:bucketEncryption kms, else None."""
+        if args.encryption != "kms":
+            return None
+        # A key of the stack's own: access to data needs both the bucket and the key, and
+        # CloudTrail records every decrypt. Its policy lets the account administer it and
+        # use it only through S3 in this region; the node roles' IAM policies then say
+        # which roles may (rule 29).
+        return stack_key(
+            f"{name}-key", f"rayfleet {args.cluster_name}: checkpoint and data bucket",
+            args.partition, account, {
+                "Sid": "UseOnlyThroughS3",
+                "Effect": "Allow",
+                "Principal": {"AWS": pulumi.Output.concat(
+                    f"arn:{args.partition}:iam::", account, ":root")},
+                "Action": ["kms:Decrypt", "kms:GenerateDataKey", "kms:Encrypt",
+                           "kms:ReEncrypt*", "kms:DescribeKey"],
+                "Resource": "*",
+                "Condition": {"StringEquals": {
+                    "kms:ViaService": f"s3.{args.region}.amazonaws.com",
+                    "kms:CallerAccount": account}},
+            }, pulumi.ResourceOptions(parent=self))
+
+    def _data_bucket(self, name: str, args: StorageArgs) -> aws.s3.Bucket:
+        """The checkpoint and data bucket, hardened, encrypted with the stack's key if any."""
+        bucket = aws.s3.Bucket(
+            f"{name}-bucket",
+            bucket_prefix=args.bucket_prefix,
+            # Checkpoints are the one thing a `pulumi destroy` must not take silently.
+            force_destroy=False,
+            tags={"Name": f"{args.cluster_name}-data"},
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+        if self.kms_key is not None:
+            default = sse_default(sse_algorithm="aws:kms", kms_master_key_id=self.kms_key.arn)
+        else:
+            default = sse_default(sse_algorithm="AES256")
+        self._harden(name, bucket, default, args.noncurrent_version_days,
+                     args.abort_multipart_days)
+        return bucket
+
+    def _log_bucket(self, name: str, args: StorageArgs, account: pulumi.Input[str]
+                    ) -> tuple[aws.s3.Bucket, aws.s3.BucketPolicy]:
+        """The access-log bucket, hardened like the data bucket (rule 27); returns it and its
+        policy, which lets S3's logging service write the data bucket's logs."""
+        # Rule 27 (S3.9): every request to the data bucket is logged (S3 server access logs)
+        # into a bucket of its own, private and TLS-only like the data bucket. S3 delivers
+        # access logs only to a bucket encrypted with S3-managed keys (SSE-KMS targets are
+        # not supported: https://docs.aws.amazon.com/AmazonS3/latest/userguide/enable-server-access-logging.html),
+        # and, ACLs being disabled, the logging service is granted by the bucket policy.
+        log_bucket = aws.s3.Bucket(
+            f"{name}-logs-bucket",
+            bucket_prefix=args.bucket_prefix[:BUCKET_PREFIX_MAX - len(LOG_SUFFIX)] + LOG_SUFFIX,
+            force_destroy=False,
+            tags={"Name": f"{args.cluster_name}-access-logs"},
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+        log_policy = self._harden(
+            f"{name}-logs", log_bucket, sse_default(sse_algorithm="AES256"),
+            args.noncurrent_version_days, args.abort_multipart_days,
+            expire_days=args.access_log_days,
+            allow=[{
+                "Sid": "S3ServerAccessLogsOfTheDataBucket",
+                "Effect": "Allow",
+                "Principal": {"Service": "logging.s3.amazonaws.com"},
+                "Action": "s3:PutObject",
+                "Resource": pulumi.Output.concat(log_bucket.arn, f"/{ACCESS_LOG_PREFIX}*"),
+                "Condition": {
+                    "ArnLike": {"aws:SourceArn": self.bucket.arn},
+                    "StringEquals": {"aws:SourceAccount": account},
+                },
+            }])
+        return log_bucket, log_policy
+
     def _harden(self, name: str, bucket: aws.s3.Bucket, default,
                 noncurrent_days: int, abort_days: int, expire_days: int | None = None,
                 allow: list[dict] | None = None) -> aws.s3.BucketPolicy:
         """Ownership enforced, public access blocked, versioned, encrypted, lifecycle rules,
         TLS-only policy (rules 11-15) for ``bucket``; children named ``{name}-<what>``."""
+        ownership, public_block = self._private(name, bucket.id)
+        versioning = self._versioning_and_encryption(name, bucket.id, default)
+        aws.s3.BucketLifecycleConfiguration(
+            f"{name}-lifecycle",
+            bucket=bucket.id,
+            rules=lifecycle_rules(noncurrent_days, abort_days, expire_days),
+            # AWS: lifecycle rules on noncurrent versions need versioning to exist first.
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[versioning]),
+        )
+        return aws.s3.BucketPolicy(
+            f"{name}-policy",
+            bucket=bucket.id,
+            policy=tls_only_policy(bucket, allow),
+            # S3 rejects a bucket policy while ownership/public-access settings are in flux.
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[ownership, public_block]),
+        )
+
+    def _private(self, name: str, bucket_id: pulumi.Output[str]) -> tuple[
+            aws.s3.BucketOwnershipControls, aws.s3.BucketPublicAccessBlock]:
+        """ACLs disabled and public access blocked (rules 11, 15)."""
         child = pulumi.ResourceOptions(parent=self)
-        bucket_id = bucket.id
         # ACLs disabled: the bucket owner owns every object and only policies grant access
         # (rule 15, S3.12).
         ownership = aws.s3.BucketOwnershipControls(
@@ -178,6 +287,13 @@ class Storage(pulumi.ComponentResource):
             restrict_public_buckets=True,
             opts=child,
         )
+        return ownership, public_block
+
+    def _versioning_and_encryption(self, name: str, bucket_id: pulumi.Output[str],
+                                   default) -> aws.s3.BucketVersioning:
+        """Versioning on, and default encryption as ``default`` says; returns the
+        versioning."""
+        child = pulumi.ResourceOptions(parent=self)
         versioning = aws.s3.BucketVersioning(
             f"{name}-versioning",
             bucket=bucket_id,
@@ -196,79 +312,4 @@ class Storage(pulumi.ComponentResource):
             )],
             opts=child,
         )
-
-        every_object = aws.s3.BucketLifecycleConfigurationRuleFilterArgs(prefix="")
-        rules = [
-            # Versioning keeps an overwritten checkpoint recoverable for a while, not
-            # forever.
-            aws.s3.BucketLifecycleConfigurationRuleArgs(
-                id="expire-noncurrent-versions",
-                status="Enabled",
-                filter=every_object,
-                noncurrent_version_expiration=aws.s3
-                .BucketLifecycleConfigurationRuleNoncurrentVersionExpirationArgs(
-                    noncurrent_days=noncurrent_days),
-            ),
-            # A checkpoint upload killed midway leaves parts that bill until aborted.
-            aws.s3.BucketLifecycleConfigurationRuleArgs(
-                id="abort-incomplete-multipart-uploads",
-                status="Enabled",
-                filter=every_object,
-                abort_incomplete_multipart_upload=aws.s3
-                .BucketLifecycleConfigurationRuleAbortIncompleteMultipartUploadArgs(
-                    days_after_initiation=abort_days),
-            ),
-            aws.s3.BucketLifecycleConfigurationRuleArgs(
-                id="remove-expired-delete-markers",
-                status="Enabled",
-                filter=every_object,
-                expiration=aws.s3.BucketLifecycleConfigurationRuleExpirationArgs(
-                    expired_object_delete_marker=True),
-            ),
-        ]
-        if expire_days is not None:
-            rules.append(aws.s3.BucketLifecycleConfigurationRuleArgs(
-                id="expire-after-retention",
-                status="Enabled",
-                filter=every_object,
-                expiration=aws.s3.BucketLifecycleConfigurationRuleExpirationArgs(
-                    days=expire_days),
-            ))
-        aws.s3.BucketLifecycleConfiguration(
-            f"{name}-lifecycle",
-            bucket=bucket_id,
-            rules=rules,
-            # AWS: lifecycle rules on noncurrent versions need versioning to exist first.
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[versioning]),
-        )
-
-        objects = pulumi.Output.concat(bucket.arn, "/*")
-        return aws.s3.BucketPolicy(
-            f"{name}-policy",
-            bucket=bucket_id,
-            policy=pulumi.Output.json_dumps({
-                "Version": "2012-10-17",
-                "Statement": [
-                    {
-                        # Rule 13 (S3.5): nothing reaches the bucket over plain HTTP.
-                        "Sid": "DenyInsecureTransport",
-                        "Effect": "Deny",
-                        "Principal": "*",
-                        "Action": "s3:*",
-                        "Resource": [bucket.arn, objects],
-                        "Condition": {"Bool": {"aws:SecureTransport": "false"}},
-                    },
-                    {
-                        "Sid": "DenyOutdatedTls",
-                        "Effect": "Deny",
-                        "Principal": "*",
-                        "Action": "s3:*",
-                        "Resource": [bucket.arn, objects],
-                        "Condition": {"NumericLessThan": {"s3:TlsVersion": "1.2"}},
-                    },
-                    *(allow or []),
-                ],
-            }),
-            # S3 rejects a bucket policy while ownership/public-access settings are in flux.
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[ownership, public_block]),
-        )
+        return versioning
