@@ -7,7 +7,8 @@ import argparse
 import json
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from rayfleet.entrypoint import ArgumentParser, at_least, byte_size
 from rayfleet.errors import ConfigError
@@ -29,154 +30,124 @@ SMOKE = {"model": "tiny", "batch_size": 8, "max_steps": 30, "checkpoint_every": 
          "corpus_bytes": 256 << 10, "lr": 3e-3}
 
 
-def build_parser() -> ArgumentParser:
-    p = ArgumentParser(prog=PROG, description="Distributed GPT training with Ray Train.")
-    p.add_argument("--smoke-test", action="store_true",
-                   help="tiny model and data, 2 CPU workers, well under a minute")
-    _add_model_flags(p)
-    _add_parallel_flags(p)
-    _add_run_flags(p)
-    return p
+def flag(group: str, **argparse_kwargs) -> Any:
+    """A TrainOptions field that is also a flag of ``group``: its name gives the flag
+    (``--max-steps`` for max_steps), ``argparse_kwargs`` the rest (a callable default is
+    called when the parser is built, so the environment is read then, not at import)."""
+    return field(metadata={"group": group, "argparse": argparse_kwargs})
 
 
-def _add_model_flags(p: ArgumentParser) -> None:
-    """The model: a preset or a Hugging Face folder, and how a Hugging Face one trains."""
-    p.add_argument("--model", default=None,
-                   help=f"size preset of the kit's byte-level GPT: {', '.join(PRESETS)} (default "
-                        "small; tiny for --smoke-test), or a Hugging Face model folder or "
-                        "s3:// prefix (AutoModelForCausalLM; needs --dataset tokenized with "
-                        "its tokenizer)")
-    p.add_argument("--model-config", default=None, metavar="FOLDER",
-                   help="a Hugging Face model config (a folder with config.json, local or "
-                        "s3://): train that architecture from fresh weights")
-    p.add_argument("--tokenizer", default=None,
-                   help="Hugging Face models: the tokenizer saved with the final checkpoint's "
-                        "hf/ export (default: the model folder's, else the dataset's)")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="Hugging Face models: recompute activations in backward (less memory)")
-    p.add_argument("--lora-r", type=at_least(1), default=None, metavar="R",
-                   help="Hugging Face models: train LoRA adapters of rank R (PEFT) on the frozen "
-                        "base instead of every weight")
-    p.add_argument("--lora-alpha", type=float, default=None,
-                   help="LoRA scaling numerator (the update is scaled by alpha / r; default 2r)")
-    p.add_argument("--lora-dropout", type=float, default=None,
-                   help="dropout on the adapters' input (default 0)")
-    p.add_argument("--lora-targets", default=None, metavar="NAMES",
-                   help="comma-separated module names to adapt (e.g. q_proj,v_proj), or "
-                        "all-linear (default: every linear layer but the output head)")
-    p.add_argument("--lora-merge", action="store_true",
-                   help="LoRA: the final checkpoint also carries hf/, the base with the adapter "
-                        "merged in (adapter/ is written either way)")
-    p.add_argument("--hf-shard-size", type=byte_size, default=None, metavar="SIZE",
-                   help="Hugging Face models: the largest safetensors file of the final hf/ "
-                        "export (e.g. 5GB, 500MB; default 2GiB), as save_pretrained's "
-                        "max_shard_size")
-
-
-def _add_parallel_flags(p: ArgumentParser) -> None:
-    """How the model is spread: the strategy and its options, the workers and their resources."""
-    p.add_argument("--deepspeed-config", default=None, metavar="JSON",
-                   help="DeepSpeed config (file or inline JSON) merged over the kit's defaults")
-    p.add_argument("--offload-params", action="store_true",
-                   help="DeepSpeed ZeRO-3: parameters on the host too (with --offload)")
-    p.add_argument("--seq-len", type=at_least(1), default=None,
-                   help="override the preset's context")
-    p.add_argument("--strategy", default="ddp", help="ddp (default), fsdp or deepspeed")
-    p.add_argument("--zero-stage", type=int, default=2, help="DeepSpeed ZeRO stage: 2 or 3")
-    p.add_argument("--offload", action="store_true", help="DeepSpeed: optimizer state on CPU")
-    p.add_argument("--num-workers", type=int, default=2, help="training workers (ranks)")
-    p.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
-    p.add_argument("--cpus-per-worker", type=float, default=1.0)
-    p.add_argument("--resources-per-worker", default=None, metavar="JSON",
-                   help='extra Ray resources per worker, e.g. {"accelerator_type:A100": 0.01}')
-
-
-def _add_run_flags(p: ArgumentParser) -> None:
-    """The schedule, the data, where the run is stored and what its workers are given."""
-    p.add_argument("--batch-size", type=at_least(1), default=None,
-                   help="sequences per worker per step")
-    p.add_argument("--grad-accum", type=at_least(1), default=1)
-    p.add_argument("--lr", type=float, default=None,
-                   help="learning rate for ONE worker; scaled linearly by world size")
-    p.add_argument("--max-steps", type=at_least(1), default=None)
-    p.add_argument("--warmup-steps", type=at_least(0), default=None)
-    p.add_argument("--checkpoint-every", type=at_least(1), default=None)
-    p.add_argument("--log-every", type=at_least(1), default=None)
-    p.add_argument("--num-to-keep", type=at_least(1), default=2,
-                   help="checkpoints kept in storage")
-    p.add_argument("--max-failures", type=at_least(-1), default=3,
-                   help="worker-group restarts before the run fails (FailureConfig; -1: "
-                        "retry forever)")
-    p.add_argument("--corpus-bytes", type=int, default=None)
-    p.add_argument("--dataset", default=None,
-                   help="stream a Ray Data dataset: 'stdlib' or a folder/s3:// of Parquet "
-                        "with a 'tokens' column (from workloads.data)")
-    p.add_argument("--storage-path", default=default_root(),
-                   help="local folder or s3://bucket/prefix (env RAYFLEET_STORAGE)")
-    p.add_argument("--s3-endpoint", default=None,
-                   help="S3-compatible endpoint URL (env AWS_ENDPOINT_URL_S3)")
-    p.add_argument("--name", default=None, help="run name; the same name resumes (default: "
-                   "the job's --submission-id if you gave one, else smoke-<strategy> for "
-                   "--smoke-test, else gpt-<model>-<strategy>)")
-    p.add_argument("--allow-changes", action="store_true",
-                   help="resume an existing --name although its dataset or strategy differs")
-    p.add_argument("--env", action="append", metavar="KEY=VALUE",
-                   help="environment variable for every worker (repeatable)")
-    # numpy's seed() refuses negatives, on every worker, after the cluster is booked.
-    p.add_argument("--seed", type=at_least(0), default=0)
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model in place (ddp, fsdp); the first step compiles")
-    p.add_argument("--gpu-memory-gib", type=float, default=None,
-                   help="per-GPU memory for the OOM estimate (default: from accelerator type)")
+# The flags' groups in --help's order, each group's flags in the dataclass's order: the
+# model (a preset or a Hugging Face folder, and how it trains), how it is spread (strategy,
+# workers, resources), and the run (schedule, data, storage, the workers' environment).
+GROUPS = ("model", "parallel", "run")
 
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """The training flags, parsed once (TrainOptions.from_args): flags left unset take the
-    smoke-test values (tiny, seconds on 2 CPUs) or the defaults, and flags given explicitly
-    always win, so `--smoke-test --max-steps 3` works. Nothing changes it afterwards; paths
-    made absolute are a new TrainOptions (`dataclasses.replace`)."""
+    """The training flags, declared once (each field is its flag: build_parser) and parsed once
+    (TrainOptions.from_args): flags left unset take the smoke-test values (tiny, seconds on 2
+    CPUs) or the defaults, and flags given explicitly always win, so `--smoke-test --max-steps 3`
+    works. Nothing changes it afterwards; paths made absolute are a new TrainOptions
+    (`dataclasses.replace`)."""
 
-    smoke_test: bool
-    model: str | None
-    model_config: str | None
-    tokenizer: str | None
-    activation_checkpointing: bool
-    lora_r: int | None
-    lora_alpha: float | None
-    lora_dropout: float | None
-    lora_targets: str | None
-    lora_merge: bool
-    hf_shard_size: int | None
-    deepspeed_config: str | None
-    offload_params: bool
-    seq_len: int | None
-    strategy: str
-    zero_stage: int
-    offload: bool
-    num_workers: int
-    use_gpu: bool
-    cpus_per_worker: float
-    resources_per_worker: str | None
-    batch_size: int
-    grad_accum: int
-    lr: float
-    max_steps: int
-    warmup_steps: int | None
-    checkpoint_every: int
-    log_every: int
-    num_to_keep: int
-    max_failures: int
-    corpus_bytes: int
-    dataset: str | None
-    storage_path: str
-    s3_endpoint: str | None
-    name: str | None
-    allow_changes: bool
-    env: tuple[str, ...]
-    seed: int
-    compile: bool
-    gpu_memory_gib: float | None
+    smoke_test: bool = flag("", action="store_true",
+                            help="tiny model and data, 2 CPU workers, well under a minute")
+    model: str | None = flag(
+        "model", default=None,
+        help=f"size preset of the kit's byte-level GPT: {', '.join(PRESETS)} (default small; "
+             "tiny for --smoke-test), or a Hugging Face model folder or s3:// prefix "
+             "(AutoModelForCausalLM; needs --dataset tokenized with its tokenizer)")
+    model_config: str | None = flag(
+        "model", default=None, metavar="FOLDER",
+        help="a Hugging Face model config (a folder with config.json, local or s3://): train "
+             "that architecture from fresh weights")
+    tokenizer: str | None = flag(
+        "model", default=None,
+        help="Hugging Face models: the tokenizer saved with the final checkpoint's hf/ export "
+             "(default: the model folder's, else the dataset's)")
+    activation_checkpointing: bool = flag(
+        "model", action="store_true",
+        help="Hugging Face models: recompute activations in backward (less memory)")
+    lora_r: int | None = flag(
+        "model", type=at_least(1), default=None, metavar="R",
+        help="Hugging Face models: train LoRA adapters of rank R (PEFT) on the frozen base "
+             "instead of every weight")
+    lora_alpha: float | None = flag(
+        "model", type=float, default=None,
+        help="LoRA scaling numerator (the update is scaled by alpha / r; default 2r)")
+    lora_dropout: float | None = flag("model", type=float, default=None,
+                                      help="dropout on the adapters' input (default 0)")
+    lora_targets: str | None = flag(
+        "model", default=None, metavar="NAMES",
+        help="comma-separated module names to adapt (e.g. q_proj,v_proj), or all-linear "
+             "(default: every linear layer but the output head)")
+    lora_merge: bool = flag(
+        "model", action="store_true",
+        help="LoRA: the final checkpoint also carries hf/, the base with the adapter merged in "
+             "(adapter/ is written either way)")
+    hf_shard_size: int | None = flag(
+        "model", type=byte_size, default=None, metavar="SIZE",
+        help="Hugging Face models: the largest safetensors file of the final hf/ export (e.g. "
+             "5GB, 500MB; default 2GiB), as save_pretrained's max_shard_size")
+    deepspeed_config: str | None = flag(
+        "parallel", default=None, metavar="JSON",
+        help="DeepSpeed config (file or inline JSON) merged over the kit's defaults")
+    offload_params: bool = flag(
+        "parallel", action="store_true",
+        help="DeepSpeed ZeRO-3: parameters on the host too (with --offload)")
+    seq_len: int | None = flag("parallel", type=at_least(1), default=None,
+                               help="override the preset's context")
+    strategy: str = flag("parallel", default="ddp", help="ddp (default), fsdp or deepspeed")
+    zero_stage: int = flag("parallel", type=int, default=2, help="DeepSpeed ZeRO stage: 2 or 3")
+    offload: bool = flag("parallel", action="store_true",
+                         help="DeepSpeed: optimizer state on CPU")
+    num_workers: int = flag("parallel", type=int, default=2, help="training workers (ranks)")
+    use_gpu: bool = flag("parallel", action="store_true", help="one GPU per worker")
+    cpus_per_worker: float = flag("parallel", type=float, default=1.0)
+    resources_per_worker: str | None = flag(
+        "parallel", default=None, metavar="JSON",
+        help='extra Ray resources per worker, e.g. {"accelerator_type:A100": 0.01}')
+    batch_size: int = flag("run", type=at_least(1), default=None,
+                           help="sequences per worker per step")
+    grad_accum: int = flag("run", type=at_least(1), default=1)
+    lr: float = flag("run", type=float, default=None,
+                     help="learning rate for ONE worker; scaled linearly by world size")
+    max_steps: int = flag("run", type=at_least(1), default=None)
+    warmup_steps: int | None = flag("run", type=at_least(0), default=None)
+    checkpoint_every: int = flag("run", type=at_least(1), default=None)
+    log_every: int = flag("run", type=at_least(1), default=None)
+    num_to_keep: int = flag("run", type=at_least(1), default=2,
+                            help="checkpoints kept in storage")
+    max_failures: int = flag(
+        "run", type=at_least(-1), default=3,
+        help="worker-group restarts before the run fails (FailureConfig; -1: retry forever)")
+    corpus_bytes: int = flag("run", type=int, default=None)
+    dataset: str | None = flag(
+        "run", default=None,
+        help="stream a Ray Data dataset: 'stdlib' or a folder/s3:// of Parquet with a 'tokens' "
+             "column (from workloads.data)")
+    storage_path: str = flag("run", default=default_root,
+                             help="local folder or s3://bucket/prefix (env RAYFLEET_STORAGE)")
+    s3_endpoint: str | None = flag("run", default=None,
+                                   help="S3-compatible endpoint URL (env AWS_ENDPOINT_URL_S3)")
+    name: str | None = flag(
+        "run", default=None,
+        help="run name; the same name resumes (default: the job's --submission-id if you gave "
+             "one, else smoke-<strategy> for --smoke-test, else gpt-<model>-<strategy>)")
+    allow_changes: bool = flag(
+        "run", action="store_true",
+        help="resume an existing --name although its dataset or strategy differs")
+    env: tuple[str, ...] = flag("run", action="append", metavar="KEY=VALUE",
+                                help="environment variable for every worker (repeatable)")
+    # numpy's seed() refuses negatives, on every worker, after the cluster is booked.
+    seed: int = flag("run", type=at_least(0), default=0)
+    compile: bool = flag(
+        "run", action="store_true",
+        help="torch.compile the model in place (ddp, fsdp); the first step compiles")
+    gpu_memory_gib: float | None = flag(
+        "run", type=float, default=None,
+        help="per-GPU memory for the OOM estimate (default: from accelerator type)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **given) -> TrainOptions:
@@ -196,6 +167,19 @@ class TrainOptions:
     @classmethod
     def parse(cls, argv: list[str] | None) -> TrainOptions:
         return cls.from_args(build_parser().parse_args(argv))
+
+
+def build_parser() -> ArgumentParser:
+    """TrainOptions' fields as flags, group by group (GROUPS' order)."""
+    p = ArgumentParser(prog=PROG, description="Distributed GPT training with Ray Train.")
+    for group in ("", *GROUPS):
+        for f in fields(TrainOptions):
+            if f.metadata["group"] == group:
+                kwargs = dict(f.metadata["argparse"])
+                if callable(kwargs.get("default")):
+                    kwargs["default"] = kwargs["default"]()
+                p.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    return p
 
 
 def check_options(opts: TrainOptions) -> GPTConfig | None:
