@@ -1,76 +1,18 @@
 """The stack-output contract: the one output, ``rayfleet``, that the Pulumi program exports
-and `rayfleet render` turns into a Ray cluster-launcher YAML.
-
-``infra/components`` builds a :class:`StackOutputs` (its values still Pulumi outputs) and
-exports :meth:`StackOutputs.to_dict`; :func:`parse` reads ``pulumi stack output --json`` (or
-the ``rayfleet`` object alone) back into one, checked, so that a stale or hand-edited output
-is refused with one line before anything is written. Keys are the field names below, as
-JSON::
-
-    schema_version: 2                    # 2: several worker types (1: one A100 type, refused)
-    stack, cluster_name, region: str
-    availability_zones: [str]            # the workers' AZ first
-    private_subnet_ids: [str]            # one per AZ, same order; nodes go only here
-    worker_subnet_id: str                # private subnet of the workers' AZ (placement group)
-    cluster_security_group_id: str       # every node; Ray ports from itself only
-    instance_profiles: {head: {arn}, worker: {arn}}
-    launch_templates: {head: {id}}       # each worker's template is in its node type
-    node_types:                          # from the catalog when the stack was deployed
-      head:    {instance_type, vcpus, gpus: 0}
-      workers:                           # the order of preference: rayfleet:workerInstanceTypes'
-        - {instance_type, market,        #   order; per type its Capacity Block ("block"), its
-           vcpus, gpus, accelerator_type, #  reservation ("reserved"), its "spot", its "ondemand"
-           efa_interfaces, min_workers,  #  in the workers' AZ, then "spot" and "ondemand" in
-           max_workers,                  #  each of rayfleet:workerFallbackAzs in turn
-           launch_template: {id},
-           availability_zone,            # where it launches (optional: absent before fallback
-                                         #   AZs, read as the workers' AZ or the reservation's)
-           capacity_reservation:         # only on "block" and "reserved" node types
-             {availability_zone, subnet_id, id | resource_group_arn}}
-    max_workers: int                     # rayfleet:maxWorkers: every worker type together
-    storage_uri: str                     # s3://<bucket>/<key prefix>: where jobs write
-    autostop_minutes: int                # optional; 0 or absent: never (rayfleet:autostopMinutes)
-    head_ha:                             # only with rayfleet:headHa (absent: no GCS store)
-      gcs_store: {endpoint, port, auth_secret_arn}   # TLS-only Redis; the token's secret
-      head_address: {private_ip, subnet_id}          # where every head launches
-    # Not read by render; what an operator (and the kit's tests) look up in the stack:
-    worker_availability_zone: str
-    vpc_id: str
-    efa_security_group_id: str           # GPU EFA interfaces (set by the worker templates)
-    operator_access: "ssm" | "ssm+cidr"
-    operator_cidrs: [str]
-    roles: {head: {arn}, worker: {arn}}
-    placement_group, ami_id: str
-    imds_hop_limit: int
-    bucket, bucket_arn: str
-    kms_key_arn: str | null              # null with bucketEncryption: s3
-    ray_ports: {name: [from_port, to_port]}   # rayfleet.facts.RAY_PORTS
-    budget_name: str | null
-
-Render trusts ``node_types``: a node type's Ray resources are what the stack says its instances
-have, so a newer kit never silently disagrees with a deployed stack. A key this version does
-not know is ignored (an older stack may export more); a change that would make an older
-render misread an output raises :data:`SCHEMA_VERSION`.
-
-Reserved capacity (``block`` and ``reserved`` node types, with their ``capacity_reservation``)
-did not raise it: a render of the same schema without them refuses those markets in one line
-("is not a market"), so it cannot misread them, and a stack without reservations exports
-exactly what it did before.
-
-Fallback AZs (spot and on-demand entries whose ``availability_zone`` is not the workers' AZ,
-``availability_zones[0]``) did not raise it either: they repeat a (type, market) of the
-workers' AZ, and a schema-2 render without them refuses a repeated (type, market) in one line
-("p4d.24xlarge spot appears twice"), so it never writes two node types under one name. A
-stack without fallback AZs adds only ``availability_zone``, a key such a render ignores. This
-version names a fallback entry's Ray node type after its AZ (:func:`ray_worker_name`) and
-refuses a repeated (type, market, AZ).
+(``infra/components`` builds a :class:`StackOutputs`) and `rayfleet render` reads back with
+:func:`parse`, checked, so that a stale or hand-edited output is refused in one line. The
+dataclasses below declare it once: each field is an output key, its metadata whether render
+requires it. Every key, and why the schema is still 2: docs/node-types.md#the-stack-output.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -84,16 +26,25 @@ SCHEMA_VERSION = 2
 _RERUN = "re-run `pulumi up` and pass the fresh `pulumi stack output --json`"
 
 
+# A field's name is its output key; its metadata: "required" (render refuses an output without
+# it), "absent" (what a missing key reads as), "lenient" (a value render cannot read reads as
+# None), "exported" (False: parse gives it, to_dict leaves it out), "omit_if_none".
+def _required(**kw: Any) -> Any:
+    """A field render reads: the output must hold it, not empty (a dataclass's field: each of
+    that dataclass's own required fields)."""
+    return field(metadata={"required": True}, **kw)
+
+
 @dataclass(frozen=True)
 class HeadNodeType:
-    instance_type: str
-    vcpus: int
+    instance_type: str = _required()
+    vcpus: int = _required()
     gpus: int = 0
 
 
 @dataclass(frozen=True)
 class TemplateId:
-    id: str
+    id: str = _required()
 
 
 @dataclass(frozen=True)
@@ -115,15 +66,17 @@ class CapacityReservationTarget:
 class WorkerNodeType:
     """One (GPU worker type, market) of the stack: a launch template and a Ray node type."""
 
-    instance_type: str
-    market: str               # "spot" | "ondemand" | "block" | "reserved"
-    vcpus: int
-    gpus: int
-    accelerator_type: str     # the Ray resource accelerator_type:<this> (A100, H100, H200)
-    efa_interfaces: int
-    min_workers: int
-    max_workers: int
-    launch_template: TemplateId
+    instance_type: str = _required()
+    market: str = _required()             # "spot" | "ondemand" | "block" | "reserved"
+    vcpus: int = _required()
+    gpus: int = _required()
+    # The Ray resource accelerator_type:<this> (A100, H100, H200).
+    accelerator_type: str = _required()
+    # Not render's to require: an output without it reads as 0.
+    efa_interfaces: int = field(metadata={"absent": 0})
+    min_workers: int = _required()
+    max_workers: int = _required()
+    launch_template: TemplateId = _required()
     # "block" and "reserved" only; absent from the others' output, as before reservations.
     capacity_reservation: CapacityReservationTarget | None = field(
         default=None, metadata={"omit_if_none": True})
@@ -164,26 +117,26 @@ H = TypeVar("H")
 class NodeTypes:
     """The head and the worker node types, in the stack's order."""
 
-    head: HeadNodeType
-    workers: list[WorkerNodeType]
+    head: HeadNodeType = _required()
+    workers: list[WorkerNodeType] = _required()
 
 
 @dataclass(frozen=True)
 class LaunchTemplates:
-    head: TemplateId
+    head: TemplateId = _required()
 
 
 @dataclass(frozen=True)
 class ByRole(Generic[H]):
     """One value per node role (IAM): the head's and every worker's."""
 
-    head: H
-    worker: H
+    head: H = _required()
+    worker: H = _required()
 
 
 @dataclass(frozen=True)
 class Arn:
-    arn: str
+    arn: str = _required()
 
 
 @dataclass(frozen=True)
@@ -191,9 +144,9 @@ class GcsStore:
     """rayfleet:headHa's Redis: the GCS's tables outlive the head. TLS only; the auth token is
     in Secrets Manager (only the head role may read it), never in the outputs."""
 
-    endpoint: str          # the replication group's primary endpoint (a DNS name)
-    port: int
-    auth_secret_arn: str
+    endpoint: str = _required()     # the replication group's primary endpoint (a DNS name)
+    port: int = _required()
+    auth_secret_arn: str = _required()
 
     @property
     def url(self) -> str:
@@ -205,38 +158,39 @@ class GcsStore:
 class HeadAddress:
     """The private address every head of an HA stack launches at (one subnet: the workers')."""
 
-    private_ip: str
-    subnet_id: str
+    private_ip: str = _required()
+    subnet_id: str = _required()
 
 
 @dataclass(frozen=True)
 class HeadHa:
-    gcs_store: GcsStore
-    head_address: HeadAddress
+    gcs_store: GcsStore = _required()
+    head_address: HeadAddress = _required()
 
 
 @dataclass(frozen=True)
 class StackOutputs:
-    # What render reads: each must be present and non-empty.
-    stack: str
-    cluster_name: str
-    region: str
-    availability_zones: list[str]
-    private_subnet_ids: list[str]
-    worker_subnet_id: str
-    cluster_security_group_id: str
-    instance_profiles: ByRole[Arn]
-    launch_templates: LaunchTemplates
-    node_types: NodeTypes
-    max_workers: int
-    storage_uri: str
+    # What render reads.
+    stack: str = _required()
+    cluster_name: str = _required()
+    region: str = _required()
+    availability_zones: list[str] = _required()
+    private_subnet_ids: list[str] = _required()
+    worker_subnet_id: str = _required()
+    cluster_security_group_id: str = _required()
+    instance_profiles: ByRole[Arn] = _required()
+    launch_templates: LaunchTemplates = _required()
+    node_types: NodeTypes = _required()
+    max_workers: int = _required()
+    storage_uri: str = _required()
     # For operators and the kit's tests; optional when parsed.
     worker_availability_zone: str | None = None
     vpc_id: str | None = None
     efa_security_group_id: str | None = None
     operator_access: str | None = None
     operator_cidrs: list[str] = field(default_factory=list)
-    roles: ByRole[Arn] | None = None
+    # Not render's: an output that lacks it, or half of it, reads as None.
+    roles: ByRole[Arn] | None = field(default=None, metadata={"lenient": True})
     placement_group: str | None = None
     ami_id: str | None = None
     imds_hop_limit: int | None = None
@@ -249,7 +203,7 @@ class StackOutputs:
     autostop_minutes: int = 0
     # rayfleet:headHa; None (and absent from the output, as before it existed): no HA.
     head_ha: HeadHa | None = field(default=None, metadata={"omit_if_none": True})
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = _required(default=SCHEMA_VERSION)
 
     def to_dict(self) -> dict[str, Any]:
         """The exported object. Values are copied as they are (not deep-copied like
@@ -269,17 +223,75 @@ def _plain(value: Any) -> Any:
     return value
 
 
+@functools.cache
+def _fields(tp: Any) -> tuple[tuple[dataclasses.Field, Any], ...]:
+    """A dataclass's fields with their declared types, a generic's parameter replaced by its
+    argument (``ByRole[Arn]``'s ``head`` is an ``Arn``)."""
+    cls = typing.get_origin(tp) or tp
+    args = dict(zip(getattr(cls, "__parameters__", ()), typing.get_args(tp), strict=True))
+    hints = typing.get_type_hints(cls)
+    return tuple((f, args.get(hints[f.name], hints[f.name])) for f in dataclasses.fields(cls))
+
+
+def _required_keys(tp: Any, prefix: str = "") -> tuple[str, ...]:
+    """The dotted keys of ``tp``'s required fields, a dataclass's by its own required keys."""
+    keys: list[str] = []
+    for f, ftype in _fields(tp):
+        if not f.metadata.get("required"):
+            continue
+        if dataclasses.is_dataclass(typing.get_origin(ftype) or ftype):
+            keys += _required_keys(ftype, f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return tuple(keys)
+
+
 # Every key render reads, dotted; a missing one is refused with its name.
-REQUIRED_KEYS = (
-    "schema_version", "stack", "cluster_name", "region", "availability_zones",
-    "private_subnet_ids", "worker_subnet_id", "cluster_security_group_id",
-    "instance_profiles.head.arn", "instance_profiles.worker.arn",
-    "launch_templates.head.id", "node_types.head.instance_type", "node_types.head.vcpus",
-    "node_types.workers", "max_workers", "storage_uri",
-)
+REQUIRED_KEYS = _required_keys(StackOutputs)
 # Every key render reads of each worker node type.
-WORKER_KEYS = ("instance_type", "market", "vcpus", "gpus", "accelerator_type", "min_workers",
-               "max_workers", "launch_template.id")
+WORKER_KEYS = _required_keys(WorkerNodeType)
+# What render reads of head_ha, when the output has it.
+HEAD_HA_KEYS = _required_keys(HeadHa)
+
+
+def _read(tp: Any, value: Any, given: dict[str, Any]) -> Any:
+    """An output's ``value`` as its declared type ``tp``: a dataclass from its keys, a list item
+    by item, a dict copied, anything else as it is. ``given`` holds what the fields that are
+    not exported take."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    cls = typing.get_origin(tp) or tp
+    if cls is list:
+        (item,) = typing.get_args(tp)
+        return [_read(item, v, given) for v in value]
+    if cls is dict:
+        return dict(value)
+    if not dataclasses.is_dataclass(cls):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"{cls.__name__} from {value!r}")
+    kwargs = {}
+    for f, ftype in _fields(tp):
+        if not f.metadata.get("exported", True):
+            if f.name in given:
+                kwargs[f.name] = given[f.name]
+        # An older or hand-made output may hold null for a list or map it did not fill.
+        elif f.name in value and (value[f.name] or f.default_factory is dataclasses.MISSING):
+            kwargs[f.name] = _read_field(f, ftype, value[f.name], given)
+        elif "absent" in f.metadata:
+            kwargs[f.name] = f.metadata["absent"]
+    return cls(**kwargs)
+
+
+def _read_field(f: dataclasses.Field, tp: Any, value: Any, given: dict[str, Any]) -> Any:
+    if not f.metadata.get("lenient"):
+        return _read(tp, value, given)
+    try:
+        return _read(tp, value, given)
+    except (KeyError, TypeError):
+        return None
 
 
 def _get(d: Any, dotted: str) -> Any:
@@ -389,11 +401,6 @@ def _check(o: dict[str, Any], source: str) -> None:
                                                      "cluster name")
 
 
-# What render reads of head_ha, when the output has it.
-HEAD_HA_KEYS = ("gcs_store.endpoint", "gcs_store.port", "gcs_store.auth_secret_arn",
-                "head_address.private_ip", "head_address.subnet_id")
-
-
 def _check_head_ha(source: str, o: dict[str, Any]) -> None:
     """head_ha, when present: every key render reads, a port, an IPv4 address, a secret ARN and
     a subnet of the stack's."""
@@ -469,63 +476,5 @@ def _count(source: str, key: str, value: Any, least: int) -> None:
 
 
 def _build(o: dict[str, Any]) -> StackOutputs:
-    nt = o["node_types"]
-
-    def worker(w: dict[str, Any]) -> WorkerNodeType:
-        cr = w.get("capacity_reservation")
-        return WorkerNodeType(w["instance_type"], w["market"], w["vcpus"], w["gpus"],
-                              w["accelerator_type"], w.get("efa_interfaces", 0),
-                              w["min_workers"], w["max_workers"],
-                              TemplateId(w["launch_template"]["id"]),
-                              CapacityReservationTarget(
-                                  cr["availability_zone"], cr["subnet_id"], cr.get("id"),
-                                  cr.get("resource_group_arn")) if cr else None,
-                              availability_zone=w.get("availability_zone"),
-                              workers_az=o["availability_zones"][0])
-
-    def arns(d: dict[str, Any]) -> ByRole[Arn]:
-        return ByRole(Arn(d["head"]["arn"]), Arn(d["worker"]["arn"]))
-
-    lts = o["launch_templates"]
-    ha = o.get("head_ha")
-    head_ha = None if ha is None else HeadHa(
-        GcsStore(ha["gcs_store"]["endpoint"], ha["gcs_store"]["port"],
-                 ha["gcs_store"]["auth_secret_arn"]),
-        HeadAddress(ha["head_address"]["private_ip"], ha["head_address"]["subnet_id"]))
-    try:
-        roles = arns(o["roles"])
-    except (KeyError, TypeError):
-        roles = None  # not render's; an older or hand-made output may lack it
-    return StackOutputs(
-        schema_version=o["schema_version"],
-        stack=o["stack"],
-        cluster_name=o["cluster_name"],
-        region=o["region"],
-        availability_zones=list(o["availability_zones"]),
-        private_subnet_ids=list(o["private_subnet_ids"]),
-        worker_subnet_id=o["worker_subnet_id"],
-        cluster_security_group_id=o["cluster_security_group_id"],
-        instance_profiles=arns(o["instance_profiles"]),
-        launch_templates=LaunchTemplates(TemplateId(lts["head"]["id"])),
-        node_types=NodeTypes(HeadNodeType(nt["head"]["instance_type"], nt["head"]["vcpus"],
-                                          nt["head"].get("gpus", 0)),
-                             [worker(w) for w in nt["workers"]]),
-        max_workers=o["max_workers"],
-        storage_uri=o["storage_uri"],
-        worker_availability_zone=o.get("worker_availability_zone"),
-        vpc_id=o.get("vpc_id"),
-        efa_security_group_id=o.get("efa_security_group_id"),
-        operator_access=o.get("operator_access"),
-        operator_cidrs=list(o.get("operator_cidrs") or []),
-        roles=roles,
-        placement_group=o.get("placement_group"),
-        ami_id=o.get("ami_id"),
-        imds_hop_limit=o.get("imds_hop_limit"),
-        bucket=o.get("bucket"),
-        bucket_arn=o.get("bucket_arn"),
-        kms_key_arn=o.get("kms_key_arn"),
-        ray_ports=dict(o.get("ray_ports") or {}),
-        budget_name=o.get("budget_name"),
-        autostop_minutes=o.get("autostop_minutes", 0),
-        head_ha=head_ha,
-    )
+    # Each worker entry is told the workers' AZ, which the output holds once, at the top.
+    return _read(StackOutputs, o, {"workers_az": o["availability_zones"][0]})

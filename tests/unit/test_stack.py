@@ -14,6 +14,7 @@ import yaml
 
 from rayfleet import stack
 from rayfleet.commands import cli, render
+from rayfleet.errors import RayfleetError
 from tests.fallback_azs import fallback_names, with_fallback_az
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,10 +113,13 @@ def test_rendered_example_still_loads_as_ray_sees_it(outputs):
     assert yaml.safe_load(text)["cluster_name"] == "rayfleet-dev"
 
 
-def test_the_docstring_and_the_required_keys_follow_the_dataclass(outputs):
-    """The contract is written once: its docstring names every field, and every key render
-    requires is a field."""
+def test_the_doc_page_and_the_required_keys_follow_the_dataclass(outputs):
+    """The contract is written once: docs/node-types.md's stack-output section names every
+    field, and every key render requires is a field."""
     exported = stack.parse(json.dumps(outputs)).to_dict()
+    page = (REPO / "docs" / "node-types.md").read_text()
+    section = re.search(r"^## The stack output\n(.*?)(?=^## |\Z)", page, re.M | re.S)
+    assert section, "docs/node-types.md lost its '## The stack output' section"
 
     def keys(d: dict, prefix: str = "") -> set[str]:
         out = set()
@@ -128,7 +132,31 @@ def test_the_docstring_and_the_required_keys_follow_the_dataclass(outputs):
     every = keys(exported) | keys(exported["node_types"]["workers"][0], "node_types.workers.")
     assert set(stack.REQUIRED_KEYS) <= every
     for key in every:
-        assert re.search(rf"\b{key.rsplit('.', 1)[-1]}\b", stack.__doc__), key
+        assert re.search(rf"\b{key.rsplit('.', 1)[-1]}\b", section.group(1)), key
+
+
+@pytest.mark.parametrize("where,keys", [
+    ("", stack.REQUIRED_KEYS), ("node_types.workers.1.", stack.WORKER_KEYS),
+    ("head_ha.", stack.HEAD_HA_KEYS)])
+def test_each_key_render_reads_is_refused_by_name_when_missing(where, keys, outputs):
+    """The keys render requires come from the dataclasses' metadata; parse refuses an output
+    without any one of them in one line naming it."""
+    outputs["rayfleet"]["head_ha"] = {
+        "gcs_store": {"endpoint": "gcs.example", "port": 6380, "auth_secret_arn": "arn:aws:x"},
+        "head_address": {"private_ip": "10.42.31.228",
+                         "subnet_id": outputs["rayfleet"]["private_subnet_ids"][0]}}
+    stack.parse(json.dumps(outputs))
+    named = where.replace(".1.", "[1].")
+    for key in set(keys) - {"schema_version"}:   # an output without it is refused before
+        o = copy.deepcopy(outputs["rayfleet"])
+        *path, last = (where + key).split(".")
+        d = o
+        for part in path:
+            d = d[int(part)] if part.isdigit() else d[part]
+        del d[last]
+        with pytest.raises(RayfleetError,
+                           match=rf"^o: stack output `rayfleet` lacks {re.escape(named + key)};"):
+            stack.parse(json.dumps(o), "o")
 
 
 def fallback_outputs(outputs: dict) -> dict:
