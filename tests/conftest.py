@@ -28,7 +28,7 @@ BIN = Path(sys.executable).parent
 # Every temporary file of this run, its children's included, under one folder of its own
 # (tests/scratch.py): before anything asks tempfile where /tmp is. An earlier run's folder,
 # left by a kill, goes first.
-from tests import scratch  # noqa: E402
+from tests import cpuclock, scratch  # noqa: E402
 
 SWEPT = [] if os.environ.get(scratch.ENV) else scratch.sweep(Path(tempfile.gettempdir()))
 SCRATCH = scratch.enter()
@@ -191,9 +191,35 @@ def pytest_report_header(config):
 
 
 _OUTCOME: dict = {}
+# Each test's CPU (tests/cpuclock.py): this process's clock, its last reading, and the CPU and
+# wall seconds per test of the reports this process logged (the workers' too, in the controller).
+CLOCK = cpuclock.Clock()
+_LAST: list[float | None] = [None]
+_CPU: dict[str, float] = {}
+_WALL: dict[str, float] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    now = CLOCK.seconds()
+    if now is not None and _LAST[0] is not None:
+        outcome.get_result().user_properties.append(("cpu_s", now - _LAST[0]))
+    _LAST[0] = now
+
+
+def pytest_runtest_logreport(report):
+    for key, value in report.user_properties:
+        if key == "cpu_s":
+            _CPU[report.nodeid] = _CPU.get(report.nodeid, 0.0) + value
+    _WALL[report.nodeid] = _WALL.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    lines = cpuclock.table(_CPU, _WALL) or [
+        f"CPU per test: not measured ({CLOCK.why or 'no worker could make a cgroup'})"]
+    for line in lines:
+        terminalreporter.write_line(line)
     _OUTCOME["passed"] = exitstatus == 0
     if not _OUTCOME["passed"] and scratch.made_here(SCRATCH):
         terminalreporter.write_line(scratch.leave(SCRATCH, passed=False))
@@ -201,6 +227,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 def pytest_unconfigure(config):
     # Last of all: every fixture, cluster and fake cloud is down by now.
+    CLOCK.stop()
     scratch.leave(SCRATCH, passed=_OUTCOME.get("passed", False))
 
 
@@ -215,6 +242,10 @@ def pytest_configure(config):
         config.option.basetemp = str(SCRATCH / "p")
 
     required()   # an unknown tier in RAYFLEET_REQUIRE stops the run before any test
+    # The processes that run tests count their CPU; xdist's controller runs none.
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses",
+                                                             None):
+        _LAST[0] = CLOCK.start().seconds()
     # The controller (it collects nothing) names a file for the workers' groups.
     if (getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER")
             and GROUPS_ENV not in os.environ):
