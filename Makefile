@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rayfleet-installed
 
-.PHONY: setup lock demo demo-hf test test-fast test-gpu lint bench clean
+.PHONY: setup lock regen demo demo-hf test test-fast test-gpu lint bench clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,12 @@ lock:
 	test -x $(LOCKVENV)/bin/pip-compile || { $(PYTHON) -m venv $(LOCKVENV) && \
 		$(LOCKVENV)/bin/pip install -q 'pip==26.2.1' 'pip-tools==7.6.2'; }
 	$(PYTHON) scripts/lock.py $(LOCKVENV)/bin/pip-compile
+
+# Write what the Ansible role and cluster-configs/onprem.yaml mirror of the kit (its agents,
+# ports, pins, Serve's ingress) from their one declaration; `scripts/regen.py --check` fails
+# naming a file that is behind.
+regen: $(STAMP)
+	$(BIN)/python scripts/regen.py
 
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/demo.sh

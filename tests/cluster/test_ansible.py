@@ -1,11 +1,13 @@
 """The on-prem path: `infra/ansible/site.yml` and its `ray_node` role, run for real.
 
-The cheap checks (playbook syntax, example inventory, argument specs, the node environment's
-pins) need no cluster. The real run drives `ansible-playbook` against this machine (connection
-local), everything the role writes in temp folders on free ports, and the role builds its venv
-with its defaults (the node environment) in a fresh folder: the head it starts must take a
-token-authenticated `ray job submit`, refuse one without the token, run the workloads README
-submits with the code sent along (`--working-dir .`), and be gone, ports free, after `stopped`.
+The cheap checks (playbook syntax, example inventory, argument specs, the role's own files)
+need no cluster; the role's copies of the kit's facts are `make regen`'s
+(tests/unit/test_regen.py). The real run drives `ansible-playbook` against this machine
+(connection local), everything the role writes in temp folders on free ports, and the role
+builds its venv with its defaults (the node environment) in a fresh folder: the head it starts
+must take a token-authenticated `ray job submit`, refuse one without the token, run the
+workloads README submits with the code sent along (`--working-dir .`), and be gone, ports
+free, after `stopped`.
 """
 
 from __future__ import annotations
@@ -19,13 +21,11 @@ import shutil
 import socket
 import stat
 import tempfile
-import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
-from rayfleet import raystart
 from rayfleet.commands.host import port_holders, port_in_use
 from tests.conftest import BIN, REPO, free_port, run
 
@@ -34,13 +34,6 @@ PLAYBOOK = ANSIBLE / "site.yml"
 ROLE = ANSIBLE / "roles" / "ray_node"
 PORTS = ("gcs", "dashboard", "client_server", "object_manager", "node_manager",
          "runtime_env_agent", "metrics_export", "dashboard_agent_grpc", "dashboard_agent_listen")
-
-
-def _pyproject_ray_pin() -> str:
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    pins = [m.group(1) for d in deps if (m := re.fullmatch(r"ray(?:\[[^\]]*\])?==(\S+)", d))]
-    assert len(pins) == 1, f"expected one exact ray pin in pyproject.toml, got {deps}"
-    return pins[0]
 
 
 def _role_defaults() -> dict:
@@ -112,38 +105,14 @@ def _recap(stdout: str) -> dict[str, dict[str, int]]:
 
 # --- no cluster needed -----------------------------------------------------------------------
 
-def test_role_installs_the_node_environment_pyproject_pins():
-    # Rule 25: the nodes must run the Ray the clients run; and every package the
-    # workloads import, at the same pins as the cluster YAML's setup commands.
-    from rayfleet import nodeenv
-
-    env, defaults, spec = nodeenv.load(), _role_defaults(), _argument_spec()
-    pin = _pyproject_ray_pin()
-    assert defaults["ray_node_ray_version"] == pin
-    ray = f"ray[{','.join(defaults['ray_node_ray_extras'])}]=={pin}"
-    assert [ray, *defaults["ray_node_pip_packages"]] == list(env.requirements)
-    assert defaults["ray_node_pip_packages_after_torch"] == list(env.after_torch)
-    assert defaults["ray_node_build_tools"] == list(nodeenv.BUILD_TOOLS)
-    # vLLM on heads and GPU workers: pyproject.toml's llm extra, as render installs it.
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
-    assert defaults["ray_node_llm_packages"] == list(env.llm) == extras["llm"]
-    for name in ("ray_node_ray_version", "ray_node_ray_extras", "ray_node_pip_packages",
-                 "ray_node_pip_packages_after_torch", "ray_node_llm_packages",
-                 "ray_node_build_tools"):
-        assert spec[name]["default"] == defaults[name], name
-
-
-def test_role_haproxy_environment_is_the_kits():
-    """The role's Serve ingress is rayfleet.ingress's, with the role's own folder and guard."""
-    from rayfleet.ingress import DEFAULT_INGRESS, haproxy_env
-
-    defaults = _role_defaults()
-    assert defaults["ray_node_serve_ingress"] == DEFAULT_INGRESS
-    assert defaults["ray_node_haproxy_environment"] == haproxy_env(
-        "{{ ray_node_haproxy_dir }}", "{{ ray_node_haproxy_guard }}")
-    assert (ROLE / defaults["ray_node_haproxy_guard_src"].replace(
-        "{{ role_path }}/", "")).resolve() == REPO / "rayfleet" / "agents" / "haproxy_guard.py"
+def test_role_installs_its_own_files():
+    """The role stands alone: what it installs comes from its own files/ (byte copies of the
+    kit's, written by `make regen`; tests/unit/test_regen.py), never from the checkout around it."""
+    guard = _role_defaults()["ray_node_haproxy_guard_src"]
+    assert guard == "{{ role_path }}/files/haproxy_guard.py"
+    assert (ROLE / "files" / "haproxy_guard.py").is_file()
+    for path in sorted(ROLE.rglob("*.yml")):
+        assert "../" not in path.read_text(), f"{path.relative_to(ROLE)} reaches out of the role"
 
 
 def test_argument_spec_documents_every_default():
@@ -156,7 +125,6 @@ def test_argument_spec_documents_every_default():
             assert option["default"] == defaults[name], f"{name}: spec and defaults differ"
     assert spec["ray_node_role"]["choices"] == ["head", "worker"]
     assert spec["ray_node_auth_token"]["no_log"] is True
-    assert defaults["ray_node_dashboard_host"] == raystart.DASHBOARD_HOST  # rule 22
 
 
 def test_playbook_syntax_and_example_inventory(ansible_env):

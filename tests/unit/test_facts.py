@@ -8,7 +8,6 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
 
 from rayfleet import catalog, config, facts
 from rayfleet.commands import cost, lint
@@ -98,7 +97,8 @@ def test_the_log_shipper_refuses_what_facts_refuses():
 
 def test_ports_and_hop_limits_are_not_respelled():
     # A port number or hop limit as a value in code (an assignment, a keyword, a tuple):
-    # outside facts, only the Ansible role's defaults, which the next test ties to RAY_PORTS.
+    # outside facts, only the Ansible role's defaults, which `make regen` writes from RAY_PORTS
+    # (tests/unit/test_regen.py).
     # (ssh's 22 is also a rule number; Serve's ports are the Serve configs' to set.)
     numbers = "|".join(sorted({str(n) for p in facts.RAY_PORTS for n in (p.from_port, p.to_port)
                                if p.flag.startswith("--")}))
@@ -116,7 +116,7 @@ SPELLED_IN_STRINGS: dict[str, str] = {}
 
 def test_ports_are_not_spelled_inside_strings_either():
     # A port number anywhere in a line: a URL's ("http://127.0.0.1:8265"), a host:port, a
-    # default or a help text. Outside facts, only the Ansible role's pinned defaults.
+    # default or a help text. Outside facts, only the Ansible role's pinned defaults (make regen).
     numbers = sorted({str(n) for p in facts.RAY_PORTS for n in (p.from_port, p.to_port)
                       if p.flag.startswith("--")})
     hits = _hits(rf"(?<![\w.])({'|'.join(numbers)})(?![\w])", FACTS,
@@ -132,29 +132,6 @@ def test_ports_are_not_spelled_inside_strings_either():
         assert rx.search(text), text
     for text in ("10.0.82.65", "v2.6379", "ray_node_gcs_port", "86379", "port6379"):
         assert not rx.search(text), text
-
-
-def test_ansible_port_defaults_equal_ray_ports():
-    """The role pins every port with the same `ray start` flags render uses; its defaults (and
-    the argument spec's) must be RAY_PORTS' numbers."""
-    template = (ROLE / "templates" / "ray-node-run.sh.j2").read_text()
-    var_of_flag = dict(re.findall(r"(--[a-z-]+)=\{\{ (ray_node_\w+) \}\}", template))
-    defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
-    spec = yaml.safe_load((ROLE / "meta" / "argument_specs.yml").read_text())
-    options = spec["argument_specs"]["main"]["options"]
-    expected = {}
-    for p in facts.RAY_PORTS:
-        if not p.flag.startswith("--"):
-            continue  # ssh, and Serve's ports (set in the Serve config)
-        flags = p.flag.split("/")  # --min-worker-port/--max-worker-port: from, to
-        for flag, number in zip(flags, (p.from_port, p.to_port), strict=False):
-            assert flag in var_of_flag, f"the role's start script does not pin {flag}"
-            expected[var_of_flag[flag]] = number
-    role_ports = {k: v for k, v in defaults.items() if re.fullmatch(r"ray_node_\w+_port", k)}
-    assert role_ports == expected
-    for var, number in expected.items():
-        if "default" in options.get(var, {}):
-            assert options[var]["default"] == number, var
 
 
 # ----------------------------------------------------------------------------- instance catalog

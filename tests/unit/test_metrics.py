@@ -51,8 +51,8 @@ def test_sd_file_is_the_one_ray_writes():
 def test_prometheus_port_is_a_fact_written_once():
     assert metrics.PROMETHEUS_PORT == LOOPBACK_PORTS["prometheus"][0]
     numbers = "|".join(str(p) for p, _ in LOOPBACK_PORTS.values())
-    # The Ansible role's defaults carry rayfleet.ingress's environment (HAProxy's two ports);
-    # tests/cluster/test_ansible.py keeps it equal to the kit's.
+    # The Ansible role's defaults carry rayfleet.ingress's environment (HAProxy's two ports),
+    # which `make regen` writes there (tests/unit/test_regen.py).
     role_defaults = FACTS.parents[1] / "infra/ansible/roles/ray_node/defaults/main.yml"
     assert _hits(rf"\b({numbers})\b", FACTS, role_defaults) == []
 
