@@ -40,6 +40,7 @@ lock:
 	test -x $(LOCKVENV)/bin/pip-compile || { $(PYTHON) -m venv $(LOCKVENV) && \
 		$(LOCKVENV)/bin/pip install -q 'pip==26.2.1' 'pip-tools==7.6.2'; }
 	$(PYTHON) scripts/lock.py $(LOCKVENV)/bin/pip-compile
+	$(MAKE) regen   # the Ansible role ships a copy of the node constraints
 
 # Write what the Ansible role and cluster-configs/onprem.yaml mirror of the kit (its agents,
 # ports, pins, Serve's ingress) from their one declaration; `scripts/regen.py --check` fails

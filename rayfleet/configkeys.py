@@ -1,6 +1,6 @@
 """The stack config's keys: every ``rayfleet:*`` setting with its Pulumi type, default and
-description (:data:`SCHEMA`, which ``Pulumi.yaml``'s ``config:`` block mirrors; a test keeps
-them equal), the keys an older kit read, and the tables values are checked against.
+description (:data:`SCHEMA`, from which `make regen` writes ``Pulumi.yaml``'s ``config:``
+block), the keys an older kit read, and the tables values are checked against.
 
 What the keys mean once checked is rayfleet/config.py's (:class:`~rayfleet.config.StackConfig`).
 """

@@ -1,4 +1,5 @@
-"""`make regen`: write what the Ansible role and cluster-configs/onprem.yaml mirror of the kit,
+"""`make regen`: write what the Ansible role, cluster-configs/onprem.yaml and Pulumi.yaml's
+`config:` block (from rayfleet/configkeys.py's SCHEMA) mirror of the kit,
 from the kit's one declaration of each fact (docs/house.md, convention 11). Only the mirrored
 values are rewritten, line by line; every comment and the order around them stay.
 
@@ -13,6 +14,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import yaml
@@ -20,6 +22,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from rayfleet import facts, nodeenv, raystart  # noqa: E402
+from rayfleet.configkeys import SCHEMA  # noqa: E402
 from rayfleet.commands import render  # noqa: E402
 from rayfleet.ingress import DEFAULT_INGRESS, haproxy_env  # noqa: E402
 
@@ -28,6 +31,7 @@ DEFAULTS = ROLE / "defaults" / "main.yml"
 SPEC = ROLE / "meta" / "argument_specs.yml"
 LAUNCH = ROLE / "templates" / "ray-node-run.sh.j2"
 ONPREM = Path("cluster-configs/onprem.yaml")
+PULUMI = Path("Pulumi.yaml")
 # What the role installs on a node, shipped in its own files/ so that it stands alone: byte
 # copies of the kit's, so a copy is recognisably the same file.
 COPIES = {ROLE / "files" / src.name: src for src in (
@@ -183,6 +187,41 @@ def onprem_text(text: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _scalar(value) -> str:
+    return '""' if value == "" else yaml.safe_dump(value, default_flow_style=True).strip(
+        ).removesuffix("\n...").removesuffix("...").strip()
+
+
+def pulumi_text(text: str) -> str:
+    """Pulumi.yaml with its ``config:`` block (the file's last) written from configkeys.SCHEMA:
+    each key's type, default and description, as Pulumi's project file declares them."""
+    lines = text.splitlines()
+    if "config:" not in lines:
+        raise Stale("no top-level `config:` block to write")
+    out = lines[:lines.index("config:") + 1]
+    for key in SCHEMA:
+        out.append(f"  {key.qualified}:")
+        if key.type == "objects":
+            out += ["    # Untyped on purpose: a list of objects, and a project's config types "
+                    "are string, integer,",
+                    "    # boolean and arrays of those; rayfleet/config.py checks every entry "
+                    "before any resource."]
+        else:
+            out.append(f"    type: {key.type}")
+        if key.type == "array":
+            out += ["    items:", "      type: string"]
+        if isinstance(key.default, list) and key.default:
+            out += ["    default:", *(f"      - {_scalar(v)}" for v in key.default)]
+        else:
+            out.append(f"    default: {_scalar(key.default)}")
+        out += ["    description: >-", *textwrap.wrap(key.description, SPEC_WIDTH,
+                                                      initial_indent=" " * 6,
+                                                      subsequent_indent=" " * 6,
+                                                      break_on_hyphens=False,
+                                                      break_long_words=False)]
+    return "\n".join(out) + "\n"
+
+
 def wanted(root: Path) -> dict[Path, bytes]:
     """Every file regen writes (relative to ``root``), with what it should hold."""
     launch = (root / LAUNCH).read_text()
@@ -197,6 +236,7 @@ def wanted(root: Path) -> dict[Path, bytes]:
     out[DEFAULTS] = edited(DEFAULTS, lambda t: defaults_text(t, launch))
     out[SPEC] = edited(SPEC, lambda t: spec_text(t, launch))
     out[ONPREM] = edited(ONPREM, onprem_text)
+    out[PULUMI] = edited(PULUMI, pulumi_text)
     return out
 
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from rayfleet.config import StackConfig, load_stack_file
-from rayfleet.configkeys import DEFAULTS, SCHEMA, WORKER_REGIONS
+from rayfleet.configkeys import SCHEMA, WORKER_REGIONS
 from rayfleet.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -136,18 +136,6 @@ def test_config_import_stays_light_for_the_cli():
 
 # ----------------------------------------------------------------------------- Pulumi.yaml
 
-def test_pulumi_yaml_declares_every_key_as_config_py_does():
-    project = yaml.safe_load((ROOT / "Pulumi.yaml").read_text())
-    declared = project["config"]
-    assert set(declared) == {k.qualified for k in SCHEMA}
-    for key in SCHEMA:
-        entry = declared[key.qualified]
-        # A list of objects is declared untyped (Pulumi's project types cannot say it).
-        assert entry.get("type", "objects") == key.type, key.name
-        assert entry["default"] == key.default, key.name
-        assert entry["description"] == key.description, key.name
-
-
 def test_pulumi_yaml_follows_the_project_file_rules():
     # The checks `pulumi` applies to a project's config block (sdk/go/common/workspace/
     # project.go, Project.Validate): typed keys belong to the project's namespace, arrays
@@ -174,7 +162,6 @@ def test_pulumi_yaml_defaults_build_the_default_config():
     project = yaml.safe_load((ROOT / "Pulumi.yaml").read_text())
     defaults = {k: v["default"] for k, v in project["config"].items()}
     assert StackConfig.from_mapping(defaults) == StackConfig.from_mapping({})
-    assert {f"rayfleet:{k}": v for k, v in DEFAULTS.items()} == defaults
 
 
 # ----------------------------------------------------------------------------- reservations

@@ -1,5 +1,6 @@
-"""`make regen` (scripts/regen.py): the Ansible role and cluster-configs/onprem.yaml hold what
-the kit declares once, so `--check` passes on the repository and names a file that drifts."""
+"""`make regen` (scripts/regen.py): the Ansible role, cluster-configs/onprem.yaml and
+Pulumi.yaml's config block hold what the kit declares once, so `--check` passes on the
+repository and names a file that drifts."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ _spec.loader.exec_module(regen)
 def _checkout(root):
     """What regen reads and writes, copied under ``root``."""
     shutil.copytree(REPO / regen.ROLE, root / regen.ROLE)
-    for path in (regen.ONPREM, *regen.COPIES.values()):
+    for path in (regen.ONPREM, regen.PULUMI, *regen.COPIES.values()):
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / path, root / path)
     return root
@@ -80,3 +81,20 @@ def test_a_mirror_with_its_key_gone_fails_in_one_line(tmp_path, capsys):
     assert regen.main(["--check"], root=root) == 1
     assert capsys.readouterr().err == (
         f"regen: {regen.SPEC}: no `ray_node_gcs_port:` at indent 6 to write\n")
+
+
+def test_a_stack_setting_declared_in_configkeys_is_written_to_pulumi_yaml(tmp_path, capsys,
+                                                                          monkeypatch):
+    from rayfleet import configkeys
+
+    root = _checkout(tmp_path)
+    key = configkeys.ConfigKey("gpuNickname", "string", "", "What the workers are called.")
+    monkeypatch.setattr(regen, "SCHEMA", (*configkeys.SCHEMA, key))
+    capsys.readouterr()
+    assert regen.main(["--check"], root=root) == 1
+    assert _named(capsys) == [str(regen.PULUMI)]
+    assert regen.main([], root=root) == 0
+    import yaml
+
+    entry = yaml.safe_load((root / regen.PULUMI).read_text())["config"]["rayfleet:gpuNickname"]
+    assert entry == {"type": "string", "default": "", "description": key.description}
