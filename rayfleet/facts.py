@@ -1,8 +1,8 @@
 """Names and numbers that the stack, the cluster YAML, the Ansible role and the checks must
 agree on: tag keys, Ray's ports, the IMDS hop limits, the S3 bucket-name rule and what a
-secret looks like. Each is defined here once and imported everywhere else; tests keep the
-Ansible role's port defaults equal to :data:`RAY_PORTS` and find any ``rayfleet:`` tag key
-written out anywhere else.
+secret looks like. Each is defined here once and imported everywhere else; `make regen`
+writes the Ansible role's port defaults from :data:`RAY_PORTS`, and a test finds any
+``rayfleet:`` tag key written out anywhere else.
 
 Standard library only: the workloads import it on nodes where only the job's working
 directory brings the kit.
@@ -75,7 +75,7 @@ class RayPort:
 # Every port a Ray node accepts from other nodes. infra/ opens exactly these, and only from the
 # cluster's own security group (rule 4); render passes each `flag` to `ray start` so that none
 # is left to Ray's default of a random port, which no firewall rule could name. The Ansible
-# role's defaults carry the same numbers (a test keeps them equal).
+# role's defaults carry the same numbers (written by `make regen`).
 # https://docs.ray.io/en/latest/ray-core/configure.html#ports-configurations
 RAY_PORTS: tuple[RayPort, ...] = (
     RayPort("ssh", 22, 22, "",
