@@ -142,7 +142,7 @@ OPERATOR_PORTS = (
 
 # The kit's own listeners on the head (and on a local cluster's machine): bound to 127.0.0.1
 # only, so infra/ opens none of them (tests/infra checks); an operator reaches them through
-# the dashboard's tunnel (`ray dashboard --remote-port N`). Name -> (port, what it serves).
+# the dashboard's tunnel (`ray dashboard --port N --remote-port N`). Name -> (port, what it serves).
 LOOPBACK_PORTS = {
     "prometheus": (9090, "Prometheus scraping the cluster's metrics (rayfleet ... --metrics)"),
     # Serve's HAProxy ingress (rayfleet.ingress): Ray's template binds both on every interface

@@ -107,7 +107,8 @@ def _ops(sub: argparse._SubParsersAction) -> None:
                         "stack's rayfleet:autostopMinutes, 0 unless set)")
     p.add_argument("--metrics", action="store_true",
                    help="run Prometheus on the head's loopback, scraping Ray's metrics "
-                        "(reach it with `ray dashboard --remote-port "
+                        "(reach it with `ray dashboard --port "
+                        f"{loopback_port('prometheus')} --remote-port "
                         f"{loopback_port('prometheus')} <yaml>`)")
     p.add_argument("--vllm", choices=["cuda", "cpu", "none"], default="cuda",
                    help="the vLLM the head and the GPU workers get, for the llm Serve app: "

@@ -4,7 +4,8 @@ head writes), the one `rayfleet local up --metrics` runs, and the head's command
 
 Prometheus listens on 127.0.0.1 only, with its admin and lifecycle APIs off (their defaults):
 what it serves is a read-only copy of what Ray's own metrics endpoints already serve. On AWS it
-is reached through the dashboard's tunnel (`ray dashboard --remote-port PORT cluster.yaml`).
+is reached through the dashboard's tunnel
+(`ray dashboard --port PORT --remote-port PORT cluster.yaml`).
 """
 
 from __future__ import annotations
