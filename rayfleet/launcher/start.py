@@ -28,8 +28,9 @@ WHY = {
     "head": "Token auth on (rule 21); the node environment first on PATH, so a job's `python` "
             "is its python; the dashboard and Jobs API listen on loopback only and are reached "
             "by an SSM tunnel (rule 22); every port pinned to what the security group opens",
-    "prometheus": "; and Prometheus on the head's loopback (`ray dashboard --remote-port "
-                  f"{loopback_port('prometheus')} <this file>`), scraping Ray's metrics",
+    "prometheus": "; and Prometheus on the head's loopback (`ray dashboard --port "
+                  f"{loopback_port('prometheus')} --remote-port {loopback_port('prometheus')} "
+                  "<this file>`), scraping Ray's metrics",
     "worker": "Same token, pinned ports and Serve ingress on every worker",
 }
 
