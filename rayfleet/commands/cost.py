@@ -27,11 +27,11 @@ import sys
 from typing import Any
 
 from rayfleet import catalog
+from rayfleet.clusteryaml import ClusterYaml, NodeType, at_once, load
 from rayfleet.config import load_stack_file
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
 from rayfleet.facts import CAPACITY_BLOCK_MARKET_TYPE, GCS_STORE_NODE_TYPE
 from rayfleet.raystart import REDIS_ADDRESS_ENV
-from rayfleet.commands.lint import load_yaml
 
 # Always on: 365 days x 24 hours / 12 months. A month has at most 31 x 24 hours.
 HOURS_PER_MONTH = 730.0
@@ -80,56 +80,18 @@ def estimate(cfg: dict[str, Any], prices: dict[str, Any] | None = None,
         raise ConfigError("provider.region", f"{region!r} is not in the price table of "
                                              f"{prices['as_of']} (it covers "
                                              f"{', '.join(prices['regions'])})")
-    head_type = cfg.get("head_node_type")
-    types = cfg.get("available_node_types") or {}
-    if head_type not in types:
+    cluster = ClusterYaml(cfg)
+    if cluster.head() is None:
         raise RayfleetError("head_node_type is missing or not one of available_node_types")
-    rows = []
-    for name, nt in types.items():
-        nc = nt.get("node_config") or {}
-        itype = nc.get("InstanceType")
-        if not itype:
-            raise ConfigError(f"available_node_types.{name}.node_config.InstanceType",
-                              "missing; cost needs an instance type per node type")
-        market_type = (nc.get("InstanceMarketOptions") or {}).get("MarketType")
-        spot = market_type == "spot"
-        block = market_type == CAPACITY_BLOCK_MARKET_TYPE
-        reserved = not (spot or block) and bool(
-            (nc.get("CapacityReservationSpecification") or {}).get("CapacityReservationTarget"))
-        head = name == head_type
-        lo = 1 if head else int(nt.get("min_workers", 0))
-        hi = 1 if head else int(nt.get("max_workers", cfg.get("max_workers", 0)))
-        if lo > hi:
-            raise ConfigError(f"available_node_types.{name}", f"min_workers {lo} > "
-                                                              f"max_workers {hi}")
-        od = hourly(itype, "on_demand", prices)
-        # A Capacity Block's instances were paid for with the block: no hourly compute.
-        price = hourly(itype, "spot", prices) if spot else 0.0 if block else od
-        market = ("spot" if spot else "block" if block else "reserved" if reserved
-                  else "on-demand")
-        rows.append({"node_type": name, "instance_type": itype, "head": head,
-                     "market": market, "price": price,
-                     "on_demand_price": 0.0 if block else od, "min": lo, "max": hi})
+    rows = [_row(t, cluster, prices) for t in cluster.node_types()]
     head_row = next(r for r in rows if r["head"])
     workers = [r for r in rows if not r["head"]]
     # The autoscaler never runs more workers than the global max_workers.
-    cap = cfg.get("max_workers")
-    cap = int(cap) if cap is not None else sum(r["max"] for r in workers)
-
-    def ceiling(itype: str, all_on_demand: bool) -> float | None:
-        # The dearest rows first, up to the global cap: on-demand and reserved (always
-        # launchable, at the on-demand rate), then spot, then a prepaid Capacity Block.
-        left, pairs = cap, [(head_row["price"], 1)]
-        dearest = ("on-demand", "reserved", "spot", "block")
-        for r in sorted((r for r in workers if r["instance_type"] == itype),
-                        key=lambda r: dearest.index(r["market"])):
-            n = min(left, r["max"])
-            left -= n
-            pairs.append((r["on_demand_price"] if all_on_demand else r["price"], n))
-        return _sum(pairs)
-
+    cap = cluster.max_workers
+    cap = cap if cap is not None else sum(r["max"] for r in workers)
     order = list(dict.fromkeys(r["instance_type"] for r in workers))
-    by_type = {t: {"max": ceiling(t, False), "max_all_on_demand": ceiling(t, True)}
+    by_type = {t: {"max": _ceiling(head_row, workers, t, cap, False),
+                   "max_all_on_demand": _ceiling(head_row, workers, t, cap, True)}
                for t in order}
     assumes = order[0] if order else None
     out = {
@@ -154,6 +116,44 @@ def estimate(cfg: dict[str, Any], prices: dict[str, Any] | None = None,
     return out
 
 
+def _row(t: NodeType, cluster: ClusterYaml, prices: dict[str, Any]) -> dict[str, Any]:
+    """One node type's row: its instance type, market, price and worker bounds."""
+    itype = t.node_config.get("InstanceType")
+    if not itype:
+        raise ConfigError(f"available_node_types.{t.name}.node_config.InstanceType",
+                          "missing; cost needs an instance type per node type")
+    spot = t.market == "spot"
+    block = t.market == CAPACITY_BLOCK_MARKET_TYPE
+    reserved = not (spot or block) and bool(
+        (t.node_config.get("CapacityReservationSpecification") or {}).get(
+            "CapacityReservationTarget"))
+    # A worker type without max_workers may grow to the cluster's, as Ray fills it in.
+    most = t.max_workers if t.max_workers is not None else cluster.max_workers or 0
+    lo, hi = (1, 1) if t.head else (t.min_workers, most)
+    if lo > hi:
+        raise ConfigError(f"available_node_types.{t.name}", f"min_workers {lo} > "
+                                                            f"max_workers {hi}")
+    od = hourly(itype, "on_demand", prices)
+    # A Capacity Block's instances were paid for with the block: no hourly compute.
+    price = hourly(itype, "spot", prices) if spot else 0.0 if block else od
+    market = "spot" if spot else "block" if block else "reserved" if reserved else "on-demand"
+    return {"node_type": t.name, "instance_type": itype, "head": t.head, "market": market,
+            "price": price, "on_demand_price": 0.0 if block else od, "min": lo, "max": hi}
+
+
+def _ceiling(head_row: dict, workers: list[dict], itype: str, cap: int,
+             all_on_demand: bool) -> float | None:
+    """$/hour of the head and every worker of ``itype`` the cap allows, the dearest rows
+    first: on-demand and reserved (always launchable, at the on-demand rate), then spot,
+    then a prepaid Capacity Block."""
+    dearest = ("on-demand", "reserved", "spot", "block")
+    rows = sorted((r for r in workers if r["instance_type"] == itype),
+                  key=lambda r: dearest.index(r["market"]))
+    return _sum([(head_row["price"], 1)]
+                + [(r["on_demand_price"] if all_on_demand else r["price"], n)
+                   for r, n in at_once([(r, r["max"]) for r in rows], cap)])
+
+
 def _money(hourly_usd: float | None, monthly_usd: float | None, hrs: float) -> str:
     if hourly_usd is None or monthly_usd is None:
         return "no confirmed price"
@@ -165,7 +165,7 @@ def main(path: str, stack_file: str | None = None, budget_usd: float | None = No
     out = out or sys.stdout
     if budget_usd is None and stack_file:
         budget_usd = float(load_stack_file(stack_file).budget.monthly_usd) or None
-    cfg, _ = load_yaml(path)
+    cfg, _ = load(path)
     e = estimate(cfg, hours_per_month=hours_per_month)
     print(f"Prices: rayfleet's catalog as of {e['as_of']} ({e['region']}); they cannot be "
           "fetched offline - check https://aws.amazon.com/ec2/pricing/ before budgeting. "

@@ -23,12 +23,10 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from rayfleet import catalog, nodeenv
+from rayfleet.clusteryaml import load
 from rayfleet.errors import RayfleetError
 from rayfleet.facts import CAPACITY_BLOCK_MARKET_TYPE, RAY_PORTS, SECRET_PATTERNS
 from rayfleet.ingress import BINARY, ENABLE, GUARD_NAME, pinned_ports
@@ -216,65 +214,96 @@ def _ingress_findings(starts: list[tuple[str, str]]) -> list[Finding]:
 
 
 def lint_config(cfg: dict[str, Any], text: str = "") -> list[Finding]:
+    node_types = cfg.get("available_node_types") or {}
+    f: list[Finding] = []
+    if (cfg.get("provider") or {}).get("type") == "aws":
+        f.extend(_aws_findings(cfg, node_types))
+    for name, nt in node_types.items():
+        f.extend(_resource_findings(name, nt or {}))
+    head_start = _commands(cfg, "head_start_ray_commands")
+    starts = _start_commands(cfg, head_start)
+    f.extend(_start_findings(cfg, head_start, starts))
+    f.extend(_ingress_findings(starts))
+    f.extend(_gcs_store_findings(head_start))
+    f.extend(_ray_pin_findings(cfg, node_types))
+    f.extend(_llm_findings(cfg))
+    for pattern, what in SECRET_PATTERNS:
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if pattern.search(line):
+                f.append(Finding(ERROR, 20, f"line {lineno}", f"looks like {what}",
+                                 "move it to a file shipped by file_mounts (0600) or the "
+                                 "instance role; never inline it in the YAML"))
+    return f
+
+
+def _aws_findings(cfg: dict[str, Any], node_types: dict) -> list[Finding]:
     f: list[Finding] = []
     provider = cfg.get("provider") or {}
-    ptype = provider.get("type")
-    aws = ptype == "aws"
-    node_types = cfg.get("available_node_types") or {}
-
-    if aws:
-        if provider.get("cache_stopped_nodes", True) is not False:
-            f.append(Finding(ERROR, 23, "provider.cache_stopped_nodes",
-                             "not false (Ray's default is true): `ray down` stops workers, and "
-                             "stopped instances keep billing for their EBS volumes",
-                             "set provider.cache_stopped_nodes: false"))
-        if provider.get("use_internal_ips") is not True:
-            f.append(Finding(ERROR, 7, "provider.use_internal_ips",
-                             "not true: the launcher needs public IPs on the nodes",
-                             "put nodes in private subnets, set provider.use_internal_ips: true "
-                             "and reach them through SSM (auth.ssh_proxy_command)"))
-        if provider.get("aws_credentials"):
-            f.append(Finding(ERROR, 20, "provider.aws_credentials",
-                             "credentials written into the cluster YAML",
-                             "remove them; use an AWS profile or SSO on the operator machine"))
-        if not node_types:
-            f.append(Finding(ERROR, 3, "available_node_types",
-                             "missing: Ray falls back to its defaults (m5.large, default VPC, "
-                             "its own security group and role)",
-                             "declare every node type with SubnetIds, SecurityGroupIds and "
-                             "IamInstanceProfile (rayfleet render does)"))
-        for name, nt in node_types.items():
-            f.extend(_aws_node_type(name, nt or {}))
-        if "ssh_private_key" not in (cfg.get("auth") or {}):
-            f.append(Finding(WARNING, 3, "auth.ssh_private_key",
-                             "missing: Ray creates its own ray-autoscaler_* key pair in the "
-                             "account and writes the private key to ~/.ssh",
-                             "name an existing key pair (auth.ssh_private_key + KeyName)"))
-
+    if provider.get("cache_stopped_nodes", True) is not False:
+        f.append(Finding(ERROR, 23, "provider.cache_stopped_nodes",
+                         "not false (Ray's default is true): `ray down` stops workers, and "
+                         "stopped instances keep billing for their EBS volumes",
+                         "set provider.cache_stopped_nodes: false"))
+    if provider.get("use_internal_ips") is not True:
+        f.append(Finding(ERROR, 7, "provider.use_internal_ips",
+                         "not true: the launcher needs public IPs on the nodes",
+                         "put nodes in private subnets, set provider.use_internal_ips: true "
+                         "and reach them through SSM (auth.ssh_proxy_command)"))
+    if provider.get("aws_credentials"):
+        f.append(Finding(ERROR, 20, "provider.aws_credentials",
+                         "credentials written into the cluster YAML",
+                         "remove them; use an AWS profile or SSO on the operator machine"))
+    if not node_types:
+        f.append(Finding(ERROR, 3, "available_node_types",
+                         "missing: Ray falls back to its defaults (m5.large, default VPC, "
+                         "its own security group and role)",
+                         "declare every node type with SubnetIds, SecurityGroupIds and "
+                         "IamInstanceProfile (rayfleet render does)"))
     for name, nt in node_types.items():
-        itype = str(((nt or {}).get("node_config") or {}).get("InstanceType", ""))
-        res = (nt or {}).get("resources")
-        if catalog.is_gpu_type(itype) and not (isinstance(res, dict) and res.get("GPU")):
-            f.append(Finding(WARNING, 3, f"available_node_types.{name}.resources",
-                             f"{itype} is a GPU type but the node type declares no GPU resource",
-                             "declare resources: {CPU: n, GPU: n, accelerator_type:<X>: 1} so "
-                             "GPU jobs are matched before the node exists"))
-        # A job asking for accelerator_type:H100 must not be placed on an A100 node type.
-        spec = catalog.worker_types().get(itype)
-        declared = sorted(k.partition(":")[2] for k in (res if isinstance(res, dict) else {})
-                          if str(k).startswith("accelerator_type:"))
-        if spec and declared and declared != [spec.accelerator_type]:
-            f.append(Finding(WARNING, 3, f"available_node_types.{name}.resources",
-                             f"declares accelerator_type:{', '.join(declared)} but a {itype} "
-                             f"has {spec.gpus}x {spec.accelerator_type}",
-                             f"declare accelerator_type:{spec.accelerator_type}: 1 (`rayfleet "
-                             "render` does)"))
+        f.extend(_aws_node_type(name, nt or {}))
+    if "ssh_private_key" not in (cfg.get("auth") or {}):
+        f.append(Finding(WARNING, 3, "auth.ssh_private_key",
+                         "missing: Ray creates its own ray-autoscaler_* key pair in the "
+                         "account and writes the private key to ~/.ssh",
+                         "name an existing key pair (auth.ssh_private_key + KeyName)"))
+    return f
 
-    head_start = _commands(cfg, "head_start_ray_commands")
+
+def _resource_findings(name: str, nt: dict) -> list[Finding]:
+    f: list[Finding] = []
+    itype = str((nt.get("node_config") or {}).get("InstanceType", ""))
+    res = nt.get("resources")
+    if catalog.is_gpu_type(itype) and not (isinstance(res, dict) and res.get("GPU")):
+        f.append(Finding(WARNING, 3, f"available_node_types.{name}.resources",
+                         f"{itype} is a GPU type but the node type declares no GPU resource",
+                         "declare resources: {CPU: n, GPU: n, accelerator_type:<X>: 1} so "
+                         "GPU jobs are matched before the node exists"))
+    # A job asking for accelerator_type:H100 must not be placed on an A100 node type.
+    spec = catalog.worker_types().get(itype)
+    declared = sorted(k.partition(":")[2] for k in (res if isinstance(res, dict) else {})
+                      if str(k).startswith("accelerator_type:"))
+    if spec and declared and declared != [spec.accelerator_type]:
+        f.append(Finding(WARNING, 3, f"available_node_types.{name}.resources",
+                         f"declares accelerator_type:{', '.join(declared)} but a {itype} "
+                         f"has {spec.gpus}x {spec.accelerator_type}",
+                         f"declare accelerator_type:{spec.accelerator_type}: 1 (`rayfleet "
+                         "render` does)"))
+    return f
+
+
+def _start_commands(cfg: dict[str, Any], head_start: str) -> list[tuple[str, str]]:
+    """(key, commands) of the head's start and, but on a local cluster without them, the
+    workers'."""
     worker_start = _commands(cfg, "worker_start_ray_commands")
     starts = [("head_start_ray_commands", head_start)]
-    if worker_start.strip() or ptype != "local":
+    if worker_start.strip() or (cfg.get("provider") or {}).get("type") != "local":
         starts.append(("worker_start_ray_commands", worker_start))
+    return starts
+
+
+def _start_findings(cfg: dict[str, Any], head_start: str,
+                    starts: list[tuple[str, str]]) -> list[Finding]:
+    f: list[Finding] = []
     for key, cmds in starts:
         if "RAY_AUTH_MODE=token" not in cmds:
             f.append(Finding(ERROR, 21, key,
@@ -300,38 +329,30 @@ def lint_config(cfg: dict[str, Any], text: str = "") -> list[Finding]:
                              f"ports left to Ray's defaults or random picks: {', '.join(missing)}"
                              "; a security group can only open ports it can name",
                              "pin every port as rayfleet.facts.RAY_PORTS lists"))
+    return f
 
-    f.extend(_ingress_findings(starts))
-    f.extend(_gcs_store_findings(head_start))
 
+def _ray_pin_findings(cfg: dict[str, Any], node_types: dict) -> list[Finding]:
     setup = "\n".join([_commands(cfg, "initialization_commands", "setup_commands",
-                                  "head_setup_commands", "worker_setup_commands")]
+                                   "head_setup_commands", "worker_setup_commands")]
                       + [_commands(nt or {}, "worker_setup_commands")
                          for nt in node_types.values()])
     unpinned = _unpinned_ray(setup.splitlines())
     if not re.search(r"\bray(\[[^\]]*\])?==\d+\.\d+\.\d+\b", setup):
-        f.append(Finding(ERROR, 25, "setup_commands",
-                         "Ray is not installed at a pinned version (==X.Y.Z): nodes can run a "
-                         "different Ray than the client, which Ray refuses",
-                         "pip install 'ray[default]==<the version in pyproject.toml>' in "
-                         "setup_commands"))
-    elif re.search(r"ray-wheels|ray-\d+\.\d+\.\d+\.dev", setup):
-        f.append(Finding(ERROR, 25, "setup_commands", "installs a nightly Ray wheel",
-                         "pin the released version from pyproject.toml"))
-    elif unpinned:
-        f.append(Finding(ERROR, 25, "setup_commands",
-                         f"installs Ray without a pin ({', '.join(unpinned)}) besides the pinned "
-                         "one: the node's Ray is whichever install ran last",
-                         "pin every Ray install to the version in pyproject.toml (==X.Y.Z)"))
-    f.extend(_llm_findings(cfg))
-
-    for pattern, what in SECRET_PATTERNS:
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if pattern.search(line):
-                f.append(Finding(ERROR, 20, f"line {lineno}", f"looks like {what}",
-                                 "move it to a file shipped by file_mounts (0600) or the "
-                                 "instance role; never inline it in the YAML"))
-    return f
+        return [Finding(ERROR, 25, "setup_commands",
+                        "Ray is not installed at a pinned version (==X.Y.Z): nodes can run a "
+                        "different Ray than the client, which Ray refuses",
+                        "pip install 'ray[default]==<the version in pyproject.toml>' in "
+                        "setup_commands")]
+    if re.search(r"ray-wheels|ray-\d+\.\d+\.\d+\.dev", setup):
+        return [Finding(ERROR, 25, "setup_commands", "installs a nightly Ray wheel",
+                        "pin the released version from pyproject.toml")]
+    if unpinned:
+        return [Finding(ERROR, 25, "setup_commands",
+                        f"installs Ray without a pin ({', '.join(unpinned)}) besides the pinned "
+                        "one: the node's Ray is whichever install ran last",
+                        "pin every Ray install to the version in pyproject.toml (==X.Y.Z)")]
+    return []
 
 
 def _gcs_store_findings(head_start: str) -> list[Finding]:
@@ -428,48 +449,8 @@ def _reservation_findings(where: str, nc: dict) -> list[Finding]:
     return f
 
 
-def load_yaml(path: str) -> tuple[dict, str]:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise RayfleetError(f"{path}: no such file") from None
-    except OSError as e:
-        raise RayfleetError(f"{path}: cannot read ({e.strerror})") from None
-    except UnicodeDecodeError as e:
-        raise RayfleetError(f"{path}: not UTF-8 text (byte {e.start}); is this a cluster "
-                            "YAML?") from None
-    try:
-        cfg = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark else ""
-        raise RayfleetError(f"{path}: not valid YAML{at}") from None
-    if not isinstance(cfg, dict) or "provider" not in cfg:
-        raise RayfleetError(f"{path}: not a Ray cluster YAML (no provider: section)")
-    # The shapes every reader (lint, cost, preflight) walks; anything else is a typo that
-    # would otherwise surface as an AttributeError deep inside a check.
-    if not isinstance(cfg["provider"], dict):
-        raise RayfleetError(f"{path}: provider: must be a mapping (type:, region:, ...), got "
-                            f"{type(cfg['provider']).__name__}")
-    types = cfg.get("available_node_types")
-    if types is not None and not isinstance(types, dict):
-        raise RayfleetError(f"{path}: available_node_types: must be a mapping of node type "
-                            "names to their settings")
-    for name, nt in (types or {}).items():
-        if not isinstance(nt, dict) or not isinstance(nt.get("node_config", {}), dict) \
-                or not isinstance(nt.get("resources", {}), dict):
-            raise RayfleetError(f"{path}: available_node_types.{name}: must be a mapping with "
-                                "node_config: and resources: mappings")
-        for key in ("min_workers", "max_workers"):
-            if key in nt and (isinstance(nt[key], bool) or not isinstance(nt[key], int)
-                              or nt[key] < 0):
-                raise RayfleetError(f"{path}: available_node_types.{name}.{key}: must be a "
-                                    f"whole number >= 0, got {nt[key]!r}")
-    return cfg, text
-
-
 def lint_file(path: str) -> list[Finding]:
-    cfg, text = load_yaml(path)
+    cfg, text = load(path)
     return lint_config(cfg, text)
 
 

@@ -18,10 +18,9 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from rayfleet.clusteryaml import bucket_from_header, load
 from rayfleet.errors import ConfigError, RayfleetError, StorageError
 from rayfleet.facts import CLUSTER_NAME, S3_BUCKET_NAME
-from rayfleet.commands.lint import load_yaml
-from rayfleet.commands.preflight import bucket_from_header
 
 # A run is a job's submission id or a training --name, one folder under runs/: anything that
 # is not one folder name is refused here; a name that merely does not exist is answered with
@@ -107,7 +106,7 @@ def storage_uri(storage: str | None, config: str | None) -> str:
     if storage:
         return storage
     if config:
-        _, text = load_yaml(config)
+        _, text = load(config)
         uri = bucket_from_header(text)
         if not uri:
             raise ConfigError("--config", f"{config} has no '# Storage for jobs: s3://...' "

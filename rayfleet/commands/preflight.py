@@ -36,11 +36,12 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from rayfleet import catalog
+from rayfleet.clusteryaml import ClusterYaml, at_once, bucket_from_header, load
 from rayfleet.configkeys import AWS_REGIONS
 from rayfleet.entrypoint import bounded
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError, did_you_mean
 from rayfleet.facts import CAPACITY_BLOCK_MARKET_TYPE, S3_BUCKET_NAME
-from rayfleet.commands.lint import load_yaml
+from rayfleet.commands.preflight_reservations import describe_reservation, reservation_problem
 
 PASS, FAIL, UNKNOWN = "PASS", "FAIL", "UNKNOWN"
 
@@ -51,9 +52,6 @@ P_QUOTAS = {"on-demand": ("L-417A185B", "Running On-Demand P instances"),
 # `rayfleet preflight --hours`: how long the cluster must be able to run; a reservation that
 # ends sooner (a Capacity Block's fixed end, or an ODCR's end date) is refused.
 DEFAULT_HOURS = 1.0
-# States a launch can use (EC2 DescribeCapacityReservations' State): an ODCR only when active;
-# a Capacity Block bought for later is scheduled until its start.
-USABLE_STATES = {"default": ("active",), "capacity-block": ("active", "scheduled")}
 RESOURCE_TYPE = "AWS::EC2::CapacityReservation"
 # --hours' bound: half a year, past any Capacity Block (AWS sells them by the day and week).
 MAX_HOURS = 182 * 24
@@ -89,11 +87,10 @@ def _code(e: Exception) -> str:
 def gpus_fit(cfg: dict, num_gpus: int) -> str:
     """The node type that offers ``num_gpus``; raises ClusterError (one line) if none does."""
     best = 0
-    for name, nt in (cfg.get("available_node_types") or {}).items():
-        gpus = int(((nt or {}).get("resources") or {}).get("GPU", 0) or 0)
-        if gpus >= num_gpus and ((nt or {}).get("max_workers", 1) or name ==
-                                 cfg.get("head_node_type")):
-            return name
+    for t in ClusterYaml(cfg).node_types():
+        gpus = int(t.resources.get("GPU", 0) or 0)
+        if gpus >= num_gpus and (t.spec.get("max_workers", 1) or t.head):
+            return t.name
         best = max(best, gpus)
     raise ClusterError(f"no node type offers {num_gpus} GPUs (the most is {best}); the job "
                        "would wait forever: ask for at most that many per worker, or spread "
@@ -104,13 +101,7 @@ def quota_need(types: list[tuple[int, int]], cap: int | None) -> int:
     """The most vCPUs a market's P node types can run at once: each type up to its
     max_workers, all of them together up to the cluster's max_workers (several worker types
     share it), the largest types first."""
-    left = sum(n for _, n in types) if cap is None else int(cap)
-    need = 0
-    for cpus, n in sorted(types, reverse=True):
-        take = min(left, n)
-        need += cpus * take
-        left -= take
-    return need
+    return sum(cpus * n for cpus, n in at_once(sorted(types, reverse=True), cap))
 
 
 def token_check(cfg: dict) -> Check:
@@ -127,11 +118,6 @@ def token_check(cfg: dict) -> Check:
     if mode & 0o077:
         return Check(FAIL, "token", f"{local} has mode {mode:o}", f"chmod 600 {local}")
     return Check(PASS, "token", f"{local} present, mode 600")
-
-
-def bucket_from_header(text: str) -> str | None:
-    m = re.search(r"^# Storage for jobs: (s3://\S+)", text, re.M)
-    return m.group(1) if m else None
 
 
 class Preflight:
@@ -177,7 +163,6 @@ class Preflight:
 
     def run(self, bucket: str | None, hours: float = DEFAULT_HOURS) -> list[Check]:
         self.check_reservations(hours)  # raises, before anything else, on one it cannot use
-        types = self.cfg.get("available_node_types") or {}
         subnets: dict[str, set[str]] = {}  # instance type -> subnets
         sgs: set[str] = set()
         amis: set[str] = set()
@@ -185,8 +170,8 @@ class Preflight:
         keys: set[str] = set()
         # Per market, (vCPUs, max workers) of each P worker node type.
         p_types: dict[str, list[tuple[int, int]]] = {"on-demand": [], "spot": []}
-        for name, nt in types.items():
-            nc = (nt or {}).get("node_config") or {}
+        for t in ClusterYaml(self.cfg).node_types():
+            name, nc = t.name, t.node_config
             lt = self.template(nc) or {}
             itype = nc.get("InstanceType") or lt.get("InstanceType")
             nets = lt.get("NetworkInterfaces") or []
@@ -223,13 +208,12 @@ class Preflight:
             reserved = (nc.get("CapacityReservationSpecification")
                         or lt.get("CapacityReservationSpecification") or {}).get(
                 "CapacityReservationTarget")
-            if itype and catalog.quota_group(itype) == "P" and not reserved \
-                    and name != self.cfg.get("head_node_type"):
+            if itype and catalog.quota_group(itype) == "P" and not reserved and not t.head:
                 market = (nc.get("InstanceMarketOptions") or lt.get("InstanceMarketOptions")
                           or {}).get("MarketType", "on-demand")
-                cpus = int(((nt or {}).get("resources") or {}).get("CPU", 0) or 0)
+                cpus = int(t.resources.get("CPU", 0) or 0)
                 p_types["spot" if market == "spot" else "on-demand"].append(
-                    (cpus, int(nt.get("max_workers", 0))))
+                    (cpus, t.max_workers or 0))
         self.check_subnets_and_offerings(subnets)
         self.check_ids("security groups", sgs, lambda ids: self.ec2.describe_security_groups(
             GroupIds=ids)["SecurityGroups"], "re-run `pulumi up`, then `rayfleet render`")
@@ -253,10 +237,8 @@ class Preflight:
         """(node type, instance type, is a Capacity Block, CapacityReservationTarget, subnet
         ids) of every worker node type that targets reserved capacity."""
         out = []
-        for name, nt in (self.cfg.get("available_node_types") or {}).items():
-            if name == self.cfg.get("head_node_type"):
-                continue
-            nc = (nt or {}).get("node_config") or {}
+        for t in ClusterYaml(self.cfg).workers():
+            nc = t.node_config
             lt = self.template(nc) or {}
             spec = (nc.get("CapacityReservationSpecification")
                     or lt.get("CapacityReservationSpecification") or {})
@@ -267,7 +249,7 @@ class Preflight:
                       or {}).get("MarketType")
             subnets = list(nc.get("SubnetIds") or []) or [
                 n["SubnetId"] for n in lt.get("NetworkInterfaces") or [] if n.get("SubnetId")]
-            out.append((name, nc.get("InstanceType") or lt.get("InstanceType"),
+            out.append((t.name, nc.get("InstanceType") or lt.get("InstanceType"),
                         market == CAPACITY_BLOCK_MARKET_TYPE, target, subnets))
         return out
 
@@ -302,10 +284,9 @@ class Preflight:
         wanted = self._reserved_node_types()
         if not wanted:
             return
-        head = (self.cfg.get("available_node_types") or {}).get(
-            self.cfg.get("head_node_type")) or {}
+        head = ClusterYaml(self.cfg).head()
         # The head's subnets are the stack's private subnets, one per AZ (`rayfleet render`).
-        stack_subnets = list((head.get("node_config") or {}).get("SubnetIds") or []) or \
+        stack_subnets = list((head.node_config if head else {}).get("SubnetIds") or []) or \
             sorted({s for w in wanted for s in w[4]})
         subnet_ids = sorted(set(stack_subnets).union(*(set(w[4]) for w in wanted)))
         try:
@@ -439,62 +420,10 @@ class Preflight:
                      "check the stack's bucket and your credentials' access to its prefix")
 
 
-def _when(value) -> str:
-    """A reservation's date as a line shows it: UTC, to the minute."""
-    if not isinstance(value, datetime):
-        return str(value)
-    value = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-
-
-def describe_reservation(r: dict) -> str:
-    """State, type, AZ, available/total and, for a Capacity Block, its dates: one line."""
-    line = (f"{r.get('State')}, {r.get('InstanceType')} in {r.get('AvailabilityZone')}, "
-            f"{r.get('AvailableInstanceCount')}/{r.get('TotalInstanceCount')} available")
-    if r.get("ReservationType") == CAPACITY_BLOCK_MARKET_TYPE:
-        line += f", Capacity Block {_when(r.get('StartDate'))} to {_when(r.get('EndDate'))}"
-    elif r.get("EndDate"):
-        line += f", ends {_when(r.get('EndDate'))}"
-    return line
-
-
-def reservation_problem(r: dict, itype: str | None, block: bool, stack_azs: list[str],
-                        node_azs: list[str], until: datetime, hours: float) -> str | None:
-    """Why a launch of the node type could not use reservation ``r``, or None."""
-    kind = r.get("ReservationType") or "default"
-    is_block = kind == CAPACITY_BLOCK_MARKET_TYPE
-    if is_block != block:
-        return ("is a Capacity Block but the node type is not launched as capacity-block"
-                if is_block else "is not a Capacity Block but the node type is launched as "
-                "capacity-block; set capacityBlock: false for it")
-    usable = USABLE_STATES["capacity-block" if is_block else "default"]
-    if r.get("State") not in usable:
-        return (f"is {r.get('State')}, not {' or '.join(usable)}; a launch into it fails "
-                "(buy or renew it, or drop it from rayfleet:capacityReservations)")
-    if itype and r.get("InstanceType") != itype:
-        return (f"reserves {r.get('InstanceType')} but the node type launches {itype}; fix "
-                "instanceType in rayfleet:capacityReservations")
-    az = r.get("AvailabilityZone")
-    if az not in stack_azs:
-        return (f"is in {az}, where the stack has no private subnet (it has "
-                f"{', '.join(stack_azs) or 'none'}); set availabilityZone: {az} and re-run "
-                "`pulumi up`, which adds one")
-    if node_azs and az not in node_azs:
-        return (f"is in {az} but the node type's interfaces are in {', '.join(node_azs)}; "
-                f"set availabilityZone: {az} and re-run `pulumi up`")
-    end = r.get("EndDate")
-    if isinstance(end, datetime):
-        end = end if end.tzinfo else end.replace(tzinfo=timezone.utc)
-        if end < until:
-            return (f"ends {_when(end)}, before the {hours:g} h asked for (--hours); buy a "
-                    "block that lasts, or ask for fewer hours")
-    return None
-
-
 def main(path: str, num_gpus: int | None = None, bucket: str | None = None, out=None,
          session=None, hours: float = DEFAULT_HOURS) -> int:
     out = out or sys.stdout
-    cfg, text = load_yaml(path)
+    cfg, text = load(path)
     if (cfg.get("provider") or {}).get("type") != "aws":
         raise RayfleetError(f"{path}: preflight checks AWS clusters (provider.type: aws)")
     region = cfg["provider"].get("region")
@@ -519,4 +448,5 @@ def main(path: str, num_gpus: int | None = None, bucket: str | None = None, out=
     return 1 if failed else 0
 
 
-__all__ = ["Check", "Preflight", "gpus_fit", "main", "quota_need", "token_check"]
+__all__ = ["Check", "Preflight", "bucket_from_header", "describe_reservation", "gpus_fit", "main",
+           "quota_need", "reservation_problem", "token_check"]

@@ -16,9 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import yaml
-
-from rayfleet import capacity
+from rayfleet import capacity, clusteryaml
 from rayfleet.commands.host import open_direct
 from rayfleet.commands.render import default_token_file
 from rayfleet.errors import ClusterError, RayfleetError
@@ -31,10 +29,10 @@ def _config(path: str | None) -> dict:
     if path is None:
         return {}
     try:
-        cfg = yaml.safe_load(Path(path).expanduser().read_text())
-    except OSError as e:
-        raise RayfleetError(f"cannot read {path} ({e.strerror})") from None
-    except yaml.YAMLError:
+        cfg, _ = clusteryaml.read(path, expand=True)
+    except clusteryaml.Unloadable as e:
+        if e.kind in (clusteryaml.MISSING, clusteryaml.UNREADABLE):
+            raise RayfleetError(f"cannot read {path} ({e.strerror})") from None
         raise RayfleetError(f"{path} is not YAML: pass the cluster YAML `rayfleet render` "
                             "wrote") from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("available_node_types"), dict):
@@ -91,8 +89,9 @@ def main(address: str | None = None, config: str | None = None, out=None) -> int
     cfg = _config(config)
     url = address_of(address)
     rep = capacity.report(fetch(url, token_of(cfg)))
-    head = cfg.get("head_node_type")
-    order = [t for t in cfg.get("available_node_types") or {} if t != head]
+    cluster = clusteryaml.ClusterYaml(cfg)
+    head = cluster.head_type
+    order = [t.name for t in cluster.workers()]
     rows = [r for r in capacity.node_types(rep, order) if r.name != head]
     lines = [r.line() for r in rows] or ["no worker node types: the cluster does not autoscale "
                                          "(no `ray up` autoscaler report yet)"]

@@ -5,55 +5,50 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
-from rayfleet import facts
+from rayfleet import clusteryaml, facts
+from rayfleet.clusteryaml import ClusterYaml, NodeType
 from rayfleet.errors import ConfigError
 
 BOOTSTRAP = facts.BOOTSTRAP_CONFIG
 
 
-def _cluster_yaml(path: str) -> dict:
+def _cluster(path: str) -> ClusterYaml:
     try:
-        cfg = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError as e:
-        raise ConfigError("--cluster-config", f"{path} does not exist") from e
-    except yaml.YAMLError as e:
-        raise ConfigError("--cluster-config", f"{path} is not valid YAML") from e
+        cfg, _ = clusteryaml.read(path)
+    except clusteryaml.Unloadable as e:
+        said = {clusteryaml.MISSING: f"{path} does not exist",
+                clusteryaml.NOT_YAML: f"{path} is not valid YAML"}
+        raise ConfigError("--cluster-config", said.get(e.kind, str(e))) from None
     types = (cfg or {}).get("available_node_types") if isinstance(cfg, dict) else None
     if not isinstance(types, dict):
         raise ConfigError("--cluster-config", f"{path} has no available_node_types")
-    return cfg
+    return ClusterYaml(cfg)
+
+
+def _gpus(t: NodeType) -> int:
+    return int(t.resources.get("GPU", 0))
+
+
+def _largest(t: NodeType) -> tuple[float, ...]:
+    """Sorts the node types with the most GPUs, then CPUs, then memory first."""
+    have = t.numbers()
+    return tuple(-have.get(k, 0) for k in ("GPU", "CPU", "memory"))
 
 
 def gpu_capacity(path: str) -> tuple[int, int]:
-    """(largest GPU count on one worker node, GPUs of all workers at max) of a cluster YAML.
-    Each node type counts up to its max_workers, all of them together up to the cluster's
-    max_workers (several worker types share it), the largest first."""
-    cfg = _cluster_yaml(path)
-    per_node, total = 0, 0
-    types = []
-    for nt in cfg["available_node_types"].values():
-        gpus = int((nt.get("resources") or {}).get("GPU", 0))
-        per_node = max(per_node, gpus)
-        types.append((gpus, int(nt.get("max_workers", 0))))
-    left = int(cfg.get("max_workers", sum(n for _, n in types)))
-    for gpus, n in sorted(types, reverse=True):
-        take = min(left, n)
-        total += gpus * take
-        left -= take
-    return per_node, total
+    """(largest GPU count on one node of a cluster YAML, GPUs of all its workers at once): the
+    workers as ClusterYaml.capacity counts them, the types with the most GPUs first."""
+    cluster = _cluster(path)
+    per_node = max((_gpus(t) for t in cluster.node_types()), default=0)
+    return per_node, sum(_gpus(t) * n for t, n in cluster.capacity(key=_largest))
 
 
 def node_capacity(path: str) -> list[dict]:
-    """Each node a cluster YAML can have at once: its node types' resources, head included."""
-    cfg = _cluster_yaml(path)
-    out = []
-    for nt in cfg["available_node_types"].values():
-        res = {k: float(v) for k, v in (nt.get("resources") or {}).items()
-               if isinstance(v, (int, float))}
-        out += [res] * max(1, int(nt.get("max_workers", 0)))
-    return out
+    """Each node a cluster YAML can have at once, as its node type's resources: the head, and
+    the workers as ClusterYaml.capacity counts them (within the cluster's max_workers), the
+    largest first."""
+    return [t.numbers() for t, n in _cluster(path).capacity(key=_largest, head=True)
+            for _ in range(n)]
 
 
 def device_of(llm: dict) -> str:

@@ -10,8 +10,9 @@ import os
 import sys
 import time
 
-from rayfleet import capacity, catalog
+from rayfleet import capacity, catalog, clusteryaml
 from rayfleet.agents import fallover
+from rayfleet.clusteryaml import ClusterYaml
 from rayfleet.errors import ClusterError
 from rayfleet.facts import BOOTSTRAP_CONFIG
 from workloads.common.model import GPTConfig
@@ -34,37 +35,29 @@ AUTOSCALE_START_TIMEOUT_S = 900
 
 def autoscaler_config(path: str = AUTOSCALER_CONFIG) -> dict:
     """The head's autoscaling config ({} on a cluster that does not autoscale)."""
-    from pathlib import Path
-
-    import yaml
-
     try:
-        return yaml.safe_load(Path(path).expanduser().read_text()) or {}
-    except (OSError, yaml.YAMLError):
+        cfg, _ = clusteryaml.read(path, expand=True)
+    except clusteryaml.Unloadable:
         return {}
+    return cfg or {}
 
 
 def worker_types(cfg: dict) -> dict[str, dict]:
     """The autoscaler's worker node types that may launch at all, in the YAML's order, by name
     -> their declared resources."""
-    return {name: dict(t.get("resources") or {})
-            for name, t in (cfg.get("available_node_types") or {}).items()
-            if name != cfg.get("head_node_type") and int(t.get("max_workers", 0) or 0) > 0}
+    return {t.name: t.resources for t in ClusterYaml(cfg).workers() if (t.max_workers or 0) > 0}
 
 
 def launchable_nodes(cfg: dict) -> list[dict]:
     """The workers the cluster's autoscaler may still start, as ``ray.nodes()`` entries: one
-    per allowed instance of each worker type of the head's autoscaling config, within the
-    cluster's max_workers (none on a cluster that does not autoscale). A job asking for what
-    only such a node has must wait for the autoscaler, not fail."""
-    types = cfg.get("available_node_types") or {}
-    left = int(cfg.get("max_workers") or 0)
-    out = []
-    for name, resources in worker_types(cfg).items():
-        for _ in range(min(int(types[name].get("max_workers", 0) or 0), left)):
-            out.append({"Alive": True, "Resources": dict(resources), "Launchable": name})
-            left -= 1
-    return out
+    per node the head's autoscaling config lets each worker type have at once, in the YAML's
+    order (ClusterYaml.capacity; none on a cluster that does not autoscale). A job asking for
+    what only such a node has must wait for the autoscaler, not fail."""
+    cluster = ClusterYaml(cfg)
+    # Ray writes max_workers into every config it prepares; a config without it launches
+    # nothing here.
+    return [{"Alive": True, "Resources": t.resources, "Launchable": t.name}
+            for t, n in cluster.capacity(cap=cluster.max_workers or 0) for _ in range(n)]
 
 
 def fitting_types(opts: TrainOptions, types: dict[str, dict]) -> list[str]:
