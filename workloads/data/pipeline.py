@@ -35,15 +35,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 
 from rayfleet.errors import ConfigError, RayfleetError
 from rayfleet.entrypoint import ArgumentParser, at_least, run_main
 from workloads.common.deps import require
-from workloads.common.hf import BYTE_TOKENIZER, fetch, load_tokenizer, tokenizer_identity
 from workloads.common.shards import (
     STDLIB,
     Inputs,
@@ -56,10 +55,11 @@ from workloads.common.shards import (
     write_manifest,
     write_shard,
 )
-from workloads.common.storage import default_root, resolve, user_path
+from workloads.common.storage import Storage, default_root, resolve, user_path
 from workloads.common.text import clean_text
+from workloads.data.checks import check_first_file, check_tokenizer
 from workloads.data.tokenize import (  # noqa: F401  (ByteTokenizer: bench imports it here)
-    BYTE, IGNORE, SHAPES, ByteTokenizer, HFTokenizer, SFTBuilder, Tally, ship, tokenizer_files)
+    BYTE, IGNORE, SHAPES, ByteTokenizer, HFTokenizer, SFTBuilder, Tally)
 
 PROG = "workloads.data"
 
@@ -227,95 +227,30 @@ def build_pipeline(inputs: Inputs, paths: list[str], args, tally=None,
                           batch_format="numpy")
 
 
-def check_first_file(inputs: Inputs, columns: str | dict[str, str]) -> None:
-    """JSONL / Parquet: the first file's encoding, syntax and columns (`columns`: a column, or
-    column -> the flag that names it), read here without Ray.
-    A Ray Data read would start the cluster and stream its worker's traceback to the user
-    before the error; this reads a Parquet footer or the first MiB of JSON Lines."""
-    import pyarrow as pa
-    import pyarrow.fs as pafs
-    import pyarrow.parquet as pq
-
-    fs = inputs.filesystem or pafs.LocalFileSystem()
-    path = inputs.files[0][0]
-    where = path if inputs.filesystem is None else f"s3://{path}"
-    if inputs.fmt == "parquet":
-        try:
-            with fs.open_input_file(path) as f:
-                names = pq.read_schema(f).names
-        except (OSError, pa.ArrowException) as e:
-            raise ConfigError("--input", f"{where} is not a readable Parquet file "
-                                         f"({str(e).splitlines()[0][:120]})") from None
-    else:
-        limit = 1 << 20
-        with fs.open_input_stream(path) as f:
-            head = f.read(limit)
-        lines = head.split(b"\n")
-        if len(head) == limit:
-            lines = lines[:-1]  # cut mid-line by the limit
-        keys: set[str] = set()
-        for n, raw in enumerate(lines, 1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise ConfigError("--input", f"{where} line {n} is not UTF-8 (byte {e.start} "
-                                             "of the line); convert the file, e.g. iconv -f "
-                                             "latin1 -t utf-8") from None
-            except json.JSONDecodeError as e:
-                raise ConfigError("--input", f"{where} line {n} is not JSON ({e.msg}); "
-                                             "expected one JSON object per line") from None
-            if not isinstance(obj, dict):
-                raise ConfigError("--input", f"{where} line {n} is a JSON "
-                                             f"{type(obj).__name__}, not an object")
-            keys.update(obj)
-        if not keys:
-            return  # no whole line in the first MiB: Ray Data's reader will judge it
-        names = sorted(keys)
-    if isinstance(columns, str):
-        columns = {columns: "--column"}
-    for column, flag in columns.items():
-        if column not in names:
-            raise ConfigError(flag, f"no column {column!r} in {where} "
-                              f"(columns: {', '.join(names)})", names, column)
-
-
-def check_tokenizer(args) -> dict:
-    """--tokenizer loaded on the driver (one line if it is not a tokenizer, or lacks what the
-    shape needs), before Ray starts or anything is written. A local folder becomes absolute:
-    the actors may not share the driver's working directory."""
-    if args.tokenizer == BYTE:
-        if args.shape == "chat":
-            raise ConfigError("--shape", "chat needs a Hugging Face tokenizer with a chat "
-                                         "template (--tokenizer FOLDER or s3://...), not byte")
-        return {"identity": dict(BYTE_TOKENIZER), "eos_id": None, "shipped": None,
-                "pad_id": 0 if args.shape != "text" else None}
-    spec = args.tokenizer
-    tok = load_tokenizer(spec, "--tokenizer", args.s3_endpoint)
-    folder = fetch(spec, "--tokenizer", args.s3_endpoint)   # where it was loaded from
-    if not spec.startswith("s3://"):
-        args.tokenizer = str(Path(spec.removeprefix("file://")).expanduser().resolve())
-    if tok.eos_token_id is None:
-        raise ConfigError("--tokenizer", f"{spec} has no EOS token (the separator between "
-                                         "documents and the end of every response)")
-    if args.shape == "chat" and not getattr(tok, "chat_template", None):
-        raise ConfigError("--shape", f"chat renders conversations with the tokenizer's chat "
-                                     f"template, and {spec} has none (use --shape "
-                                     "instruction, or a tokenizer with a chat_template)")
-    return {"identity": tokenizer_identity(tok, spec), "eos_id": tok.eos_token_id,
-            "pad_id": tok.pad_token_id if args.shape != "text" else None,
-            # The actors get the tokenizer from here, not from the folder or S3 (another node
-            # may see neither): the text shape its Rust backend (no transformers import in
-            # the actors); the SFT shapes its files, loaded in each (chat templates).
-            "shipped": ship(tok) if args.shape == "text" else {
-                "files": tokenizer_files(folder)}}
-
-
-# --------------------------------------------------------------------------- output
+# --------------------------------------------------------------------------- run
 
 def run(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    args = settle_args(build_parser().parse_args(argv))
+    inputs, shards = list_shards(args)
+    tok_info = check_tokenizer(args)             # one line and exit 2 if not a tokenizer
+    created, storage = open_output(args)
+    start_ray()
+    t0 = time.time()
+    totals = write_shards(storage, inputs, shards, args, tok_info)
+    if totals.rows == 0:
+        refuse_empty(storage, len(shards), created, totals, args)
+    manifest = build_manifest(storage, inputs, len(shards), totals, tok_info, args, t0)
+    write_manifest(storage, manifest)
+    print(f"[rayfleet] {totals.rows} {_unit(args)} of seq_len {args.seq_len} + 1 in "
+          f"{storage.uri} ({totals.written} shards written, {totals.skipped} skipped); train "
+          f"with: python -m workloads.train --dataset {storage.uri}", flush=True)
+    print("RAYFLEET_SUMMARY " + json.dumps(manifest), flush=True)
+    return 0
+
+
+def settle_args(args):
+    """The parsed flags with their defaults (smoke test or full) filled in, their values
+    checked and the input and output paths resolved."""
     defaults = SMOKE if args.smoke_test else DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -328,11 +263,15 @@ def run(argv: list[str] | None) -> int:
         raise ConfigError("--tokenizer-cpus", "must be more than 0")
     if args.shape not in SHAPES:
         raise ConfigError("--shape", f"unknown shape {args.shape!r}", SHAPES, args.shape)
-    sft = args.shape != "text"
     if args.input != STDLIB:
         args.input = user_path(args.input, "--input", output=False)
     args.output = user_path(args.output, "--output", output=True)
+    return args
 
+
+def list_shards(args) -> tuple[Inputs, list[list[str]]]:
+    """The input files, checked for the shape and grouped into shards."""
+    sft = args.shape != "text"
     inputs = list_inputs(args)                   # bad input fails here, before any write
     if sft and inputs.fmt == "text":
         raise ConfigError("--shape", f"{args.shape} reads records: give JSON Lines or Parquet "
@@ -343,8 +282,11 @@ def run(argv: list[str] | None) -> int:
     shards = shards_of(inputs.files, args.shard_bytes)
     if inputs.fmt != "text":  # encoding and schema errors before Ray or any write
         check_first_file(inputs, needed_columns(args))
-    tok_info = check_tokenizer(args)             # one line and exit 2 if not a tokenizer
+    return inputs, shards
 
+
+def open_output(args) -> tuple[str | None, Storage]:
+    """The output's storage, and the folder this run created for it (None if it was there)."""
     created = args.output if not args.output.startswith("s3://") and \
         not os.path.exists(os.path.expanduser(args.output)) else None
     storage = resolve(args.output, endpoint=args.s3_endpoint)
@@ -357,7 +299,10 @@ def run(argv: list[str] | None) -> int:
         if created:
             _remove_empty_dirs(os.path.expanduser(created))
         raise
+    return created, storage
 
+
+def start_ray() -> None:
     import ray
     from ray.data import DataContext
 
@@ -365,73 +310,111 @@ def run(argv: list[str] | None) -> int:
     # Same input, same rows in the same order: shards are reproducible byte for byte.
     DataContext.get_current().execution_options.preserve_order = True
 
-    t0 = time.time()
-    written, skipped, rows = 0, 0, 0
-    counts = dict.fromkeys(COUNTS, 0)
-    # What a done shard must have been made with to be skipped (markers written before these
-    # keys existed were byte / text).
+
+@dataclass
+class Totals:
+    """What the shards hold, written by this run or skipped as done before."""
+    written: int = 0
+    skipped: int = 0
+    rows: int = 0
+    counts: dict = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+
+    def add(self, marker: dict) -> None:
+        self.rows += marker["rows"]
+        for k in self.counts:
+            self.counts[k] += marker.get(k, 0)
+
+
+def write_shards(storage: Storage, inputs: Inputs, shards: list[list[str]], args,
+                 tok_info: dict) -> Totals:
+    """Each shard built and written, unless it is already done the same way (then skipped)."""
+    import ray
+
+    sft = args.shape != "text"
+    totals = Totals()
     made_with = {"tokenizer_sha256": tok_info["identity"]["sha256"], "shape": args.shape,
                  "seq_len": args.seq_len}
-    old_default = {"tokenizer_sha256": "byte", "shape": "text", "seq_len": args.seq_len}
-    unit = "rows" if sft else "sequences"
     tally = None
     for i, paths in enumerate(shards):
         done = read_marker(storage, i)
-        if done is not None and done.get("of") == len(shards) and all(
-                done.get(k, old_default[k]) == v for k, v in made_with.items()):
+        if made_alike(done, len(shards), made_with):
             print(f"[rayfleet] shard {i + 1}/{len(shards)}: already written "
-                  f"({done['rows']} {unit}), skipped", flush=True)
-            skipped += 1
-            rows += done["rows"]
-            for k in counts:
-                counts[k] += done.get(k, 0)
+                  f"({done['rows']} {_unit(args)}), skipped", flush=True)
+            totals.skipped += 1
+            totals.add(done)
             continue
         clear_partial(storage, i)
         if sft and tally is None:   # one per run (an actor is a process): taken per shard
             tally = ray.remote(num_cpus=0)(Tally).remote()
-        try:
-            ds = build_pipeline(inputs, paths, args, tally, tok_info["shipped"])
-            marker = write_shard(ds, storage, i, len(shards), made_with,
-                                 after=None if tally is None else partial(_tally_counts, tally))
-        except BaseException as e:
-            # No half-written shard stays behind, whatever stopped the write.
-            drop_partial(storage, i)
-            # Ray re-raises a worker's error as RayTaskError(UnicodeDecodeError), an instance
-            # of both (JSON Lines past the first MiB that check_first_file read).
-            if isinstance(e, UnicodeDecodeError):
-                raise ConfigError("--input", f"shard {i + 1} ({paths[0]}, ...) is not UTF-8 "
-                                             "text; convert it, e.g. iconv -f latin1 -t "
-                                             "utf-8") from None
-            raise
+        marker = write_one(storage, inputs, shards, i, args, tally, tok_info["shipped"],
+                           made_with)
         made = (f"{marker['rows']} rows of {args.seq_len + 1} tokens ({marker.get('truncated')}"
                 f" truncated, {marker.get('dropped')} dropped, {marker.get('invalid')} invalid)"
                 if sft else f"{marker['rows']} sequences of {args.seq_len + 1} tokens")
         print(f"[rayfleet] shard {i + 1}/{len(shards)}: {len(paths)} files -> {made}",
               flush=True)
-        written += 1
-        rows += marker["rows"]
-        for k in counts:
-            counts[k] += marker.get(k, 0)
-    if rows == 0:
-        # Nothing usable: leave the output as it was, so no empty "done" shard is skipped by
-        # the next run once the input is fixed.
-        for i in range(len(shards)):
-            drop_partial(storage, i)
-            drop_marker(storage, i)
-        if created:
-            _remove_empty_dirs(storage.path)
-        if sft:
-            raise RayfleetError(
-                f"{args.input}: no row left: of {counts['records']} records, {counts['invalid']} "
-                f"lack text in {', '.join(needed_columns(args))} and {counts['dropped']} have no "
-                f"response token within --max-length {args.seq_len}")
-        raise RayfleetError(f"{args.input}: nothing left after cleaning: every document is "
-                            f"shorter than --min-chars {args.min_chars}, has lines over 1000 "
-                            "characters, or is not UTF-8 text (convert it, e.g. iconv -f "
-                            "latin1 -t utf-8)")
+        totals.written += 1
+        totals.add(marker)
+    return totals
+
+
+def made_alike(done: dict | None, of: int, made_with: dict) -> bool:
+    """Whether a shard's done marker was made for `of` shards the way `made_with` says, so the
+    shard is skipped (markers written before these keys existed were byte / text)."""
+    old_default = {"tokenizer_sha256": "byte", "shape": "text", "seq_len": made_with["seq_len"]}
+    return done is not None and done.get("of") == of and all(
+        done.get(k, old_default[k]) == v for k, v in made_with.items())
+
+
+def write_one(storage: Storage, inputs: Inputs, shards: list[list[str]], i: int, args, tally,
+              shipped: dict | None, made_with: dict) -> dict:
+    """Shard i built and written; its done marker."""
+    paths = shards[i]
+    try:
+        ds = build_pipeline(inputs, paths, args, tally, shipped)
+        return write_shard(ds, storage, i, len(shards), made_with,
+                           after=None if tally is None else partial(_tally_counts, tally))
+    except BaseException as e:
+        # No half-written shard stays behind, whatever stopped the write.
+        drop_partial(storage, i)
+        # Ray re-raises a worker's error as RayTaskError(UnicodeDecodeError), an instance
+        # of both (JSON Lines past the first MiB that check_first_file read).
+        if isinstance(e, UnicodeDecodeError):
+            raise ConfigError("--input", f"shard {i + 1} ({paths[0]}, ...) is not UTF-8 "
+                                         "text; convert it, e.g. iconv -f latin1 -t "
+                                         "utf-8") from None
+        raise
+
+
+def refuse_empty(storage: Storage, n_shards: int, created: str | None, totals: Totals,
+                 args) -> None:
+    """No row in any shard: the output left as it was, and one line saying why."""
+    # Nothing usable: leave the output as it was, so no empty "done" shard is skipped by
+    # the next run once the input is fixed.
+    for i in range(n_shards):
+        drop_partial(storage, i)
+        drop_marker(storage, i)
+    if created:
+        _remove_empty_dirs(storage.path)
+    counts = totals.counts
+    if args.shape != "text":
+        raise RayfleetError(
+            f"{args.input}: no row left: of {counts['records']} records, {counts['invalid']} "
+            f"lack text in {', '.join(needed_columns(args))} and {counts['dropped']} have no "
+            f"response token within --max-length {args.seq_len}")
+    raise RayfleetError(f"{args.input}: nothing left after cleaning: every document is "
+                        f"shorter than --min-chars {args.min_chars}, has lines over 1000 "
+                        "characters, or is not UTF-8 text (convert it, e.g. iconv -f "
+                        "latin1 -t utf-8)")
+
+
+def build_manifest(storage: Storage, inputs: Inputs, n_shards: int, totals: Totals,
+                   tok_info: dict, args, t0: float) -> dict:
+    """`_manifest.json`: what the shards hold and how they were made."""
+    sft = args.shape != "text"
     manifest = {"output": storage.uri, "input": args.input, "format": inputs.fmt,
-                "seq_len": args.seq_len, "shards": len(shards), "written": written,
-                "skipped": skipped, "rows": rows,
+                "seq_len": args.seq_len, "shards": n_shards, "written": totals.written,
+                "skipped": totals.skipped, "rows": totals.rows,
                 "input_bytes": sum(s for _, s in inputs.files),
                 "seconds": round(time.time() - t0, 1),
                 "tokenizer": tok_info["identity"], "shape": args.shape,
@@ -440,13 +423,13 @@ def run(argv: list[str] | None) -> int:
         manifest["eos_id"] = tok_info["eos_id"]
     if sft:
         manifest.update({"max_length": args.seq_len, "pad_id": tok_info["pad_id"],
-                         "ignore_index": IGNORE, **counts})
-    write_manifest(storage, manifest)
-    print(f"[rayfleet] {rows} {unit} of seq_len {args.seq_len} + 1 in {storage.uri} "
-          f"({written} shards written, {skipped} skipped); train with: python -m "
-          f"workloads.train --dataset {storage.uri}", flush=True)
-    print("RAYFLEET_SUMMARY " + json.dumps(manifest), flush=True)
-    return 0
+                         "ignore_index": IGNORE, **totals.counts})
+    return manifest
+
+
+def _unit(args) -> str:
+    """What a row of the output is called in the log."""
+    return "rows" if args.shape != "text" else "sequences"
 
 
 def _tally_counts(tally) -> dict:

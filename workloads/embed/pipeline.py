@@ -38,6 +38,7 @@ from workloads.common.corpus import stdlib_files
 from workloads.common.deps import require
 from workloads.common.encoder import PACKAGED_MODEL, encode, load_encoder, model_path
 from workloads.common.shards import (
+    Inputs,
     clear_partial,
     drop_marker,
     list_inputs,
@@ -46,7 +47,7 @@ from workloads.common.shards import (
     write_manifest,
     write_shard,
 )
-from workloads.common.storage import default_root, resolve, user_path
+from workloads.common.storage import Storage, default_root, resolve, user_path
 from workloads.common.text import clean_text
 
 PROG = "workloads.embed"
@@ -183,6 +184,39 @@ def read_files(inputs, paths: list[str], args, root: str):
 
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    path = settle_args(args)                         # bad input fails here, before Ray
+    inputs, shards, root = list_shards(args)
+    # What the actors import, checked on this node before Ray starts (inputs are good by now).
+    require({"ray.data": "ray[data]", "pyarrow": "pyarrow", "torch": "torch",
+             "sentence_transformers": "sentence-transformers"}, "workloads.embed")
+    import ray
+    from ray.data import DataContext
+
+    if inputs is not None and inputs.fmt != "text":   # unknown column before any write
+        check_columns(inputs, shards[0][0], args)
+    storage = resolve(args.output, endpoint=args.s3_endpoint)
+    ray.init(ignore_reinit_error=True, log_to_driver=True)
+    DataContext.get_current().execution_options.preserve_order = True
+    num_gpus, device = pick_device(args)
+    t0 = time.time()
+    written, skipped, rows = embed_shards(storage, shards, inputs, root, args, path,
+                                          num_gpus, device)
+    if rows == 0:
+        refuse_empty(storage, len(shards), args)
+    dim = _dim(storage)
+    manifest = {"output": storage.uri, "input": args.input, "model": args.model, "dim": dim,
+                "normalized": True, "shards": len(shards), "written": written,
+                "skipped": skipped, "rows": rows, "seconds": round(time.time() - t0, 1)}
+    write_manifest(storage, manifest)
+    print(f"[rayfleet] {rows} vectors of dim {dim} in {storage.uri} ({written} shards "
+          f"written, {skipped} skipped); serve them with workloads.serve.rag", flush=True)
+    print("RAYFLEET_SUMMARY " + json.dumps(manifest), flush=True)
+    return 0
+
+
+def settle_args(args) -> str:
+    """The parsed flags checked, the smoke test's document count filled in and the paths
+    resolved; the model's folder."""
     if args.smoke_test:
         args.max_docs = args.max_docs or SMOKE_DOCS
     if args.actor_cpus <= 0:   # more than 0, which at_least cannot say
@@ -192,8 +226,12 @@ def run(argv: list[str] | None) -> int:
     args.output = user_path(args.output, "--output", output=True)
     if args.model != PACKAGED_MODEL:
         args.model = user_path(args.model, "--model", output=False)
-    path = model_path(args.model)                    # bad input fails here, before Ray
+    return model_path(args.model)
 
+
+def list_shards(args) -> tuple[Inputs | None, list, str]:
+    """The input's shards: lists of documents (stdlib-docs, `inputs` None) or of files; and the
+    root the text files' ids are relative to."""
     if args.input == STDLIB_DOCS:
         docs = stdlib_docs(args.max_docs)
         shards = [docs[i:i + args.shard_docs] for i in range(0, len(docs), args.shard_docs)]
@@ -206,22 +244,23 @@ def run(argv: list[str] | None) -> int:
         root = root.removeprefix("s3://")
     if not shards:
         raise ConfigError("--input", f"{args.input} holds no documents")
+    return inputs, shards, root
 
-    # What the actors import, checked on this node before Ray starts (inputs are good by now).
-    require({"ray.data": "ray[data]", "pyarrow": "pyarrow", "torch": "torch",
-             "sentence_transformers": "sentence-transformers"}, "workloads.embed")
+
+def check_columns(inputs: Inputs, path: str, args) -> None:
+    """--column and --id-column are columns of the first input file."""
+    names = input_columns(inputs, path)
+    for flag, col in (("--column", args.column), ("--id-column", args.id_column)):
+        if col not in names:
+            raise ConfigError(flag, f"no column {col!r} in {path} "
+                              f"(columns: {', '.join(names)})", names, col)
+
+
+def pick_device(args) -> tuple[float, str]:
+    """GPUs per actor (--num-gpus, else 1 when the cluster has GPUs) and the model's device;
+    says what the embedding runs on."""
     import ray
-    from ray.data import ActorPoolStrategy, DataContext
 
-    if inputs is not None and inputs.fmt != "text":   # unknown column before any write
-        names = input_columns(inputs, shards[0][0])
-        for flag, col in (("--column", args.column), ("--id-column", args.id_column)):
-            if col not in names:
-                raise ConfigError(flag, f"no column {col!r} in {shards[0][0]} "
-                                  f"(columns: {', '.join(names)})", names, col)
-    storage = resolve(args.output, endpoint=args.s3_endpoint)
-    ray.init(ignore_reinit_error=True, log_to_driver=True)
-    DataContext.get_current().execution_options.preserve_order = True
     num_gpus = args.num_gpus
     if num_gpus is None:
         num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
@@ -229,8 +268,13 @@ def run(argv: list[str] | None) -> int:
     print(f"[rayfleet] embedding with {args.model} on {device}: up to {args.concurrency} "
           f"actors x {args.actor_cpus} CPU" + (f" + {num_gpus} GPU" if num_gpus else ""),
           flush=True)
+    return num_gpus, device
 
-    t0 = time.time()
+
+def embed_shards(storage: Storage, shards: list, inputs: Inputs | None, root: str, args,
+                 path: str, num_gpus: float, device: str) -> tuple[int, int, int]:
+    """Each shard embedded and written, unless it is already done with this model (then
+    skipped); the shards written, skipped, and the vectors they hold."""
     written, skipped, rows = 0, 0, 0
     for i, shard in enumerate(shards):
         done = read_marker(storage, i)
@@ -241,39 +285,43 @@ def run(argv: list[str] | None) -> int:
             rows += done["rows"]
             continue
         clear_partial(storage, i)
-        ds = ray.data.from_items(shard) if inputs is None else read_files(inputs, shard, args,
-                                                                         root)
-        ds = ds.map(clean).filter(lambda r: bool(r["text"]))
-        if inputs is not None and args.max_docs:
-            ds = ds.limit(args.max_docs)
-        ds = ds.map_batches(
-            Embedder, batch_size=args.batch_size, batch_format="pyarrow",
-            fn_constructor_kwargs={"path": path, "batch_size": args.batch_size,
-                                   "keep_text": not args.no_text, "device": device,
-                                   "num_threads": max(1, int(args.actor_cpus))},
-            compute=ActorPoolStrategy(min_size=1, max_size=args.concurrency),
-            num_cpus=args.actor_cpus, num_gpus=num_gpus)
+        ds = build_dataset(shard, inputs, root, args, path, num_gpus, device)
         marker = write_shard(ds, storage, i, len(shards), extra={"model": args.model})
         print(f"[rayfleet] shard {i + 1}/{len(shards)}: {marker['rows']} vectors", flush=True)
         written += 1
         rows += marker["rows"]
-    if rows == 0:
-        # No done marker of an empty shard stays: the re-run after the input is fixed (say, a
-        # latin-1 corpus converted) must redo the shards, not skip them.
-        for i in range(len(shards)):
-            drop_marker(storage, i)
-        raise RayfleetError(f"{args.input}: nothing left after cleaning: every document is "
-                            "empty or not UTF-8 text (convert it, e.g. iconv -f latin1 -t "
-                            "utf-8)")
-    dim = _dim(storage)
-    manifest = {"output": storage.uri, "input": args.input, "model": args.model, "dim": dim,
-                "normalized": True, "shards": len(shards), "written": written,
-                "skipped": skipped, "rows": rows, "seconds": round(time.time() - t0, 1)}
-    write_manifest(storage, manifest)
-    print(f"[rayfleet] {rows} vectors of dim {dim} in {storage.uri} ({written} shards "
-          f"written, {skipped} skipped); serve them with workloads.serve.rag", flush=True)
-    print("RAYFLEET_SUMMARY " + json.dumps(manifest), flush=True)
-    return 0
+    return written, skipped, rows
+
+
+def build_dataset(shard: list, inputs: Inputs | None, root: str, args, path: str,
+                  num_gpus: float, device: str):
+    """One shard's dataset: read, cleaned, embedded by the actor pool."""
+    import ray.data
+    from ray.data import ActorPoolStrategy
+
+    ds = ray.data.from_items(shard) if inputs is None else read_files(inputs, shard, args,
+                                                                     root)
+    ds = ds.map(clean).filter(lambda r: bool(r["text"]))
+    if inputs is not None and args.max_docs:
+        ds = ds.limit(args.max_docs)
+    return ds.map_batches(
+        Embedder, batch_size=args.batch_size, batch_format="pyarrow",
+        fn_constructor_kwargs={"path": path, "batch_size": args.batch_size,
+                               "keep_text": not args.no_text, "device": device,
+                               "num_threads": max(1, int(args.actor_cpus))},
+        compute=ActorPoolStrategy(min_size=1, max_size=args.concurrency),
+        num_cpus=args.actor_cpus, num_gpus=num_gpus)
+
+
+def refuse_empty(storage: Storage, n_shards: int, args) -> None:
+    """No vector in any shard: no done marker left, and one line saying why."""
+    # No done marker of an empty shard stays: the re-run after the input is fixed (say, a
+    # latin-1 corpus converted) must redo the shards, not skip them.
+    for i in range(n_shards):
+        drop_marker(storage, i)
+    raise RayfleetError(f"{args.input}: nothing left after cleaning: every document is "
+                        "empty or not UTF-8 text (convert it, e.g. iconv -f latin1 -t "
+                        "utf-8)")
 
 
 def _dim(storage) -> int:
