@@ -166,23 +166,12 @@ def _anon(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=dtype, count=numel).view(shape)
 
 
-def scatter_into_shards(model: nn.Module, rank: int, device: torch.device) -> dict[str, int]:
-    """Copy rank 0's parameters and buffers into every rank's `model` (a collective: every rank
-    calls it). On rank 0 `model` is the whole model (not yet sharded); on the others it is the
-    same model sharded with fully_shard (each parameter a DTensor, Shard(0) over all ranks)
-    and allocated with to_empty. Each rank gets only its own rows of each parameter: read
-    straight from the safetensors file when rank 0's parameter is a view of one (mapped by
-    from_pretrained) and every rank sees that same file, else scattered from rank 0; buffers
-    are broadcast whole. Rank 0 reads file-backed parameters with plain reads and keeps only
-    its own rows of them (the rest of the tensor never allocated), so neither the mapped file
-    nor a second copy of the model becomes its resident memory. Returns how many parameters
-    each rank read from the files ("read") and how many rank 0 scattered ("scattered").
-    RuntimeError when the ranks' models do not have the same tensors."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    world = dist.get_world_size()
-    entries = list(model.named_parameters()) + list(model.named_buffers())
-    n_params = len(list(model.parameters()))
+def _sources(entries: list, n_params: int, rank: int,
+             device: torch.device) -> tuple[list, bool]:
+    """(each parameter's (path, offset) in rank 0's files, or None; whether every rank reads
+    its rows from those files): rank 0 finds them and tells the others, who check that they
+    see the same files (a collective). RuntimeError when the ranks' models do not have the
+    same tensors."""
     names = [(n, tuple(t.shape), str(t.dtype)) for n, t in entries]
     locs: list = [None] * len(entries)
     prints: dict = {}
@@ -204,88 +193,131 @@ def scatter_into_shards(model: nn.Module, rank: int, device: torch.device) -> di
     ok = all(_fingerprint(path) == fp for path, fp in prints.items()) if rank else True
     flag = torch.tensor([1 if ok and prints else 0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    from_files = bool(flag.item())
-    fds: dict[str, int] = {}
-    counts = {"read": 0, "scattered": 0}
+    return locs, bool(flag.item())
 
-    def fd(path: str) -> int:
-        if path not in fds:
-            fds[path] = os.open(path, os.O_RDONLY)
-        return fds[path]
 
+class _Transfer:
+    """One scatter_into_shards call on one rank: where the weights come from, the files it
+    holds open, and how many parameters it read from them or scattered."""
+
+    def __init__(self, rank: int, world: int, device: torch.device, from_files: bool):
+        self.rank, self.world, self.device = rank, world, device
+        self.from_files = from_files
+        self.fds: dict[str, int] = {}
+        self.counts = {"read": 0, "scattered": 0}
+
+    def fd(self, path: str) -> int:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
+
+    def close(self) -> None:
+        for f in self.fds.values():
+            os.close(f)
+
+    def buffer(self, t: torch.Tensor) -> None:
+        """A buffer: whole on every rank."""
+        buf = t.detach()
+        tmp = buf if buf.is_contiguous() else buf.contiguous()
+        dist.broadcast(tmp, src=0)
+        if tmp is not buf:
+            buf.copy_(tmp)
+
+    def send(self, t: torch.Tensor, loc: tuple[str, int] | None) -> None:
+        """Rank 0: keep its own rows of the parameter `t` and give the others theirs."""
+        n = t.shape[0]
+        size = -(-n // self.world)
+        own = slice(0, size)                               # rank 0's rows (n >= 1)
+        if loc:
+            # Only its own rows are ever written: the rest takes no memory.
+            hold = _anon(t.shape, t.dtype)
+            if self.from_files:                            # every rank reads its rows
+                self.counts["read"] += 1
+                _pread_into(self.fd(loc[0]), loc[1], hold[own])
+                t.data = hold
+                return
+            full = _anon(t.shape, t.dtype)                 # read, not through the mapping
+            _pread_into(self.fd(loc[0]), loc[1], full)
+        else:
+            full = t.detach().contiguous()
+        chunks = []
+        for r in range(self.world):
+            a, b = _rows(n, self.world, r)
+            chunk = full[a:b]
+            if b - a < size:                               # gloo scatters equal sizes
+                pad = full.new_zeros((size - (b - a), *full.shape[1:]))
+                chunk = torch.cat([chunk, pad])
+            chunks.append(chunk)
+        mine = hold[own] if loc else torch.empty_like(chunks[0])
+        self.counts["scattered"] += 1
+        dist.scatter(mine, chunks, src=0)
+        if loc:
+            t.data = hold
+
+    def receive(self, name: str, t: torch.Tensor, loc: tuple[str, int] | None) -> None:
+        """Another rank: fill its shard of the parameter `t`, from the file or from rank 0."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        n = t.shape[0]
+        size = -(-n // self.world)
+        row_bytes = (t.numel() // n if n else 0) * t.element_size()
+        if not isinstance(t, DTensor) or tuple(t.placements) != (Shard(0),):
+            raise RuntimeError(f"{name}: expected an FSDP2 shard (Shard(0)), got "
+                               f"{type(t).__name__} {getattr(t, 'placements', '')}")
+        local = t.to_local()
+        start, stop = _rows(n, self.world, self.rank)
+        if local.shape[0] != stop - start:
+            raise RuntimeError(f"{name}: this rank holds {local.shape[0]} rows, "
+                               f"expected {stop - start} of {n}")
+        if loc and self.from_files:
+            self.counts["read"] += 1
+            if stop == start:
+                return
+            if local.device.type == "cpu" and local.is_contiguous():
+                _pread_into(self.fd(loc[0]), loc[1] + start * row_bytes, local)
+            else:
+                tmp = torch.empty(local.shape, dtype=local.dtype)
+                _pread_into(self.fd(loc[0]), loc[1] + start * row_bytes, tmp)
+                local.copy_(tmp)
+            return
+        self.counts["scattered"] += 1
+        if stop - start == size and local.is_contiguous():
+            dist.scatter(local, None, src=0)               # straight into the shard
+        else:
+            recv = torch.empty((size, *t.shape[1:]), dtype=t.dtype, device=self.device)
+            dist.scatter(recv, None, src=0)
+            local.copy_(recv[:stop - start])
+
+
+def scatter_into_shards(model: nn.Module, rank: int, device: torch.device) -> dict[str, int]:
+    """Copy rank 0's parameters and buffers into every rank's `model` (a collective: every rank
+    calls it). On rank 0 `model` is the whole model (not yet sharded); on the others it is the
+    same model sharded with fully_shard (each parameter a DTensor, Shard(0) over all ranks)
+    and allocated with to_empty. Each rank gets only its own rows of each parameter: read
+    straight from the safetensors file when rank 0's parameter is a view of one (mapped by
+    from_pretrained) and every rank sees that same file, else scattered from rank 0; buffers
+    are broadcast whole. Rank 0 reads file-backed parameters with plain reads and keeps only
+    its own rows of them (the rest of the tensor never allocated), so neither the mapped file
+    nor a second copy of the model becomes its resident memory. Returns how many parameters
+    each rank read from the files ("read") and how many rank 0 scattered ("scattered").
+    RuntimeError when the ranks' models do not have the same tensors."""
+    world = dist.get_world_size()
+    entries = list(model.named_parameters()) + list(model.named_buffers())
+    n_params = len(list(model.parameters()))
+    locs, from_files = _sources(entries, n_params, rank, device)
+    transfer = _Transfer(rank, world, device, from_files)
     try:
         with torch.no_grad():
             for i, (name, t) in enumerate(entries):
-                if i >= n_params:                              # a buffer: whole on every rank
-                    buf = t.detach()
-                    tmp = buf if buf.is_contiguous() else buf.contiguous()
-                    dist.broadcast(tmp, src=0)
-                    if tmp is not buf:
-                        buf.copy_(tmp)
-                    continue
-                n = t.shape[0]
-                size = -(-n // world)
-                loc = locs[i]
-                row_bytes = (t.numel() // n if n else 0) * t.element_size()
-                if rank == 0:
-                    own = slice(0, size)                       # rank 0's rows (n >= 1)
-                    if loc:
-                        # Only its own rows are ever written: the rest takes no memory.
-                        hold = _anon(t.shape, t.dtype)
-                        if from_files:                         # every rank reads its rows
-                            counts["read"] += 1
-                            _pread_into(fd(loc[0]), loc[1], hold[own])
-                            t.data = hold
-                            continue
-                        full = _anon(t.shape, t.dtype)         # read, not through the mapping
-                        _pread_into(fd(loc[0]), loc[1], full)
-                    else:
-                        full = t.detach().contiguous()
-                    chunks = []
-                    for r in range(world):
-                        a, b = _rows(n, world, r)
-                        chunk = full[a:b]
-                        if b - a < size:                       # gloo scatters equal sizes
-                            pad = full.new_zeros((size - (b - a), *full.shape[1:]))
-                            chunk = torch.cat([chunk, pad])
-                        chunks.append(chunk)
-                    mine = hold[own] if loc else torch.empty_like(chunks[0])
-                    counts["scattered"] += 1
-                    dist.scatter(mine, chunks, src=0)
-                    if loc:
-                        t.data = hold
-                    del chunks, mine, full
-                    continue
-                if not isinstance(t, DTensor) or tuple(t.placements) != (Shard(0),):
-                    raise RuntimeError(f"{name}: expected an FSDP2 shard (Shard(0)), got "
-                                       f"{type(t).__name__} {getattr(t, 'placements', '')}")
-                local = t.to_local()
-                start, stop = _rows(n, world, rank)
-                if local.shape[0] != stop - start:
-                    raise RuntimeError(f"{name}: this rank holds {local.shape[0]} rows, "
-                                       f"expected {stop - start} of {n}")
-                if loc and from_files:
-                    counts["read"] += 1
-                    if stop == start:
-                        continue
-                    if local.device.type == "cpu" and local.is_contiguous():
-                        _pread_into(fd(loc[0]), loc[1] + start * row_bytes, local)
-                    else:
-                        tmp = torch.empty(local.shape, dtype=local.dtype)
-                        _pread_into(fd(loc[0]), loc[1] + start * row_bytes, tmp)
-                        local.copy_(tmp)
-                    continue
-                counts["scattered"] += 1
-                if stop - start == size and local.is_contiguous():
-                    dist.scatter(local, None, src=0)           # straight into the shard
+                if i >= n_params:
+                    transfer.buffer(t)
+                elif rank == 0:
+                    transfer.send(t, locs[i])
                 else:
-                    recv = torch.empty((size, *t.shape[1:]), dtype=t.dtype, device=device)
-                    dist.scatter(recv, None, src=0)
-                    local.copy_(recv[:stop - start])
+                    transfer.receive(name, t, locs[i])
     finally:
-        for f in fds.values():
-            os.close(f)
-    return counts
+        transfer.close()
+    return transfer.counts
 
 
 # ------------------------------------------------------------------------------- export
