@@ -11,8 +11,8 @@ gets the same typed, frozen :class:`StackConfig`, built by one of three entry po
 Everything is checked before any resource or API call exists; each failure is a
 :class:`~rayfleet.errors.ConfigError` whose one line names the key, what is allowed and, where
 one is close, the value that was probably meant. The parts live beside it: the keys
-(``SCHEMA``, with type, default and description; ``Pulumi.yaml``'s ``config:`` block mirrors
-it, a test keeps them equal) in rayfleet/configkeys.py, the value checks in
+(``SCHEMA``, with type, default and description, from which `make regen` writes
+``Pulumi.yaml``'s ``config:`` block) in rayfleet/configkeys.py, the value checks in
 rayfleet/configcheck.py, the nodes in rayfleet/nodes.py and the capacity reservations in
 rayfleet/reservations.py.
 """

