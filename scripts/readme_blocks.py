@@ -25,7 +25,7 @@ README = ROOT / "README.md"
 PAGES = ("README.md", "docs/local-cluster.md", "docs/workloads.md", "docs/nodes.md",
          "docs/node-types.md", "docs/aws.md", "docs/on-prem.md", "docs/operations.md",
          "docs/security.md", "docs/testing.md", "docs/faults.md", "docs/benchmarks.md",
-         "docs/house.md")
+         "docs/house.md", "docs/cli.md")
 MARKER = re.compile(r'<!-- readme-test(?P<opts>[^\n]*?)-->\n```bash\n(?P<body>.*?)\n```', re.S)
 EXPECT = re.compile(r'expect="((?:[^"\\]|\\.)*)"')
 FENCE = re.compile(r"^```bash$", re.M)

@@ -1,5 +1,7 @@
-"""The `rayfleet` command. Each subcommand exits 0 on success and, on an expected failure,
-prints one line to stderr and exits 2, no traceback."""
+"""The `rayfleet` command. Every subcommand exits 0 when all is well, 1 on findings (lint's
+and preflight's, sweep's leftovers, cost over budget), and 2 on bad input with one line on
+stderr, no traceback; a command that reads a cluster YAML takes it first, as CLUSTER_YAML
+(docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,9 @@ import argparse
 import math
 import sys
 
-from rayfleet.commands import (cost, lint, local, logs, preflight, render, serve_config, status,
-                               sweep)
-from rayfleet.entrypoint import ArgumentParser, at_least, bounded, run_main, tcp_port
+from rayfleet.commands import (cliargs, cost, lint, local, logs, preflight, render, serve_config,
+                               status, sweep)
+from rayfleet.entrypoint import ArgumentParser, UsageError, at_least, bounded, run_main, tcp_port
 from rayfleet.facts import loopback_port, port
 from rayfleet.ingress import DEFAULT_INGRESS, INGRESS_CHOICES
 
@@ -77,17 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "pipelines and serving.")
     sub = parser.add_subparsers(dest="command", required=True)
     _local(sub)
-    _ops(sub)
+    _render(sub)
+    _checks(sub)
+    _serve_config(sub)
     _logs(sub)
     _status(sub)
     return parser
 
 
-def _ops(sub: argparse._SubParsersAction) -> None:
+def _render(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("render", help="stack outputs -> cluster-configs/generated/<stack>.yaml")
     p.add_argument("outputs", help="`pulumi stack output --json` saved to a file, or - for stdin")
-    p.add_argument("-o", "--out", default=None,
-                   help="where to write (default cluster-configs/generated/<stack>.yaml)")
+    cliargs.output(p, "where to write (default cluster-configs/generated/<stack>.yaml)")
     p.add_argument("--token-file", default=None,
                    help="local Ray auth token shipped to every node (default "
                         "$RAYFLEET_HOME or ~/.rayfleet, /clusters/<cluster>/auth_token; "
@@ -119,11 +122,15 @@ def _ops(sub: argparse._SubParsersAction) -> None:
                    help="Serve's ingress on every node: haproxy (default; through the kit's "
                         "guard, nothing on the world) or python (Serve's own proxy)")
 
-    p = sub.add_parser("lint", help="check any Ray cluster YAML against the security rules")
-    p.add_argument("config", help="Ray cluster-launcher YAML")
 
-    p = sub.add_parser("cost", help="$/hour and $/month of a cluster YAML (offline price table)")
-    p.add_argument("config", help="Ray cluster-launcher YAML")
+def _checks(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lint", help="check any Ray cluster YAML against the security rules "
+                                    "(exit 1 on an error)")
+    cliargs.cluster_yaml(p, "Ray cluster-launcher YAML")
+
+    p = sub.add_parser("cost", help="$/hour and $/month of a cluster YAML (offline price "
+                                    "table; exit 1 over budget)")
+    cliargs.cluster_yaml(p, "Ray cluster-launcher YAML")
     p.add_argument("--stack-file", default=None,
                    help="Pulumi.<stack>.yaml whose rayfleet:budgetMonthlyUsd to compare with")
     p.add_argument("--budget-usd",
@@ -138,11 +145,29 @@ def _ops(sub: argparse._SubParsersAction) -> None:
                         "always on)")
 
     p = sub.add_parser("sweep", help="find (and with --delete remove) what a cluster left "
-                                     "behind after `ray down`")
-    p.add_argument("--cluster-name", required=True, help="the YAML's cluster_name")
-    p.add_argument("--region", default=None, help="AWS region (default: the AWS config's)")
+                                     "behind after `ray down` (exit 1 while any is left)",
+                       usage="rayfleet sweep [-h] CLUSTER_YAML [--delete]\n"
+                             "       rayfleet sweep [-h] --cluster-name NAME --region REGION "
+                             "[--delete]")
+    cliargs.cluster_yaml(p, "the cluster's YAML: its cluster_name and provider.region say what "
+                            "to look for, and where", optional=True)
+    p.add_argument("--cluster-name", default=None, metavar="NAME",
+                   help="without a YAML: the cluster's name (--region is then required)")
+    p.add_argument("--region", default=None,
+                   help="without a YAML: the cluster's AWS region (never the AWS profile's)")
     p.add_argument("--delete", action="store_true", help="remove what is found")
 
+    p = sub.add_parser("preflight", help="check the AWS account can launch a cluster YAML "
+                                         "(exit 1 if a check fails)")
+    cliargs.cluster_yaml(p, "Ray cluster-launcher YAML")
+    p.add_argument("--num-gpus", type=at_least(0), default=None,
+                   help="GPUs one job's worker asks for: some node type must offer them")
+    p.add_argument("--bucket", default=None, help="s3://bucket/prefix to check reachable and "
+                                                  "writable (default: from the YAML header)")
+    preflight.add_arguments(p)
+
+
+def _serve_config(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve-config", help="a Serve config checked (and, for a remote "
                                             "cluster, its code packaged) before serve deploy")
     p.add_argument("config", help="Serve config, e.g. cluster-configs/serve/lm.yaml")
@@ -153,20 +178,12 @@ def _ops(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                    help="set an application arg, e.g. checkpoint=s3://... (repeatable)")
     p.add_argument("--working-dir", default=".", help="the code to package (default .)")
-    p.add_argument("-o", "--out", default=None,
-                   help="where to write (default cluster-configs/generated/serve-<name>.yaml)")
-
-    p = sub.add_parser("preflight", help="check the AWS account can launch a cluster YAML")
-    p.add_argument("config", help="Ray cluster-launcher YAML")
-    p.add_argument("--num-gpus", type=at_least(0), default=None,
-                   help="GPUs one job's worker asks for: some node type must offer them")
-    p.add_argument("--bucket", default=None, help="s3://bucket/prefix to check reachable and "
-                                                  "writable (default: from the YAML header)")
-    preflight.add_arguments(p)
+    cliargs.output(p, "where to write (default cluster-configs/generated/serve-<name>.yaml)")
 
 
 def _run_render(args: argparse.Namespace) -> int:
-    path = render.render(args.outputs, out=args.out, token_file=args.token_file,
+    out = cliargs.output_of(args, "rayfleet render OUTPUTS")
+    path = render.render(args.outputs, out=out, token_file=args.token_file,
                          key_name=args.key_name, idle_timeout_minutes=args.idle_timeout,
                          create_token=not args.no_create_token,
                          autostop_minutes=args.autostop_minutes, metrics=args.metrics,
@@ -176,68 +193,89 @@ def _run_render(args: argparse.Namespace) -> int:
 
 
 def _run_lint(args: argparse.Namespace) -> int:
-    return lint.main(args.config)
+    return lint.main(args.cluster_yaml)
 
 
 def _run_cost(args: argparse.Namespace) -> int:
-    return cost.main(args.config, stack_file=args.stack_file, budget_usd=args.budget_usd,
+    return cost.main(args.cluster_yaml, stack_file=args.stack_file, budget_usd=args.budget_usd,
                      hours_per_month=args.hours_per_month)
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
-    return sweep.main(args.cluster_name, region=args.region, delete_=args.delete)
+    return sweep.main(args.cluster_name, region=args.region, delete_=args.delete,
+                      cluster_yaml=args.cluster_yaml)
 
 
 def _run_preflight(args: argparse.Namespace) -> int:
-    return preflight.main(args.config, num_gpus=args.num_gpus, bucket=args.bucket, hours=args.hours)
+    return preflight.main(args.cluster_yaml, num_gpus=args.num_gpus, bucket=args.bucket,
+                          hours=args.hours)
 
 
 def _run_serve_config(args: argparse.Namespace) -> int:
+    out = cliargs.output_of(args, f"rayfleet serve-config {args.config}")
     if args.package_to is None:
-        path = serve_config.checked_config(args.config, arg_pairs=args.arg, out=args.out)
+        path = serve_config.checked_config(args.config, arg_pairs=args.arg, out=out)
     else:
         path = serve_config.serve_config(args.config, args.package_to,
                                          working_dir=args.working_dir, arg_pairs=args.arg,
-                                         out=args.out)
+                                         out=out)
     print(f"wrote {path}\nNext: serve deploy {path}")
     return 0
 
 
 def _logs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("logs", help="a run's job logs, metrics and loss curve from the stack's "
-                                    "bucket, also after `ray down`")
-    p.add_argument("run", nargs="?", default=None,
+                                    "bucket, also after `ray down`",
+                       usage="rayfleet logs [-h] CLUSTER_YAML [RUN] [options]\n"
+                             "       rayfleet logs [-h] --storage s3://BUCKET/PREFIX [RUN] "
+                             "[options]")
+    # Two optional positionals, sorted out by logs.positionals: with --storage the one
+    # argument is the run.
+    p.add_argument("cluster_yaml", nargs="?", default=None, metavar="CLUSTER_YAML",
+                   help="the YAML `rayfleet render` wrote: the stack's storage is read from "
+                        "its header")
+    p.add_argument("run", nargs="?", default=None, metavar="RUN",
                    help="the run: its job's submission id (or a training --name)")
     p.add_argument("--storage", default=None, metavar="s3://BUCKET/PREFIX",
-                   help="the stack's storage (default: from the --config YAML's header)")
-    p.add_argument("--config", default=None, metavar="CLUSTER_YAML",
-                   help="a YAML `rayfleet render` wrote: its storage is read from it")
+                   help="instead of a YAML: the stack's storage; then the one argument is "
+                        "the run")
+    cliargs.old_config(p)
     p.add_argument("--list", action="store_true", help="list the run's files with sizes")
     p.add_argument("--file", default=None, metavar="NAME",
                    help="print one file, e.g. logs/driver.log, metrics.csv, a worker log's name")
-    p.add_argument("-o", "--out", default=None, metavar="PATH",
-                   help="with --file: write it to PATH instead (loss.png)")
+    cliargs.output(p, "with --file: write it to PATH instead (loss.png)")
     p.add_argument("--cluster", default=None, metavar="NAME",
                    help="instead of a run: the autostop watcher's log of cluster NAME")
 
 
 def _run_logs(args: argparse.Namespace) -> int:
-    return logs.main(args.run, storage=args.storage, config=args.config, list_=args.list,
-                     file=args.file, out_path=args.out, cluster=args.cluster)
+    if args.config is None:
+        config, run = logs.positionals(args.cluster_yaml, args.run, args.storage)
+    elif args.run is not None:
+        raise UsageError("with --config the one argument is the run: rayfleet logs "
+                         "CLUSTER_YAML [RUN]")
+    else:
+        cliargs.deprecated("--config", "rayfleet logs CLUSTER_YAML [RUN]")
+        config, run = args.config, args.cluster_yaml
+    out_path = cliargs.output_of(args, "rayfleet logs CLUSTER_YAML RUN --file NAME")
+    return logs.main(run, storage=args.storage, config=config, list_=args.list,
+                     file=args.file, out_path=out_path, cluster=args.cluster)
 
 
 def _status(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="per worker node type of a launched cluster: running, "
                                       "pending, the last launch error and its AWS reason")
-    p.add_argument("--config", default=None, metavar="CLUSTER_YAML",
-                   help="the YAML `rayfleet render` wrote: its node types in order, its token")
+    cliargs.cluster_yaml(p, "the YAML `rayfleet render` wrote: its node types in order, its "
+                            "token", optional=True)
+    cliargs.old_config(p)
     p.add_argument("--address", default=None, metavar="URL",
                    help="the dashboard through `ray dashboard <cluster.yaml>`'s tunnel "
                         f"(default: RAY_ADDRESS if http://, else {status.DEFAULT_ADDRESS})")
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    return status.main(address=args.address, config=args.config)
+    config = cliargs.config_of(args, "rayfleet status CLUSTER_YAML")
+    return status.main(address=args.address, config=config)
 
 
 HANDLERS = {"local": _run_local, "render": _run_render, "lint": _run_lint,

@@ -1,4 +1,5 @@
-"""`rayfleet cost CONFIG`: what a cluster YAML costs per hour and per month.
+"""`rayfleet cost CLUSTER_YAML`: what a cluster YAML costs per hour and per month; exit 1 when
+a total compared with the budget is over it.
 
 Prices come from the instance catalog (``rayfleet/catalog.py``), a dated table shipped with
 the kit: EC2 prices cannot be fetched offline (the Pricing API needs credentials and the
@@ -208,23 +209,29 @@ def main(path: str, stack_file: str | None = None, budget_usd: float | None = No
         print(f"head + max workers, all {itype} (if the autoscaler falls back to it): "
               f"{_money(c['max'], None if c['max'] is None else c['max'] * hrs, hrs)}; all "
               f"on-demand {_money(od, None if od is None else od * hrs, hrs)}", file=out)
-    if budget_usd:
-        for label, key in (("idle (min)", "min"), (f"busy (max{assumes})", "max")):
-            if m[key] is None:
-                print(f"budget ${budget_usd:,.0f}/month: {label} has no confirmed price",
-                      file=out)
-                continue
-            share = m[key] / budget_usd * 100
-            verdict = "within" if m[key] <= budget_usd else "OVER"
-            print(f"budget ${budget_usd:,.0f}/month: {label} is {share:.0f}% - {verdict}",
-                  file=out)
-        # Hours of full-size use the budget buys after the idle floor.
-        if m["min"] is not None and h["max"] is not None:
-            spare = budget_usd - m["min"]
-            extra = h["max"] - h["min"]
-            if spare > 0 and extra > 0:
-                print(f"  the budget covers about {spare / extra:,.0f} h/month at max workers "
-                      "above the idle floor", file=out)
-    else:
+    if not budget_usd:
         print("no budget given (--budget-usd or --stack-file Pulumi.<stack>.yaml)", file=out)
-    return 0
+        return 0
+    return 1 if _budget(e, budget_usd, assumes, out) else 0
+
+
+def _budget(e: dict[str, Any], budget_usd: float, assumes: str, out) -> bool:
+    """The idle floor and the busy ceiling against the monthly budget; True if one is over."""
+    h, m = e["hourly"], e["monthly"]
+    over = False
+    for label, key in (("idle (min)", "min"), (f"busy (max{assumes})", "max")):
+        if m[key] is None:
+            print(f"budget ${budget_usd:,.0f}/month: {label} has no confirmed price", file=out)
+            continue
+        share = m[key] / budget_usd * 100
+        verdict = "within" if m[key] <= budget_usd else "OVER"
+        over = over or verdict == "OVER"
+        print(f"budget ${budget_usd:,.0f}/month: {label} is {share:.0f}% - {verdict}", file=out)
+    # Hours of full-size use the budget buys after the idle floor.
+    if m["min"] is not None and h["max"] is not None:
+        spare = budget_usd - m["min"]
+        extra = h["max"] - h["min"]
+        if spare > 0 and extra > 0:
+            print(f"  the budget covers about {spare / extra:,.0f} h/month at max workers "
+                  "above the idle floor", file=out)
+    return over

@@ -1,11 +1,11 @@
-"""`rayfleet logs RUN` and `rayfleet logs --cluster NAME`: what a run left in the stack's
-bucket, read back after the cluster is gone.
+"""`rayfleet logs CLUSTER_YAML RUN` and `rayfleet logs CLUSTER_YAML --cluster NAME`: what a
+run left in the stack's bucket, read back after the cluster is gone.
 
 The head's log shipper (rayfleet/agents/logship.py) copies each job's driver log, job.json
 and its workers' Ray logs to ``s3://B/P/runs/<run>/logs/``; a training run writes its
 checkpoints, metrics.csv and loss.png beside them (``runs/<run>/``). The autostop watcher
-writes ``clusters/<cluster>/autostop.log``. The bucket comes from --storage or from the
-header of a YAML `rayfleet render` wrote.
+writes ``clusters/<cluster>/autostop.log``. The bucket comes from the header of the YAML
+`rayfleet render` wrote, or from --storage (then the one argument is the run).
 """
 
 from __future__ import annotations
@@ -102,6 +102,31 @@ def _client():
                                               retries={"max_attempts": 2, "mode": "standard"}))
 
 
+def _a_yaml(arg: str) -> bool:
+    return Path(arg).suffix in (".yaml", ".yml") or Path(arg).is_file()
+
+
+def positionals(first: str | None, second: str | None,
+                storage: str | None) -> tuple[str | None, str | None]:
+    """(cluster YAML, run) of `rayfleet logs CLUSTER_YAML [RUN]`, or of `rayfleet logs
+    --storage s3://... [RUN]`, where the one argument is the run."""
+    where = "rayfleet logs CLUSTER_YAML [RUN], or rayfleet logs --storage s3://BUCKET/PREFIX [RUN]"
+    if storage is not None:
+        if second is not None or (first is not None and _a_yaml(first)):
+            raise ConfigError("CLUSTER_YAML", f"the cluster YAML and --storage both say where "
+                                              f"to read from; give one: {where}")
+        return None, first
+    if first is None:
+        return None, None
+    if second is not None and _a_yaml(second) and not _a_yaml(first):
+        raise ConfigError("CLUSTER_YAML", f"the cluster YAML comes first: rayfleet logs "
+                                          f"{second} {first}")
+    if second is None and not _a_yaml(first):
+        raise ConfigError("CLUSTER_YAML", f"{first!r} is not a cluster YAML (no such file); "
+                                          f"where to read from: {where}")
+    return first, second
+
+
 def storage_uri(storage: str | None, config: str | None) -> str:
     if storage:
         return storage
@@ -109,12 +134,13 @@ def storage_uri(storage: str | None, config: str | None) -> str:
         _, text = load(config)
         uri = bucket_from_header(text)
         if not uri:
-            raise ConfigError("--config", f"{config} has no '# Storage for jobs: s3://...' "
-                                          "header (not written by `rayfleet render`?); pass "
-                                          "--storage s3://BUCKET/PREFIX")
+            raise ConfigError("CLUSTER_YAML", f"{config} has no '# Storage for jobs: s3://...' "
+                                              "header (not written by `rayfleet render`?); "
+                                              "pass --storage s3://BUCKET/PREFIX")
         return uri
-    raise ConfigError("--storage", "where to read from: pass --storage s3://BUCKET/PREFIX (the "
-                                   "stack's storage) or --config <the rendered cluster YAML>")
+    raise ConfigError("--storage", "where to read from: pass the cluster YAML `rayfleet render` "
+                                   "wrote (rayfleet logs CLUSTER_YAML ...) or --storage "
+                                   "s3://BUCKET/PREFIX (the stack's storage)")
 
 
 def _closest(name: str, existing: list[str], what: str, where: str) -> str:
@@ -232,7 +258,8 @@ def main(run: str | None, storage: str | None = None, config: str | None = None,
          cluster: str | None = None, out=None, s3=None) -> int:
     out = out or sys.stdout
     if (run is None) == (cluster is None):
-        raise ConfigError("RUN", "give a run (rayfleet logs RUN) or --cluster NAME, not both")
+        raise ConfigError("RUN", "give a run (rayfleet logs CLUSTER_YAML RUN) or --cluster NAME, "
+                                 "not both")
     if cluster is not None and (list_ or file):
         raise ConfigError("--cluster", "--list and --file are for a run")
     if out_path and not file:

@@ -185,14 +185,14 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
                                            autostop_minutes, metrics, vllm=vllm,
                                            ingress=ingress))
     path = Path(out) if out else GENERATED / f"{o.stack}.yaml"
-    # Everything that can fail is checked before anything is created, so a bad --out leaves
+    # Everything that can fail is checked before anything is created, so a bad --output leaves
     # no token behind and a bad --token-file leaves no YAML behind.
     if path.is_dir():
-        raise RayfleetError(f"--out {path}: is a folder; name the YAML file to write")
+        raise RayfleetError(f"--output {path}: is a folder; name the YAML file to write")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise RayfleetError(f"--out {path}: cannot create its folder ({e.strerror})") from None
+        raise RayfleetError(f"--output {path}: cannot create its folder ({e.strerror})") from None
     refuse_foreign(Path(agents_folder(token_file)).expanduser())
     constraints = nodeenv.node_constraints()   # none: nothing written
     if create_token:
@@ -210,5 +210,5 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise RayfleetError(f"--out {path}: cannot write ({e.strerror})") from None
+        raise RayfleetError(f"--output {path}: cannot write ({e.strerror})") from None
     return path

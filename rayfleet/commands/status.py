@@ -1,11 +1,12 @@
-"""`rayfleet status`: per node type of a launched cluster, what runs, what is launching and the
-last launch error with its AWS reason, one line each (rayfleet/capacity.py reads the report).
+"""`rayfleet status [CLUSTER_YAML]`: per node type of a launched cluster, what runs, what is
+launching and the last launch error with its AWS reason, one line each (rayfleet/capacity.py
+reads the report).
 
 It asks the head's dashboard (``/api/cluster_status``) through the tunnel `ray dashboard
 <cluster.yaml>` opens, with the cluster's token, as `ray job submit` does. With the cluster
-YAML (``--config``), its node types come in the YAML's order (the order the head's scorer
-launches them in, rayfleet/agents/fallover.py) and its token file is found the way render
-wrote it; a node type no node has reached and no launch has touched still gets its line.
+YAML, its node types come in the YAML's order (the order the head's scorer launches them in,
+rayfleet/agents/fallover.py) and its token file is found the way render wrote it; a node type
+no node has reached and no launch has touched still gets its line.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def fetch(address: str, token: str | None, timeout: float = 10) -> dict:
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
             raise ClusterError(f"{address} refused the request ({e.code}): the cluster's token "
-                               "is missing or wrong (RAY_AUTH_TOKEN_PATH, or --config)") from None
+                               "is missing or wrong (RAY_AUTH_TOKEN_PATH, or the CLUSTER_YAML "
+                               "argument)") from None
         raise ClusterError(f"{address}/api/cluster_status answered {e.code}") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)

@@ -1,4 +1,4 @@
-"""`rayfleet sweep --cluster-name N [--delete]`: what a Ray cluster left behind.
+"""`rayfleet sweep CLUSTER_YAML [--delete]`: what a Ray cluster left behind.
 
 After `ray down` (or an interrupted `ray up`) these can outlive the cluster and keep billing
 or keep a door open: instances (stopped ones too: their EBS still bills), volumes, network
@@ -6,6 +6,8 @@ interfaces, the ``ray-autoscaler-<cluster>`` security group Ray creates, and key
 by the ``ray-cluster-name`` tag Ray puts on everything it launches (and, for Ray's security
 group, by its name). Anything tagged ``rayfleet:managed-by=pulumi`` belongs to the stack and is
 never touched: `pulumi destroy` removes it. Listed by default; removed only with ``--delete``.
+The cluster's name and region come from its YAML (or from --cluster-name and --region, both
+given: a region guessed from the AWS profile would search the wrong one and find nothing).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from rayfleet.clusteryaml import load
 from rayfleet.configkeys import AWS_REGIONS
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
 from rayfleet.facts import MANAGED_BY_PULUMI, RAY_CLUSTER_TAG, TAG_MANAGED_BY
@@ -37,13 +40,52 @@ def _ours(resource: dict) -> bool:
     return _tags(resource).get(TAG_MANAGED_BY) == MANAGED_BY_PULUMI
 
 
-def check_cluster_name(name: str) -> str:
+def check_cluster_name(name: str, key: str = "--cluster-name") -> str:
     # Ray accepts more, but every cluster rayfleet renders has a config-valid name; anything
     # else (a typo with capitals, a glob) would only ever match nothing.
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", name or ""):
-        raise ConfigError("--cluster-name", f"{name!r} is not a Ray cluster name (letters, "
-                                            "digits, - _ .)")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", name):
+        raise ConfigError(key, f"{name!r} is not a Ray cluster name (letters, digits, - _ .)")
     return name
+
+
+def check_region(region: str, key: str = "--region") -> str:
+    if region not in AWS_REGIONS:
+        raise ConfigError(key, f"{region!r} is not an AWS region"
+                               f"{did_you_mean(region, AWS_REGIONS)}")
+    return region
+
+
+def of_yaml(path: str) -> tuple[str, str]:
+    """(cluster_name, provider.region) of a cluster YAML, both checked."""
+    cfg, _ = load(path)
+    provider = cfg["provider"]
+    if provider.get("type") != "aws":
+        raise RayfleetError(f"{path}: sweep looks for what a cluster left on AWS "
+                            f"(provider.type: aws), not {provider.get('type')!r}")
+    if "cluster_name" not in cfg:
+        raise ConfigError("cluster_name", f"{path} has none; sweep finds a cluster by it")
+    if "region" not in provider:
+        raise ConfigError("provider.region", f"{path} has none; sweep looks in that region")
+    return (check_cluster_name(cfg["cluster_name"], "cluster_name"),
+            check_region(provider["region"], "provider.region"))
+
+
+def target(cluster_yaml: str | None, cluster_name: str | None,
+           region: str | None) -> tuple[str, str]:
+    """(cluster name, region) from the YAML, or from --cluster-name and --region, both given."""
+    if cluster_yaml is not None:
+        if cluster_name is not None or region is not None:
+            raise ConfigError("CLUSTER_YAML", "the YAML names the cluster and its region: "
+                                              "drop --cluster-name and --region")
+        return of_yaml(cluster_yaml)
+    if cluster_name is None:
+        raise ConfigError("CLUSTER_YAML", "which cluster: rayfleet sweep CLUSTER_YAML (or "
+                                          "--cluster-name NAME --region REGION)")
+    if region is None:
+        raise ConfigError("--region", "required with --cluster-name (the AWS profile's region "
+                                      "may not be the cluster's); or give the YAML: rayfleet "
+                                      "sweep CLUSTER_YAML")
+    return check_cluster_name(cluster_name), check_region(region)
 
 
 def find(ec2, cluster: str) -> list[Leftover]:
@@ -120,19 +162,16 @@ def delete(ec2, leftovers: list[Leftover]) -> list[str]:
     return failures
 
 
-def client(region: str | None):
+def client(region: str):
     import boto3
 
-    return boto3.client("ec2", region_name=region) if region else boto3.client("ec2")
+    return boto3.client("ec2", region_name=region)
 
 
-def main(cluster_name: str, region: str | None = None, delete_: bool = False, out=None,
-         ec2: Any = None) -> int:
+def main(cluster_name: str | None = None, region: str | None = None, delete_: bool = False,
+         out=None, ec2: Any = None, cluster_yaml: str | None = None) -> int:
     out = out or sys.stdout
-    check_cluster_name(cluster_name)
-    if region is not None and region not in AWS_REGIONS:
-        raise ConfigError("--region", f"{region!r} is not an AWS region"
-                                      f"{did_you_mean(region, AWS_REGIONS)}")
+    cluster_name, region = target(cluster_yaml, cluster_name, region)
     ec2 = ec2 or client(region)
     try:
         found = find(ec2, cluster_name)
@@ -143,13 +182,13 @@ def main(cluster_name: str, region: str | None = None, delete_: bool = False, ou
             raise RayfleetError(f"cannot list EC2 resources: {e}") from None
         raise
     if not found:
-        print(f"nothing tagged {RAY_CLUSTER_TAG}={cluster_name} is left", file=out)
+        print(f"nothing tagged {RAY_CLUSTER_TAG}={cluster_name} is left in {region}", file=out)
         return 0
     for x in found:
         print(f"{x.kind:18} {x.id:24} {x.detail}", file=out)
     if not delete_:
-        print(f"{len(found)} leftover(s) of {cluster_name}; run again with --delete to remove "
-              "them", file=out)
+        print(f"{len(found)} leftover(s) of {cluster_name} in {region}; run again with --delete "
+              "to remove them", file=out)
         return 1
     failures = delete(ec2, found)
     for f in failures:

@@ -79,7 +79,7 @@ def test_a_run_no_allowed_type_can_serve_stops_in_one_line_and_status_says_so(ra
 
         # The same report through the cluster's dashboard: each type's row and the verdict.
         def status() -> list[str] | None:
-            out = run([str(BIN / "rayfleet"), "status", "--config", config, "--address",
+            out = run([str(BIN / "rayfleet"), "status", config, "--address",
                        ray_cluster["dashboard_url"]], env=env, timeout=60)
             assert out.returncode == 0, out.stderr
             lines = out.stdout.splitlines()

@@ -457,7 +457,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert {head.ip, workers[0]["PrivateIpAddress"]} <= set(alive), nodes
 
         with step("rayfleet status: the refused type's AWS reason, the fallback running"):
-            lines = _ok(run([str(BIN / "rayfleet"), "status", "--config", str(cluster_yaml),
+            lines = _ok(run([str(BIN / "rayfleet"), "status", str(cluster_yaml),
                              "--address", address], env=client, timeout=60),
                         "rayfleet status").splitlines()
             rows = {ln.split(":")[0]: ln for ln in lines}
@@ -705,7 +705,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             calls = cloud.terminated_in_order()
             assert [sorted(c) for c in calls] == [all_workers, [head.instance_id]], cloud.events
         with step("rayfleet logs: the run's logs and metrics, after the cluster is gone"):
-            logs = [str(BIN / "rayfleet"), "logs", "--config", str(cluster_yaml)]
+            logs = [str(BIN / "rayfleet"), "logs", str(cluster_yaml)]
             driver = _ok(run([*logs, "cloud-ddp"], env=env, timeout=60), "rayfleet logs")
             assert "RAYFLEET_SUMMARY" in driver and "SUCCEEDED" in driver, driver[-2000:]
             listing = _ok(run([*logs, "cloud-ddp", "--list"], env=env, timeout=60),

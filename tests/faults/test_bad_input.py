@@ -257,7 +257,7 @@ SPOT = "ray.worker.p4d.24xlarge.spot"
 CASES = [
     # -- the rayfleet CLI itself
     Case("cli-unknown-command", "rayfleet", ["frobnicate"], "invalid choice: 'frobnicate'"),
-    Case("cli-missing-argument", "rayfleet", ["cost"], "required: config"),
+    Case("cli-missing-argument", "rayfleet", ["cost"], "required: CLUSTER_YAML"),
     Case("cli-gpus-not-a-number", "rayfleet", ["preflight", "{yaml}", "--num-gpus", "two"],
          "argument --num-gpus: expected a number, got 'two'"),
     Case("local-port-out-of-range", "rayfleet", ["local", "up", "--port", "99999"],
@@ -266,10 +266,19 @@ CASES = [
          ["local", "up", "--object-store-memory", "lots"], "cannot read 'lots' as a size"),
     Case("local-status-without-cluster", "rayfleet", ["local", "status"],
          "no rayfleet local cluster is running; start one with `rayfleet local up`"),
-    Case("sweep-bad-cluster-name", "rayfleet", ["sweep", "--cluster-name", "my cluster*"],
+    Case("sweep-bad-cluster-name", "rayfleet", ["sweep", "--cluster-name", "my cluster*",
+                                                "--region", "us-east-1"],
          "--cluster-name: 'my cluster*' is not a Ray cluster name"),
     Case("sweep-region-typo", "rayfleet", ["sweep", "--cluster-name", "c", "--region",
                                            "us-east1"], 'did you mean "us-east-1"'),
+    # Not the AWS profile's region, which may not be the cluster's: no guess, no AWS call.
+    Case("sweep-name-without-region", "rayfleet", ["sweep", "--cluster-name", "c"],
+         "--region: required with --cluster-name"),
+    Case("sweep-yaml-region-typo", "rayfleet", ["sweep", "{tmp}/cluster.yaml"],
+         "provider.region: 'us-east1' is not an AWS region (did you mean \"us-east-1\"?)",
+         lambda t: _cluster(t, lambda c: c["provider"].update(region="us-east1"))),
+    Case("logs-run-before-its-yaml", "rayfleet", ["logs", "my-run", "{yaml}"],
+         f"the cluster YAML comes first: rayfleet logs {EXAMPLE_YAML} my-run"),
     # -- the stack config (Pulumi.<stack>.yaml), as `rayfleet cost --stack-file` reads it
     Case("stack-world-open-cidr", "rayfleet", COST_STACK,
          "rayfleet:operatorCidrs: 0.0.0.0/0 opens SSH and the dashboard to the whole internet",

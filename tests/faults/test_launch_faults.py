@@ -73,7 +73,7 @@ def test_launch_interrupted_by_capacity_error_is_swept_clean(infra_stack, moto_a
     c = o["cluster_name"]
     ec2 = moto_account.client("ec2")
     rendered = tmp_path / "cluster.yaml"
-    assert cli.main(["render", str(infra_stack.path), "--out", str(rendered),
+    assert cli.main(["render", str(infra_stack.path), "--output", str(rendered),
                      "--token-file", str(tmp_path / "token")]) == 0
     cfg = ray_launch_config(rendered)
     provider = AWSNodeProvider(cfg["provider"], cfg["cluster_name"])

@@ -2,8 +2,8 @@
 (tests/moto/pulumi_moto.py) -> its stack output -> `rayfleet render` -> `rayfleet preflight`
 passes -> Ray's own AWS bootstrap and node provider launch a head and both A100 worker types
 from the rendered YAML -> every node sits where the stack says, with IMDSv2 and encrypted
-roots, and Ray created no security group, role or key pair -> `rayfleet sweep --delete`
-leaves nothing tagged, and the stack's own resources stay for `pulumi destroy`."""
+roots, and Ray created no security group, role or key pair -> `rayfleet sweep CLUSTER_YAML
+--delete` leaves nothing tagged, and the stack's own resources stay for `pulumi destroy`."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_infra_stack_renders_launches_and_sweeps_clean(infra_stack, moto_account
                                            for s in policy["Statement"]), key
 
     rendered = tmp_path / "cluster.yaml"
-    assert cli.main(["render", str(infra_stack.path), "--out", str(rendered),
+    assert cli.main(["render", str(infra_stack.path), "-o", str(rendered),
                      "--token-file", str(tmp_path / "token")]) == 0
     assert cli.main(["preflight", str(rendered), "--num-gpus", "8"]) == 0, \
         capsys.readouterr().out
@@ -184,10 +184,12 @@ def test_infra_stack_renders_launches_and_sweeps_clean(infra_stack, moto_account
                       TagSpecifications=[{"ResourceType": "volume", "Tags": [
                           {"Key": "ray-cluster-name", "Value": c}]}])
     capsys.readouterr()
-    assert cli.main(["sweep", "--cluster-name", c, "--region", o["region"], "--delete"]) == 0
+    # The cluster's name and region from the rendered YAML, as README's last step runs it.
+    assert cli.main(["sweep", str(rendered), "--delete"]) == 0
     assert sweep.find(ec2, c) == []
     assert cli.main(["sweep", "--cluster-name", c, "--region", o["region"]]) == 0
-    assert f"nothing tagged ray-cluster-name={c} is left" in capsys.readouterr().out
+    assert f"nothing tagged ray-cluster-name={c} is left in {o['region']}" in \
+        capsys.readouterr().out
     # The stack's own resources stay for `pulumi destroy`.
     assert {o["cluster_security_group_id"], o["efa_security_group_id"]} <= {
         g["GroupId"] for g in ec2.describe_security_groups()["SecurityGroups"]}

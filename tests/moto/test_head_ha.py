@@ -64,7 +64,7 @@ def test_ha_stack_store_token_and_head_address_in_moto(moto_account, tmp_path):
 
     # `ray up`'s bootstrap and Ray's node provider launch the head at the fixed address.
     rendered = tmp_path / "cluster.yaml"
-    assert cli.main(["render", str(stack.path), "--out", str(rendered),
+    assert cli.main(["render", str(stack.path), "--output", str(rendered),
                      "--token-file", str(tmp_path / "token")]) == 0
     assert cli.main(["preflight", str(rendered), "--num-gpus", "8"]) == 0
     cfg = ray_launch_config(rendered)

@@ -190,25 +190,25 @@ def test_storage_from_the_rendered_yaml_and_the_autostop_log(shipped, s3_client,
     config = tmp_path / "dev.yaml"
     config.write_text(re.sub(r"(?m)^# Storage for jobs: \S+$",
                              f"# Storage for jobs: {shipped['storage']}/", example))
-    assert cli.main(["logs", shipped["run"], "--config", str(config), "--file",
+    assert cli.main(["logs", str(config), shipped["run"], "--file",
                      "driver.log"]) == 0
     assert "driver line two" in capsys.readouterr().out
     out = tmp_path / "job.json"
-    assert cli.main(["logs", shipped["run"], "--config", str(config), "--file",
+    assert cli.main(["logs", str(config), shipped["run"], "--file",
                      "logs/job.json", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["submission_id"] == shipped["run"]
-    assert cli.main(["logs", shipped["run"], "--config", str(config), "--file",
+    assert cli.main(["logs", str(config), shipped["run"], "--file",
                      "logs/job.json", "-o", str(tmp_path / "no" / "such" / "dir")]) == 2
     assert "-o: cannot write " in capsys.readouterr().err
     capsys.readouterr()
 
-    assert cli.main(["logs", "--cluster", "rayfleet-dev", "--config", str(config)]) == 2
+    assert cli.main(["logs", str(config), "--cluster", "rayfleet-dev"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no clusters/rayfleet-dev/autostop.log" in err, err
     s3_client.put_object(Bucket=shipped["bucket"],
                          Key="rayfleet/clusters/rayfleet-dev/autostop.log",
                          Body=b"2026-11-23T10:00:00Z idle 30 min: stopping\n")
-    assert cli.main(["logs", "--cluster", "rayfleet-dev", "--config", str(config)]) == 0
+    assert cli.main(["logs", str(config), "--cluster", "rayfleet-dev"]) == 0
     assert capsys.readouterr().out == "2026-11-23T10:00:00Z idle 30 min: stopping\n"
 
 

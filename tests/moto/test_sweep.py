@@ -1,5 +1,6 @@
 """`rayfleet sweep` on moto: every leftover tagged with the cluster is listed, removed only
-with --delete, and the stack's own (Pulumi-managed) resources are never touched."""
+with --delete, and the stack's own (Pulumi-managed) resources are never touched; the cluster's
+name and region come from its YAML, or from --cluster-name and --region, both."""
 
 from __future__ import annotations
 
@@ -89,6 +90,12 @@ def test_lists_every_leftover_but_not_the_stack_or_other_clusters(ec2, leftovers
     assert not set(OTHER_VOLUMES) & found["volume"]
 
 
+def _yaml(tmp_path, region: str = "us-east-1", name: str = CLUSTER, kind: str = "aws") -> str:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(f"cluster_name: {name}\nprovider: {{type: {kind}, region: {region}}}\n")
+    return str(path)
+
+
 def test_without_delete_nothing_is_removed(ec2, leftovers, capsys):
     assert cli.main(["sweep", "--cluster-name", CLUSTER, "--region", "us-east-1"]) == 1
     out = capsys.readouterr().out
@@ -111,6 +118,23 @@ def test_delete_removes_everything_and_leaves_the_stack(ec2, leftovers, stack_sg
     assert "nothing tagged" in capsys.readouterr().out
 
 
+def test_the_yaml_names_the_cluster_and_its_region(ec2, leftovers, tmp_path, monkeypatch,
+                                                   capsys):
+    """The AWS profile's region is another one: the YAML's provider.region is searched, and
+    the line says which region it searched."""
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
+    assert cli.main(["sweep", _yaml(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"leftover(s) of {CLUSTER} in us-east-1" in out and "stopped" in out
+    # The same cluster name in a region where it left nothing: that region, and nothing there.
+    assert cli.main(["sweep", _yaml(tmp_path, region="us-west-2")]) == 0
+    assert capsys.readouterr().out == \
+        f"nothing tagged ray-cluster-name={CLUSTER} is left in us-west-2\n"
+    assert cli.main(["sweep", _yaml(tmp_path), "--delete"]) == 0
+    assert _found(ec2) == {}
+    assert _other_cluster_intact(ec2)
+
+
 def test_an_instance_ec2_will_not_terminate_stops_nothing_else(ec2, leftovers, vpc, ami,
                                                                  capsys):
     """A leftover with termination protection: one line for it, no traceback, and every
@@ -130,12 +154,40 @@ def test_an_instance_ec2_will_not_terminate_stops_nothing_else(ec2, leftovers, v
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["--cluster-name", "rayfleet dev"], "not a Ray cluster name"),
-    (["--cluster-name", "*"], "not a Ray cluster name"),
+    (["--cluster-name", "rayfleet dev", "--region", "us-east-1"], "not a Ray cluster name"),
+    (["--cluster-name", "*", "--region", "us-east-1"], "not a Ray cluster name"),
     (["--cluster-name", CLUSTER, "--region", "us-east1"], 'did you mean "us-east-1"'),
+    # The bug this refuses: the profile's region searched, "nothing left" and exit 0.
+    (["--cluster-name", CLUSTER], "--region: required with --cluster-name"),
+    (["--region", "us-east-1"], "which cluster: rayfleet sweep CLUSTER_YAML"),
+    ([], "which cluster: rayfleet sweep CLUSTER_YAML"),
+    (["{yaml}", "--region", "us-west-2"], "the YAML names the cluster and its region"),
+    (["{yaml}", "--cluster-name", CLUSTER], "the YAML names the cluster and its region"),
+    (["{tmp}/none.yaml"], "none.yaml: no such file"),
+    (["{yaml:us-east1}"], 'provider.region: \'us-east1\' is not an AWS region (did you mean'),
+    (["{yaml:us-east-1:Bad Name}"], "cluster_name: 'Bad Name' is not a Ray cluster name"),
+    (["{yaml:us-east-1:c:local}"], "sweep looks for what a cluster left on AWS"),
 ])
-def test_bad_input_one_line_no_aws_call(argv, expected, aws, aws_calls, capsys):
-    assert cli.main(["sweep", *argv]) == 2
+def test_bad_input_one_line_no_aws_call(argv, expected, aws, aws_calls, capsys, tmp_path):
+    def arg(a: str) -> str:
+        if a.startswith("{yaml"):
+            return _yaml(tmp_path, *a.strip("{}").split(":")[1:])
+        return a.format(tmp=tmp_path)
+
+    assert cli.main(["sweep", *map(arg, argv)]) == 2
     err = capsys.readouterr().err
-    assert expected in err and len(err.strip().splitlines()) == 1
+    assert expected in err and len(err.strip().splitlines()) == 1, err
+    assert aws_calls == []
+
+
+@pytest.mark.parametrize("body,expected", [
+    ("provider: {type: aws, region: us-east-1}\n", "cluster_name: "),
+    ("cluster_name: c\nprovider: {type: aws}\n", "provider.region: "),
+])
+def test_a_yaml_without_name_or_region_is_one_line(body, expected, aws, aws_calls, capsys,
+                                                   tmp_path):
+    (tmp_path / "c.yaml").write_text(body)
+    assert cli.main(["sweep", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rayfleet: error: {expected}") and err.count("\n") == 1, err
     assert aws_calls == []

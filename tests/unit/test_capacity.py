@@ -117,7 +117,7 @@ def test_rayfleet_status_reads_the_dashboard_in_the_yamls_order(dashboard, tmp_p
         "available_node_types": {"ray.head.default": {}, **{n: {} for n in ORDER},
                                  "ray.worker.p5.48xlarge.spot": {}}}))
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
-    assert cli.main(["status", "--config", str(config), "--address", dashboard]) == 0
+    assert cli.main(["status", str(config), "--address", dashboard]) == 0
     lines = capsys.readouterr().out.splitlines()
     # One line per worker type in the YAML's order, the untouched p5 included; then the verdict.
     assert [ln.split(":")[0] for ln in lines[:4]] == [*ORDER, "ray.worker.p5.48xlarge.spot"]
@@ -138,7 +138,7 @@ def test_rayfleet_status_says_when_nothing_was_reported_or_nothing_autoscales(
                                                            ORDER[0]: {}}}))
     # The dashboard answers, but the autoscaler has written no report yet.
     _Dashboard.body = json.dumps({"result": True, "data": {"clusterStatus": {}}}).encode()
-    assert cli.main(["status", "--config", str(config), "--address", dashboard]) == 0
+    assert cli.main(["status", str(config), "--address", dashboard]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "the autoscaler has not reported yet (it does every few seconds after `ray up`)",
         f"{ORDER[0]}: 0 running, 0 pending"]
@@ -149,7 +149,7 @@ def test_rayfleet_status_says_when_nothing_was_reported_or_nothing_autoscales(
                                   "available_node_types": {"ray.head.default": {}}}))
     _Dashboard.body = json.dumps({"result": True, "data": to_google_style(
         {"cluster_status": json.loads(ray_report([]))})}).encode()
-    assert cli.main(["status", "--config", str(config), "--address", dashboard]) == 0
+    assert cli.main(["status", str(config), "--address", dashboard]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "no worker node types: the cluster does not autoscale (no `ray up` autoscaler report "
         "yet)"]

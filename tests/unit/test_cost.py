@@ -28,10 +28,37 @@ def test_example_floor_and_ceiling():
 
 
 def test_cli_reports_date_offline_note_and_budget(capsys):
-    assert cli.main(["cost", str(EXAMPLE), "--stack-file", str(REPO / "Pulumi.dev.yaml")]) == 0
+    # Over the budget is a finding: exit 1 (docs/cli.md), the report printed all the same.
+    assert cli.main(["cost", str(EXAMPLE), "--stack-file", str(REPO / "Pulumi.dev.yaml")]) == 1
     out = capsys.readouterr().out
     assert cost.load_prices()["as_of"] in out and "cannot be fetched offline" in out
     assert "budget $5,000/month" in out and "OVER" in out and "within" in out
+
+
+@pytest.mark.parametrize("budget,code,verdicts", [
+    ("1000000", 0, ["within", "within"]),    # idle floor and busy ceiling both within
+    ("5000", 1, ["within", "OVER"]),         # the ceiling over: a finding
+    ("100", 1, ["OVER", "OVER"]),            # even idle, over
+])
+def test_over_budget_exits_1(budget, code, verdicts, capsys):
+    assert cli.main(["cost", str(EXAMPLE), "--budget-usd", budget]) == code
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("budget $")]
+    assert [ln.rsplit(" - ", 1)[1] for ln in lines] == verdicts
+
+
+def test_no_budget_and_no_confirmed_price_are_not_findings(tmp_path, capsys):
+    assert cli.main(["cost", str(EXAMPLE)]) == 0
+    assert "no budget given" in capsys.readouterr().out
+    # The ceiling has no confirmed price (p5 first): nothing over, exit 0.
+    cfg = _two_types()
+    types = cfg["available_node_types"]
+    cfg["available_node_types"] = dict(sorted(types.items(), key=lambda kv: "p5" not in
+                                              kv[1]["node_config"]["InstanceType"]))
+    path = tmp_path / "p5-first.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))   # the YAML's order is the preference
+    assert cli.main(["cost", str(path), "--budget-usd", "1000000"]) == 0
+    assert "busy (max, all p5.48xlarge (the preferred type)) has no confirmed price" in \
+        capsys.readouterr().out
 
 
 def test_price_table_is_dated_and_covers_every_worker_type():

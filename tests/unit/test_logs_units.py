@@ -28,9 +28,22 @@ def loopback_s3(monkeypatch):
 
 
 @pytest.mark.parametrize("argv,says", [
-    (["logs"], "give a run (rayfleet logs RUN) or --cluster NAME"),
-    (["logs", "r1", "--cluster", "dev-a"], "not both"),
-    (["logs", "r1"], "--storage: where to read from"),
+    (["logs"], "give a run (rayfleet logs CLUSTER_YAML RUN) or --cluster NAME"),
+    (["logs", "r1", "--cluster", "dev-a", "--storage", "s3://b-1/p"], "not both"),
+    (["logs", "--cluster", "dev-a"], "--storage: where to read from: pass the cluster YAML"),
+    # One argument and no --storage: the YAML, unless it is neither a file nor a .yaml path.
+    (["logs", "r1"], "CLUSTER_YAML: 'r1' is not a cluster YAML (no such file); where to read "
+                     "from: rayfleet logs CLUSTER_YAML [RUN], or rayfleet logs --storage"),
+    (["logs", "r1", "--cluster", "dev-a"], "'r1' is not a cluster YAML"),
+    (["logs", "/nonexistent/dev.yaml", "r1"], "/nonexistent/dev.yaml: no such file"),
+    (["logs", "/nonexistent/dev.yaml", "--cluster", "dev-a"], "no such file"),
+    # A run before its YAML, or a YAML and --storage both: said which way to write it.
+    (["logs", "r1", "{yaml}"], "the cluster YAML comes first: rayfleet logs {yaml} r1"),
+    (["logs", "{yaml}", "r1", "--storage", "s3://b-1/p"],
+     "the cluster YAML and --storage both say where to read from"),
+    (["logs", "dev.yaml", "--storage", "s3://b-1/p"], "both say where to read from"),
+    (["logs", "{yaml}", "r1", "--config", "{yaml}"], "with --config the one argument is the run"),
+    (["logs", "{yaml}", "r1", "extra"], "unrecognized arguments: extra"),
     (["logs", "r1", "--storage", "s3://Bad_Bucket/p"], "is not s3://BUCKET/PREFIX"),
     (["logs", "r1", "--storage", "/tmp/runs"], "is not s3://BUCKET/PREFIX"),
     (["logs", "../up", "--storage", "s3://b-1/p"], "is not a run name"),
@@ -38,24 +51,75 @@ def loopback_s3(monkeypatch):
     (["logs", "r1", "--storage", "s3://b-1/p", "--list", "--file", "a"], "one at a time"),
     (["logs", "--cluster", "Dev_1", "--storage", "s3://b-1/p"], "not a rayfleet cluster name"),
     (["logs", "--cluster", "dev-a", "--list", "--storage", "s3://b-1/p"], "are for a run"),
-    (["logs", "r1", "--config", "/nonexistent/dev.yaml"], "no such file"),
+    (["logs", "r1", "--storage", "s3://b-1/p", "-o", "x", "--out", "y"], "give -o/--output only"),
     (["logs", "r1", "--bogus"], "unrecognized arguments: --bogus"),
 ])
-def test_bad_input_is_one_line_and_no_aws_call(argv, says, capsys, aws_calls, loopback_s3):
+def test_bad_input_is_one_line_and_no_aws_call(argv, says, capsys, aws_calls, loopback_s3,
+                                               tmp_path):
+    yaml_path = tmp_path / "dev.yaml"
+    yaml_path.write_text("cluster_name: x\nprovider: {type: aws, region: us-east-1}\n")
+    argv = [a.format(yaml=yaml_path) for a in argv]
     assert cli.main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("rayfleet: error: "), err
-    assert says in err, err
+    assert says.format(yaml=yaml_path) in err, err
     assert aws_calls == []
 
 
 def test_a_yaml_without_the_storage_header(tmp_path, capsys, aws_calls, loopback_s3):
     cfg = tmp_path / "ray.yaml"
     cfg.write_text("cluster_name: x\nprovider: {type: aws, region: us-east-1}\n")
-    assert cli.main(["logs", "r1", "--config", str(cfg)]) == 2
+    assert cli.main(["logs", str(cfg), "r1"]) == 2
     err = capsys.readouterr().err
-    assert "has no '# Storage for jobs: s3://...' header" in err and err.count("\n") == 1
+    assert err.startswith("rayfleet: error: CLUSTER_YAML: ") and err.count("\n") == 1, err
+    assert "has no '# Storage for jobs: s3://...' header" in err
     assert aws_calls == []
+
+
+STORAGE_YAML = "# Storage for jobs: s3://rayfleet-logs/p/\ncluster_name: x\nprovider: {type: aws}\n"
+
+
+@pytest.mark.parametrize("argv,run,config,storage,cluster", [
+    (["{yaml}", "r1"], "r1", "{yaml}", None, None),
+    (["{yaml}", "--cluster", "dev-a"], None, "{yaml}", None, "dev-a"),
+    (["{yaml}", "r1", "--list"], "r1", "{yaml}", None, None),
+    (["--storage", "s3://b-1/p", "r1"], "r1", None, "s3://b-1/p", None),
+    (["r1", "--storage", "s3://b-1/p", "--list"], "r1", None, "s3://b-1/p", None),
+    (["--storage", "s3://b-1/p", "--cluster", "dev-a"], None, None, "s3://b-1/p", "dev-a"),
+    # The old spelling: the one argument is the run, the YAML follows --config.
+    (["r1", "--config", "{yaml}"], "r1", "{yaml}", None, None),
+    (["--cluster", "dev-a", "--config", "{yaml}"], None, "{yaml}", None, "dev-a"),
+])
+def test_the_arguments_read_as_yaml_then_run(argv, run, config, storage, cluster, tmp_path,
+                                             monkeypatch, capsys):
+    """`rayfleet logs CLUSTER_YAML [RUN]`, or `--storage s3://... [RUN]`; the old --config
+    still works, after its one line."""
+    yaml_path = tmp_path / "dev.yaml"
+    yaml_path.write_text(STORAGE_YAML)
+    seen = {}
+    monkeypatch.setattr(logs, "main", lambda run, **kw: seen.update(run=run, **kw) or 0)
+    assert cli.main(["logs", *(a.format(yaml=yaml_path) for a in argv)]) == 0
+    config = config.format(yaml=yaml_path) if config else config
+    assert (seen["run"], seen["config"], seen["storage"], seen["cluster"]) == \
+        (run, config, storage, cluster)
+    err = capsys.readouterr().err
+    if "--config" in argv:
+        assert err == "rayfleet: --config is deprecated: rayfleet logs CLUSTER_YAML [RUN]\n"
+    else:
+        assert err == ""
+
+
+def test_out_still_writes_with_its_one_line(tmp_path, monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setattr(logs, "main", lambda run, **kw: seen.update(kw) or 0)
+    assert cli.main(["logs", "--storage", "s3://b-1/p", "r1", "--file", "loss.png", "--out",
+                     str(tmp_path / "loss.png")]) == 0
+    assert seen["out_path"] == str(tmp_path / "loss.png")
+    assert capsys.readouterr().err == ("rayfleet: --out is deprecated: rayfleet logs "
+                                       "CLUSTER_YAML RUN --file NAME -o/--output PATH\n")
+    assert cli.main(["logs", "--storage", "s3://b-1/p", "r1", "--file", "loss.png", "--output",
+                     "a.png"]) == 0
+    assert seen["out_path"] == "a.png" and capsys.readouterr().err == ""
 
 
 def test_an_unreachable_endpoint_is_one_line(capsys, loopback_s3):
