@@ -1,22 +1,28 @@
 """The one reader of a Ray cluster YAML (what `rayfleet render` writes, and the head's copy at
 ``facts.BOOTSTRAP_CONFIG``): the file loaded in one line or refused in one, its node types
-typed, and :func:`at_once`, what a cluster can run at the same time."""
+typed, :func:`at_once`, what a cluster can run at the same time, and render's facts, read from
+the file render writes beside the YAML (:func:`render_facts`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 import yaml
 
+from rayfleet import runstore
 from rayfleet.errors import RayfleetError
 from rayfleet.facts import BOOTSTRAP_CONFIG
 
-__all__ = ["BOOTSTRAP_CONFIG", "ClusterYaml", "NodeType", "Unloadable", "at_once",
-           "bucket_from_header", "load", "read"]
+__all__ = ["BOOTSTRAP_CONFIG", "ClusterYaml", "FACTS_SCHEMA", "FACTS_SUFFIX", "NodeType",
+           "RenderFacts", "Unloadable", "at_once", "autoscaler_config", "bucket_from_header",
+           "facts_path", "load", "read", "render_facts"]
 
 # Why a file is not a cluster YAML (Unloadable.kind).
 MISSING, UNREADABLE, NOT_TEXT, NOT_YAML, SHAPE = ("missing", "unreadable", "not text",
@@ -85,6 +91,93 @@ def bucket_from_header(text: str) -> str | None:
     """The jobs' storage `rayfleet render` names in the YAML's header."""
     m = re.search(r"^# Storage for jobs: (s3://\S+)", text, re.M)
     return m.group(1) if m else None
+
+
+def autoscaler_config(path: str = BOOTSTRAP_CONFIG) -> dict:
+    """The head's autoscaling config ({} on a cluster that does not autoscale, and off one)."""
+    try:
+        cfg, _ = read(path, expand=True)
+    except Unloadable:
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+# render's facts, beside the YAML it writes (<stem>.rayfleet.json); a reader refuses a newer
+# schema than its own.
+FACTS_SUFFIX = ".rayfleet.json"
+FACTS_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class RenderFacts:
+    """What `rayfleet render` knew when it wrote a cluster YAML. Read from an older YAML's
+    header comment (``legacy``), only ``storage_uri`` and ``run_store`` are known."""
+
+    storage_uri: str
+    run_store: str
+    stack: str | None = None
+    cluster_name: str | None = None
+    region: str | None = None
+    token_file: str | None = None
+    schema_version: int = FACTS_SCHEMA
+    legacy: bool = dataclasses.field(default=False, compare=False)
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in dataclasses.asdict(self).items() if k != "legacy"},
+                          indent=2, sort_keys=True) + "\n"
+
+
+def facts_path(path: str | Path) -> Path:
+    """The facts file of the cluster YAML at ``path``: ``x.yaml`` -> ``x.rayfleet.json``."""
+    path = Path(path)
+    return path.with_name(path.stem + FACTS_SUFFIX)
+
+
+def _parse_facts(file: Path) -> RenderFacts:
+    fix = "re-render the cluster YAML with `rayfleet render`"
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise RayfleetError(f"{file}: cannot read ({e.strerror})") from None
+    except (UnicodeDecodeError, ValueError):
+        raise RayfleetError(f"{file}: not JSON; {fix}") from None
+    if not isinstance(data, dict):
+        raise RayfleetError(f"{file}: not a JSON object; {fix}")
+    version = data.get("schema_version")
+    if type(version) is not int or version < 1:
+        raise RayfleetError(f"{file}: schema_version {version!r} is not a version; {fix}")
+    if version > FACTS_SCHEMA:
+        raise RayfleetError(f"{file}: schema_version {version} is newer than this kit's "
+                            f"{FACTS_SCHEMA}; upgrade rayfleet, or re-render with this one")
+    keys = [f.name for f in dataclasses.fields(RenderFacts)
+            if f.name not in ("schema_version", "legacy")]
+    bad = [k for k in keys if not isinstance(data.get(k), str) or not data[k]]
+    if bad:
+        raise RayfleetError(f"{file}: {', '.join(bad)} missing or not text; {fix}")
+    return RenderFacts(schema_version=version, **{k: data[k] for k in keys})
+
+
+def render_facts(path: str, err: TextIO | None = None) -> RenderFacts | None:
+    """render's facts for the cluster YAML at ``path`` (loaded, or refused in one line): its
+    facts file, refused in one line when malformed or another cluster's; without one (a
+    hand-written YAML, or an older kit's), the storage of its header comment, said on ``err``
+    (stderr) in one line, for one release; None where neither is there."""
+    cfg, text = load(path)
+    file = facts_path(path)
+    if file.is_file():
+        facts = _parse_facts(file)
+        if facts.cluster_name != cfg.get("cluster_name"):
+            raise RayfleetError(f"{file}: is cluster {facts.cluster_name!r}'s, and {path} is "
+                                f"{cfg.get('cluster_name')!r}'s; re-render the cluster YAML "
+                                "with `rayfleet render`")
+        return facts
+    uri = bucket_from_header(text)
+    if uri is None:
+        return None
+    print(f"rayfleet: {path} has no {file.name} beside it (hand-written, or rendered by an "
+          "older kit): read its '# Storage for jobs:' comment, which stops working after this "
+          "release; re-render it with `rayfleet render`", file=err or sys.stderr)
+    return RenderFacts(storage_uri=uri, run_store=runstore.root(uri), legacy=True)
 
 
 def at_once(limits: list[tuple[T, int]], cap: int | None) -> list[tuple[T, int]]:
@@ -164,6 +257,13 @@ class ClusterYaml:
 
     def workers(self) -> list[NodeType]:
         return [t for t in self.node_types() if not t.head]
+
+    def spans_cloud_nodes(self) -> bool:
+        """Whether this is a cloud cluster that can have more than one node (an AWS provider
+        and a worker type that may launch): a folder on one of its nodes is not a place the
+        others, or the operator after `ray down`, can read."""
+        return (self.cfg.get("provider") or {}).get("type") == "aws" and any(
+            (t.max_workers or 0) > 0 for t in self.workers())
 
     def capacity(self, key: Callable[[NodeType], Any] | None = None, cap: Any = _YAMLS,
                  head: bool = False) -> list[tuple[NodeType, int]]:

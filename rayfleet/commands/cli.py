@@ -162,8 +162,9 @@ def _checks(sub: argparse._SubParsersAction) -> None:
     cliargs.cluster_yaml(p, "Ray cluster-launcher YAML")
     p.add_argument("--num-gpus", type=at_least(0), default=None,
                    help="GPUs one job's worker asks for: some node type must offer them")
-    p.add_argument("--bucket", default=None, help="s3://bucket/prefix to check reachable and "
-                                                  "writable (default: from the YAML header)")
+    p.add_argument("--bucket", default=None,
+                   help="s3://bucket/prefix to check reachable and writable (default: render's "
+                        "facts beside the YAML)")
     preflight.add_arguments(p)
 
 
@@ -233,7 +234,7 @@ def _logs(sub: argparse._SubParsersAction) -> None:
     # argument is the run.
     p.add_argument("cluster_yaml", nargs="?", default=None, metavar="CLUSTER_YAML",
                    help="the YAML `rayfleet render` wrote: the stack's storage is read from "
-                        "its header")
+                        "render's facts beside it")
     p.add_argument("run", nargs="?", default=None, metavar="RUN",
                    help="the run: its job's submission id (or a training --name)")
     p.add_argument("--storage", default=None, metavar="s3://BUCKET/PREFIX",

@@ -4,8 +4,9 @@ run left in the stack's bucket, read back after the cluster is gone.
 The head's log shipper (rayfleet/agents/logship.py) copies each job's driver log, job.json
 and its workers' Ray logs to ``s3://B/P/runs/<run>/logs/``; a training run writes its
 checkpoints, metrics.csv and loss.png beside them (``runs/<run>/``). The autostop watcher
-writes ``clusters/<cluster>/autostop.log``. The bucket comes from the header of the YAML
-`rayfleet render` wrote, or from --storage (then the one argument is the run).
+writes ``clusters/<cluster>/autostop.log``. The bucket comes from the facts `rayfleet render`
+wrote beside the cluster YAML (an older YAML's header comment, for one release), or from
+--storage (then the one argument is the run).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from rayfleet.clusteryaml import bucket_from_header, load
+from rayfleet.clusteryaml import facts_path, render_facts
 from rayfleet.errors import ConfigError, RayfleetError, StorageError
 from rayfleet.facts import CLUSTER_NAME, S3_BUCKET_NAME
 
@@ -131,13 +132,13 @@ def storage_uri(storage: str | None, config: str | None) -> str:
     if storage:
         return storage
     if config:
-        _, text = load(config)
-        uri = bucket_from_header(text)
-        if not uri:
-            raise ConfigError("CLUSTER_YAML", f"{config} has no '# Storage for jobs: s3://...' "
+        facts = render_facts(config)
+        if facts is None:
+            raise ConfigError("CLUSTER_YAML", f"{config} has no {facts_path(config).name} "
+                                              "beside it and no '# Storage for jobs: s3://...' "
                                               "header (not written by `rayfleet render`?); "
                                               "pass --storage s3://BUCKET/PREFIX")
-        return uri
+        return facts.storage_uri
     raise ConfigError("--storage", "where to read from: pass the cluster YAML `rayfleet render` "
                                    "wrote (rayfleet logs CLUSTER_YAML ...) or --storage "
                                    "s3://BUCKET/PREFIX (the stack's storage)")

@@ -36,7 +36,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from rayfleet import catalog
-from rayfleet.clusteryaml import ClusterYaml, at_once, bucket_from_header, load
+from rayfleet.clusteryaml import ClusterYaml, at_once, bucket_from_header, load, render_facts
 from rayfleet.configkeys import AWS_REGIONS
 from rayfleet.entrypoint import bounded
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError, did_you_mean
@@ -229,7 +229,8 @@ class Preflight:
         if bucket:
             self.check_bucket(bucket)
         else:
-            self.add(UNKNOWN, "bucket", "no s3:// path in the YAML header or --bucket",
+            self.add(UNKNOWN, "bucket", "no storage in render's facts beside the YAML, nor "
+                                        "--bucket",
                      "pass --bucket s3://<bucket>/<prefix>")
         return self.checks
 
@@ -423,7 +424,7 @@ class Preflight:
 def main(path: str, num_gpus: int | None = None, bucket: str | None = None, out=None,
          session=None, hours: float = DEFAULT_HOURS) -> int:
     out = out or sys.stdout
-    cfg, text = load(path)
+    cfg, _ = load(path)
     if (cfg.get("provider") or {}).get("type") != "aws":
         raise RayfleetError(f"{path}: preflight checks AWS clusters (provider.type: aws)")
     region = cfg["provider"].get("region")
@@ -434,8 +435,10 @@ def main(path: str, num_gpus: int | None = None, bucket: str | None = None, out=
     if num_gpus is not None:
         fit = gpus_fit(cfg, num_gpus)  # raises before any AWS call
         offline.append(Check(PASS, f"{num_gpus} GPUs", f"node type {fit} offers them"))
-    checks = offline + Preflight(cfg, session).run(bucket or bucket_from_header(text),
-                                                   hours=hours)
+    if bucket is None:   # render's, beside the YAML (an older YAML: its header comment)
+        facts = render_facts(path)
+        bucket = facts.storage_uri if facts else None
+    checks = offline + Preflight(cfg, session).run(bucket, hours=hours)
     width = max(len(c.name) for c in checks)
     for c in checks:
         line = f"{c.status:8} {c.name:{width}}  {c.detail}"

@@ -4,7 +4,8 @@ The outputs (the contract is ``rayfleet/stack.py``) come from a file, stdin (``-
 ``pulumi stack output --json`` (the ``rayfleet`` key). The YAML is built by
 :mod:`rayfleet.launcher` (a pipeline of fragments over one :class:`RenderOptions`); this
 command makes the options, writes the token and the node agents beside it, and writes the YAML
-to ``cluster-configs/generated/<stack>.yaml``.
+to ``cluster-configs/generated/<stack>.yaml``, with render's facts for other commands beside it
+(``<stack>.rayfleet.json``, read by :func:`rayfleet.clusteryaml.render_facts`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rayfleet import nodeenv
+from rayfleet import nodeenv, runstore
 from rayfleet.agents import fallover
+from rayfleet.clusteryaml import RenderFacts, facts_path
 from rayfleet.commands import metrics as prometheus
 from rayfleet.commands.localstate import ensure_token
 from rayfleet.errors import ConfigError, RayfleetError
@@ -50,7 +52,7 @@ __all__ = [
     "REMOTE_GCS_STORE_TOKEN_ENV", "REMOTE_GCS_SUPERVISOR_STATUS", "REMOTE_HAPROXY",
     "REMOTE_SCORER", "REMOTE_TOKEN", "REMOTE_TOKEN_ENV", "RayfleetError", "RenderOptions",
     "STOP_AGENTS", "TORCH_CPU_INDEX", "VENV", "VLLM_BUILDS", "Why", "agent_command",
-    "agents_folder", "build_config", "copy_agents", "default_token_file", "gcs_env",
+    "agents_folder", "build_config", "copy_agents", "default_token_file", "facts", "gcs_env",
     "gcs_store_token_command", "head_agents", "head_placement", "head_ray_start", "header",
     "ingress_commands", "llm_setup_commands", "load_outputs", "options", "parse_outputs", "plain",
     "ray_start", "refuse_foreign", "render", "render_text", "reservation_options", "scorer_env",
@@ -118,6 +120,13 @@ def render_text(o: StackOutputs, token_file: str, key_name: str | None = None,
     return pipeline.render_text(o, options(token_file, key_name, idle_timeout_minutes,
                                            autostop_minutes, metrics, vllm=vllm,
                                            ingress=ingress))
+
+
+def facts(o: StackOutputs, token_file: str) -> RenderFacts:
+    """What other commands read back of this render (the file beside the YAML)."""
+    return RenderFacts(storage_uri=o.storage_uri, run_store=runstore.root(o.storage_uri),
+                       stack=o.stack, cluster_name=o.cluster_name, region=o.region,
+                       token_file=token_file)
 
 
 # The file that marks an agents folder as render's own: only such a folder is replaced.
@@ -202,13 +211,21 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
             raise RayfleetError(f"--token-file {token_file}: cannot create it ({e.strerror}); "
                                 "pick a path in a folder you own") from None
     copy_agents(agents_folder(token_file), constraints)
-    # Written to a temporary file and moved into place: an interrupted or failed write never
-    # leaves a half-written YAML where `ray up` would read it.
+    # The facts first: a YAML `ray up` may read never has an older render's facts beside it.
+    _write(facts_path(path), facts(o, token_file).to_json(), mode=0o644)
+    _write(path, text)
+    return path
+
+
+def _write(path: Path, text: str, mode: int | None = None) -> None:
+    """Written to a temporary file and moved into place: an interrupted or failed write never
+    leaves a half-written file where `ray up` or another command would read it."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         tmp.write_text(text)
+        if mode is not None:   # others' commands read it, whatever the umask
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise RayfleetError(f"--output {path}: cannot write ({e.strerror})") from None
-    return path

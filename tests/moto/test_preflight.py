@@ -3,6 +3,8 @@ with its fix; bad input stops before any AWS call."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
@@ -123,4 +125,30 @@ def test_no_credentials_is_one_line_not_a_table_of_failures(rendered, aws_calls,
     assert captured.out == "" and captured.err.strip().splitlines() == [
         "rayfleet: error: no AWS credentials found (environment, AWS_PROFILE, ~/.aws, SSO or an "
         "instance role): set them (e.g. `export AWS_PROFILE=...`), then run preflight again"]
+    assert aws_calls == []
+
+
+def test_the_bucket_is_renders_fact_beside_the_yaml(rendered, stack, aws_calls, capsys):
+    """--bucket's default: the storage `rayfleet render` wrote beside the YAML; an older kit's
+    YAML (none beside it) still gets its header comment's, with one line saying to re-render;
+    a malformed facts file is one line, before any AWS call."""
+    facts = rendered.with_name("cluster.rayfleet.json")
+    storage = stack["outputs"]["storage_uri"]
+    assert json.loads(facts.read_text())["storage_uri"] == storage
+    bucket_row = "PASS     bucket"
+    assert cli.main(["preflight", str(rendered)]) == 0
+    out, err = capsys.readouterr()
+    assert any(ln.startswith(bucket_row) and storage.rstrip("/") in ln
+               for ln in out.splitlines()), out
+    assert err == ""
+    facts.unlink()
+    assert cli.main(["preflight", str(rendered)]) == 0
+    out, err = capsys.readouterr()
+    assert any(ln.startswith(bucket_row) for ln in out.splitlines()), out
+    assert err.count("\n") == 1 and "no cluster.rayfleet.json beside it" in err, err
+    facts.write_text(json.dumps({"schema_version": 9}))
+    aws_calls.clear()
+    assert cli.main(["preflight", str(rendered)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "schema_version 9 is newer" in err, err
     assert aws_calls == []

@@ -72,7 +72,32 @@ def test_a_yaml_without_the_storage_header(tmp_path, capsys, aws_calls, loopback
     assert cli.main(["logs", str(cfg), "r1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rayfleet: error: CLUSTER_YAML: ") and err.count("\n") == 1, err
-    assert "has no '# Storage for jobs: s3://...' header" in err
+    assert "has no ray.rayfleet.json beside it and no '# Storage for jobs: s3://...' header" \
+        in err
+    assert aws_calls == []
+
+
+def test_the_storage_is_renders_fact_beside_the_yaml(tmp_path, capsys, aws_calls, loopback_s3):
+    """`rayfleet logs CLUSTER_YAML RUN` reads the stack's storage from the facts `rayfleet
+    render` wrote beside the YAML; a YAML without them (an older kit's) from its header comment,
+    saying once to re-render; a malformed facts file is one line, before any AWS call."""
+    config = tmp_path / "dev.yaml"
+    config.write_text(STORAGE_YAML)
+    facts = tmp_path / "dev.rayfleet.json"
+    facts.write_text(json.dumps({
+        "schema_version": 1, "stack": "dev", "cluster_name": "x", "region": "us-east-1",
+        "storage_uri": "s3://rayfleet-new/p/", "run_store": "s3://rayfleet-new/p/runs",
+        "token_file": "/t"}))
+    assert logs.storage_uri(None, str(config)) == "s3://rayfleet-new/p/"
+    assert capsys.readouterr().err == ""
+    facts.unlink()
+    assert logs.storage_uri(None, str(config)) == "s3://rayfleet-logs/p/"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no dev.rayfleet.json beside it" in err, err
+    facts.write_text("{")
+    assert cli.main(["logs", str(config), "r1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("rayfleet: error: ") and "not JSON" in err
     assert aws_calls == []
 
 

@@ -21,6 +21,7 @@ import yaml
 from rayfleet import nodeenv
 from rayfleet.commands import cli, render
 from rayfleet.facts import RAY_PORTS
+from rayfleet.launcher.start import storage_env
 from rayfleet.stack import parse
 
 REPO = Path(__file__).resolve().parents[2]
@@ -347,13 +348,16 @@ def test_setup_installs_exactly_the_node_environment(tmp_path, outputs):
     # on-prem installs the same.
     onprem = yaml.safe_load((CONFIGS / "onprem.yaml").read_text())
     assert onprem["setup_commands"] == cfg["setup_commands"]
-    # The same Ray start (on-prem nodes run no AWS agents: no bucket, no spot, not ours to stop;
-    # and one fixed node type, so no scorer: render's head line adds only its environment).
-    scorer = f" {render.scorer_env(parse(json.dumps(outputs)))} "
+    # The same Ray start (on-prem nodes run no AWS agents: no bucket, no run store in it, no
+    # spot, not ours to stop; and one fixed node type, so no scorer: render's head line adds
+    # only its environment).
+    o = parse(json.dumps(outputs))
+    scorer, store = f" {render.scorer_env(o)} ", storage_env(o)
     assert scorer in ray_start(cfg, "head")
-    assert ray_start(onprem, "head") == ray_start(cfg, "head").replace(scorer, " ")
+    assert ray_start(onprem, "head") == ray_start(cfg, "head").replace(scorer, " ").replace(
+        store, "")
     assert ray_start(onprem, "worker") == ray_start(cfg, "worker").replace(
-        f" {render.AUTOSCALER_V1} ", " ")
+        f" {render.AUTOSCALER_V1} ", " ").replace(store, "")
 
 
 def test_the_heads_start_leaves_the_hashed_agents_folder_as_copied(tmp_path, outputs):
@@ -845,3 +849,56 @@ def test_cost_says_the_gcs_store_is_not_in_its_totals(tmp_path, ha_outputs, outp
         out = io.StringIO()
         assert cost.main(str(path), out=out) == 0
         assert ("GCS store" in out.getvalue()) == shown
+
+
+def exported(command: str) -> dict[str, str]:
+    """NAME -> value of a start command's first `export`, as the node's shell reads them."""
+    lex = shlex.shlex(command, posix=True, punctuation_chars=";&|<>")
+    lex.whitespace_split = True
+    tokens = list(lex)
+    words = tokens[tokens.index("export") + 1:]
+    return dict(w.split("=", 1) for w in words[:words.index(";")])
+
+
+@pytest.mark.parametrize("prefix", ["rayfleet/", "team a's runs"])
+def test_every_nodes_ray_start_names_the_run_store_inside_the_roles_prefix(tmp_path, outputs,
+                                                                             ha_outputs, prefix):
+    """Jobs, Serve replicas and Train workers inherit `ray start`'s environment: on every node
+    (the head's under headHa too) it names the run store, where the log shipper writes, inside
+    the only prefix the roles may touch, and the region; an odd prefix stays one word."""
+    bucket = outputs["rayfleet"]["bucket"]
+    for o in (outputs, ha_outputs):
+        o["rayfleet"]["storage_uri"] = f"s3://{bucket}/{prefix}"
+        _, cfg = rendered(tmp_path, o)
+        for kind in ("head", "worker"):
+            env = exported(ray_start(cfg, kind))
+            assert {k: env[k] for k in ("RAYFLEET_STORAGE", "RAYFLEET_STORAGE_PREFIX",
+                                        "AWS_DEFAULT_REGION")} == {
+                "RAYFLEET_STORAGE": f"s3://{bucket}/{prefix.rstrip('/')}/runs",
+                "RAYFLEET_STORAGE_PREFIX": f"s3://{bucket}/{prefix}",
+                "AWS_DEFAULT_REGION": outputs["rayfleet"]["region"]}, (kind, env)
+            assert env["RAY_AUTH_MODE"] == "token"
+        # The log shipper writes <storage>/runs/<run>/logs/: the same folder as the run's.
+        (logship,) = [c for c in cfg["head_start_ray_commands"] if "logship.py" in c]
+        assert f"logship.py --storage {shlex.quote(o['rayfleet']['storage_uri'])} " in logship
+
+
+def test_render_writes_its_facts_beside_the_yaml(tmp_path, outputs):
+    from rayfleet import clusteryaml
+
+    path, _ = rendered(tmp_path, outputs)
+    facts_file = tmp_path / "c.rayfleet.json"
+    assert stat.S_IMODE(facts_file.stat().st_mode) == 0o644
+    o = outputs["rayfleet"]
+    assert json.loads(facts_file.read_text()) == {
+        "schema_version": 1, "stack": o["stack"], "cluster_name": o["cluster_name"],
+        "region": o["region"], "storage_uri": o["storage_uri"],
+        "run_store": o["storage_uri"].rstrip("/") + "/runs",
+        "token_file": str(tmp_path / "token")}
+    err = io.StringIO()
+    facts = clusteryaml.render_facts(str(path), err=err)
+    assert facts == render.facts(parse(json.dumps(outputs)), str(tmp_path / "token"))
+    assert not facts.legacy and err.getvalue() == ""
+    # The header comment stays, for people.
+    assert f"# Storage for jobs: {o['storage_uri']}\n" in path.read_text()
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -310,3 +310,93 @@ def test_deepspeed_on_one_rank_trains(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = summary_of(proc.stdout)
     assert summary["world_size"] == 1 and summary["history"][-1]["step"] == 2
+
+
+@pytest.fixture
+def head_home(tmp_path, monkeypatch):
+    """The driver's node: HOME here (where the head keeps its autoscaling config), no run store
+    in the environment unless a test sets one."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAYFLEET_STORAGE", "RAYFLEET_STORAGE_PREFIX", "RAY_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+def _bootstrap(home: Path, edit=None) -> None:
+    """The head's copy of the cluster YAML (`ray up` puts it at ~/ray_bootstrap_config.yaml):
+    the rendered example (an AWS cluster whose worker types may launch), edited."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "cluster-configs" / "aws-a100.example.yaml").read_text())
+    if edit:
+        edit(cfg)
+    (home / "ray_bootstrap_config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+STORE = {"RAYFLEET_STORAGE": "s3://rayfleet-b/rayfleet/runs",
+         "RAYFLEET_STORAGE_PREFIX": "s3://rayfleet-b/rayfleet/"}
+
+
+@pytest.mark.parametrize("argv,env,says", [
+    # The default ~/rayfleet-runs of a cluster an older kit rendered: the head's disk.
+    ([], {}, "{home}/rayfleet-runs is a folder on one node, and this cloud cluster can have "
+             "more than one"),
+    (["--storage-path", "/data/runs"], STORE,
+     "leave --storage-path out, for the run store s3://rayfleet-b/rayfleet/runs"),
+    (["--storage-path", "s3://rayfleet-other/runs"], STORE,
+     "s3://rayfleet-other/runs is outside s3://rayfleet-b/rayfleet/, the only prefix"),
+    (["--storage-path", "s3://rayfleet-b/rayfleetx/runs"], STORE, "is outside"),
+])
+def test_storage_a_cloud_cluster_cannot_keep_is_refused_before_ray(head_home, monkeypatch,
+                                                                   capsys, argv, env, says):
+    """A node's folder on a multi-node cloud cluster (the workers' checkpoints on their own
+    disks, gone at `ray down`), or a bucket path the roles may not write: one line, exit 2,
+    before Ray or any worker starts and before anything is created."""
+    import sys
+
+    from workloads.train import driver
+
+    _bootstrap(head_home)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setitem(sys.modules, "ray", None)   # the refusal comes before Ray is imported
+    assert driver.main(["--smoke-test", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith("workloads.train: error: --storage-path: ") and \
+        says.format(home=head_home) in err, err
+    assert sorted(p.name for p in head_home.iterdir()) == ["ray_bootstrap_config.yaml"]
+
+
+def _no_workers(cfg: dict) -> None:
+    for name, nt in cfg["available_node_types"].items():
+        if name != cfg["head_node_type"]:
+            nt["max_workers"] = nt["min_workers"] = 0
+
+
+@pytest.mark.parametrize("bootstrap,env,storage", [
+    (None, {}, "/data/runs"),                                         # off a cluster
+    (lambda c: c["provider"].update(type="local"), {}, "/data/runs"),  # a local cluster
+    (_no_workers, {}, "/data/runs"),                                  # the head alone
+    (None, STORE, "s3://rayfleet-b/rayfleet/runs"),
+    (None, STORE, "s3://rayfleet-b/rayfleet/elsewhere"),
+])
+def test_storage_every_node_can_reach_is_taken(head_home, monkeypatch, bootstrap, env, storage):
+    from workloads.train import driver
+
+    if bootstrap is not None or env:
+        _bootstrap(head_home, bootstrap)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    opts, _, _ = driver._options(["--smoke-test", "--storage-path", storage])
+    assert opts.storage_path == storage
+
+
+def test_the_run_store_is_the_default_storage(head_home, monkeypatch):
+    from workloads.train import driver
+
+    _bootstrap(head_home)
+    for k, v in STORE.items():
+        monkeypatch.setenv(k, v)
+    opts, _, _ = driver._options(["--smoke-test"])
+    assert opts.storage_path == STORE["RAYFLEET_STORAGE"]

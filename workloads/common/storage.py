@@ -14,14 +14,42 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from rayfleet import clusteryaml, runstore
 from rayfleet.errors import ConfigError, StorageError
 from rayfleet.facts import is_bucket_name
 
 
 def default_root() -> str:
-    """Where runs, datasets and embeddings go when no path is given: $RAYFLEET_STORAGE, else
-    ~/rayfleet-runs (on the node that runs the job: the head, for a cluster's jobs)."""
-    return os.environ.get("RAYFLEET_STORAGE") or os.path.expanduser("~/rayfleet-runs")
+    """Where runs, datasets and embeddings go when no path is given: $RAYFLEET_STORAGE (the
+    run store `rayfleet render` names to every node of a cloud cluster), else ~/rayfleet-runs
+    (on the node that runs the job: the head, for a cluster's jobs)."""
+    return os.environ.get(runstore.STORAGE_ENV) or os.path.expanduser("~/rayfleet-runs")
+
+
+def check_shared(uri: str, flag: str, cluster: dict | None = None, environ=os.environ) -> None:
+    """Refuse, in one line and before any worker starts, an output its cluster cannot keep: a
+    folder on one node of a cloud cluster that can have more than one (its workers write to
+    their own disks, gone at `ray down`), and an s3:// path outside the prefix the node roles
+    may write ($RAYFLEET_STORAGE_PREFIX, where set). ``cluster``: the head's autoscaling
+    config (read from the head's file when None)."""
+    prefix = environ.get(runstore.PREFIX_ENV) or ""
+    store = environ.get(runstore.STORAGE_ENV) or ""
+    if store.startswith("s3://"):
+        instead = f"leave {flag} out, for the run store {store}"
+    else:   # a cluster an older kit rendered names no run store
+        instead = (f"give the run store, {runstore.root(prefix) if prefix else '<storage_uri>runs'}"
+                   " (a re-rendered cluster makes it the default)")
+    where = prefix or "the stack's storage_uri"
+    if not uri.startswith("s3://"):
+        cluster = clusteryaml.autoscaler_config() if cluster is None else cluster
+        if clusteryaml.ClusterYaml(cluster).spans_cloud_nodes():
+            raise ConfigError(flag, f"{uri} is a folder on one node, and this cloud cluster can "
+                                    "have more than one: the other nodes' writes would land on "
+                                    f"their own disks and go at `ray down`; {instead}, or give "
+                                    f"another s3:// path under {where}")
+    elif prefix and not runstore.inside(uri, prefix):
+        raise ConfigError(flag, f"{uri} is outside {prefix}, the only prefix this cluster's "
+                                f"nodes may write; {instead}, or give another path under it")
 
 
 def job_package_dir(cwd: str | None = None) -> str | None:

@@ -55,7 +55,7 @@ from workloads.common.shards import (
     write_manifest,
     write_shard,
 )
-from workloads.common.storage import Storage, default_root, resolve, user_path
+from workloads.common.storage import Storage, check_shared, default_root, resolve, user_path
 from workloads.common.text import clean_text
 from workloads.data.checks import check_first_file, check_tokenizer
 from workloads.data.tokenize import (  # noqa: F401  (ByteTokenizer: bench imports it here)
@@ -266,6 +266,7 @@ def settle_args(args):
     if args.input != STDLIB:
         args.input = user_path(args.input, "--input", output=False)
     args.output = user_path(args.output, "--output", output=True)
+    check_shared(args.output, "--output")   # before Ray: one line, nothing written
     return args
 
 

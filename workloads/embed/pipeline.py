@@ -47,7 +47,7 @@ from workloads.common.shards import (
     write_manifest,
     write_shard,
 )
-from workloads.common.storage import Storage, default_root, resolve, user_path
+from workloads.common.storage import Storage, check_shared, default_root, resolve, user_path
 from workloads.common.text import clean_text
 
 PROG = "workloads.embed"
@@ -224,6 +224,7 @@ def settle_args(args) -> str:
     if args.input != STDLIB_DOCS:
         args.input = user_path(args.input, "--input", output=False)
     args.output = user_path(args.output, "--output", output=True)
+    check_shared(args.output, "--output")   # before Ray: one line, nothing written
     if args.model != PACKAGED_MODEL:
         args.model = user_path(args.model, "--model", output=False)
     return model_path(args.model)

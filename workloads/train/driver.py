@@ -2,12 +2,12 @@
 
     ray job submit --working-dir . -- python -m workloads.train --smoke-test
     ray job submit --working-dir . -- python -m workloads.train \
-        --model 125m --strategy fsdp --num-workers 8 --use-gpu \
-        --storage-path s3://my-bucket/runs --name gpt-125m
+        --model 125m --strategy fsdp --num-workers 8 --use-gpu --name gpt-125m
 
-Re-running with the same --name and --storage-path resumes from the run's latest checkpoint
-(Ray Train V2). Before `fit()` the request is checked against the cluster (fail fast rather
-than hang) and a per-worker memory estimate is compared with what a worker has.
+On a rendered cloud cluster the run lands in its run store ($RAYFLEET_STORAGE). Re-running
+with the same --name and --storage-path resumes from the run's latest checkpoint (Ray Train
+V2). Before `fit()` the request is checked against the cluster (fail fast rather than hang)
+and a per-worker memory estimate is compared with what a worker has.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from workloads.common import runs
 from workloads.common.cli import parse_env_pairs
 from workloads.common.deps import require
 from workloads.common.model import GPTConfig
-from workloads.common.storage import Storage, resolve, user_path
+from workloads.common.storage import Storage, check_shared, resolve, user_path
 from workloads.train import failures, runinfo
 from workloads.train.context import TIMING_ENV, RayContext, ray_train_marks, startup
 from workloads.train.datasets import load_dataset
@@ -152,7 +152,8 @@ def _main(argv: list[str] | None) -> int:
 def _options(argv: list[str] | None) -> tuple[TrainOptions, GPTConfig | None, dict[str, str]]:
     """The flags parsed and checked (check_options' model), the workers' --env, and the paths
     made absolute: storage and dataset here, where the user gave them (docs/house.md,
-    convention 12), the model folders for the workers."""
+    convention 12), the model folders for the workers; storage this cluster cannot keep (a
+    node's folder on a multi-node cloud cluster, a bucket path outside its prefix) refused."""
     opts = TrainOptions.parse(argv)
     model = check_options(opts)
     env_vars = parse_env_pairs(list(opts.env))
@@ -160,6 +161,7 @@ def _options(argv: list[str] | None) -> tuple[TrainOptions, GPTConfig | None, di
         opts, storage_path=user_path(opts.storage_path, "--storage-path", output=True),
         **({"dataset": user_path(opts.dataset, "--dataset", output=False)}
            if opts.dataset not in (None, "stdlib") else {})))
+    check_shared(opts.storage_path, "--storage-path", autoscaler_config())
     return opts, model, env_vars
 
 

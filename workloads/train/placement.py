@@ -10,9 +10,11 @@ import os
 import sys
 import time
 
-from rayfleet import capacity, catalog, clusteryaml
+from rayfleet import capacity, catalog
 from rayfleet.agents import fallover
 from rayfleet.clusteryaml import ClusterYaml
+# Moved to the core (workloads.common reads it too); the driver's name for it.
+from rayfleet.clusteryaml import autoscaler_config as autoscaler_config
 from rayfleet.errors import ClusterError
 from rayfleet.facts import BOOTSTRAP_CONFIG
 from workloads.common.model import GPTConfig
@@ -28,18 +30,10 @@ def worker_bundle(opts: TrainOptions) -> dict[str, float]:
     return bundle
 
 
+# The head's autoscaling config (clusteryaml.autoscaler_config reads it).
 AUTOSCALER_CONFIG = BOOTSTRAP_CONFIG
 # How long a run waits for its workers to be placed when the autoscaler may add the nodes.
 AUTOSCALE_START_TIMEOUT_S = 900
-
-
-def autoscaler_config(path: str = AUTOSCALER_CONFIG) -> dict:
-    """The head's autoscaling config ({} on a cluster that does not autoscale)."""
-    try:
-        cfg, _ = clusteryaml.read(path, expand=True)
-    except clusteryaml.Unloadable:
-        return {}
-    return cfg or {}
 
 
 def worker_types(cfg: dict) -> dict[str, dict]:
