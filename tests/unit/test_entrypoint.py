@@ -56,3 +56,24 @@ def test_numeric_bounds_are_argparse_types_with_one_line(kind, text, says):
 def test_numbers_within_their_bounds_pass():
     assert at_least(1)("3") == 3 and at_least(0, float)("0") == 0.0
     assert tcp_port("1") == 1 and tcp_port("65535") == 65535
+
+
+def test_a_driver_leaves_ray_before_its_line_so_nothing_of_ray_follows_it(capsys, monkeypatch):
+    """A connected driver disconnects from Ray (which stops Ray forwarding its actors' output)
+    before the kit prints its one line; one that never started Ray is left alone."""
+    import sys
+    import types
+
+    said = []
+    ray = types.SimpleNamespace(is_initialized=lambda: True,
+                                shutdown=lambda: said.append(("shutdown", capsys.readouterr())))
+    monkeypatch.setitem(sys.modules, "ray", ray)
+
+    def fail(argv):
+        raise ConfigError("--storage-path", "storage failed")
+
+    assert run_main(fail, [], "job") == 2
+    assert [what for what, _ in said] == ["shutdown"] and said[0][1].err == ""
+    assert capsys.readouterr().err == "job: error: --storage-path: storage failed\n"
+    ray.is_initialized = lambda: False
+    assert run_main(fail, [], "job") == 2 and len(said) == 1
