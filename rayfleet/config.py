@@ -12,8 +12,9 @@ Everything is checked before any resource or API call exists; each failure is a
 :class:`~rayfleet.errors.ConfigError` whose one line names the key, what is allowed and, where
 one is close, the value that was probably meant. The parts live beside it: the keys
 (``SCHEMA``, with type, default and description, from which `make regen` writes
-``Pulumi.yaml``'s ``config:`` block) in rayfleet/configkeys.py, the value checks in
-rayfleet/configcheck.py, the nodes in rayfleet/nodes.py and the capacity reservations in
+``Pulumi.yaml``'s ``config:`` block, and each key's own check) in rayfleet/configkeys.py,
+reading and coercing the values in rayfleet/configcheck.py, the value checks in
+rayfleet/configvalues.py, the nodes in rayfleet/nodes.py and the capacity reservations in
 rayfleet/reservations.py.
 """
 
@@ -30,10 +31,8 @@ from typing import Any
 from rayfleet import configcheck as check
 from rayfleet.catalog import InstanceSpec
 from rayfleet.configkeys import (
-    AWS_REGIONS,
     DEFAULTS,
     HEAD_INSTANCE_TYPES,
-    LOG_RETENTION_DAYS,
     NAMESPACE,
     SCHEMA,
     SCHEMA_BY_NAME,
@@ -41,6 +40,7 @@ from rayfleet.configkeys import (
     WORKER_REGIONS,
     ConfigKey,
 )
+from rayfleet.configvalues import AWS_REGIONS, LOG_RETENTION_DAYS
 from rayfleet.errors import ConfigError
 from rayfleet.facts import RAY_CLUSTER_TAG, RAY_PORTS, RayPort
 from rayfleet.nodes import NodesConfig, WorkerSplit, nodes_config, worker_az
@@ -124,36 +124,37 @@ class StackConfig:
         raw = check.collect(mapping, namespace)
         v = {k.name: check.coerce(k, raw[k.name]) if k.name in raw else k.default
              for k in SCHEMA}
-        # The checks run in this order, so the first bad key of several is the one reported.
-        region = check.region(v["region"])
-        az = worker_az(v["workerAz"], region)
-        nodes = nodes_config(v, region, az)
+        # The checks run in this order, so the first bad key of several is the one reported:
+        # the region (the node checks read it), the keys checked jointly (the nodes, then the
+        # budget), then every other key's own check, in SCHEMA's order.
+        c = {"region": SCHEMA_BY_NAME["region"].checked(v["region"])}
+        az = worker_az(v["workerAz"], c["region"])
+        nodes = nodes_config(v, c["region"], az)
         monthly_usd, emails = check.budget(v)
+        c.update((k.name, k.checked(v[k.name])) for k in SCHEMA
+                 if k.check is not None and k.name not in c)
         return cls(
-            cluster_name=check.cluster_name(v["clusterName"]),
-            region=region,
+            cluster_name=c["clusterName"],
+            region=c["region"],
             network=NetworkConfig(
-                vpc_cidr=check.vpc_cidr(v["vpcCidr"]),
-                az_count=check.int_range("azCount", v["azCount"], 3, 6),
-                nat_gateways=check.choice("natGateways", v["natGateways"], ("single", "per-az")),
-                flow_log_retention_days=check.choice(
-                    "flowLogRetentionDays", v["flowLogRetentionDays"], LOG_RETENTION_DAYS),
+                vpc_cidr=c["vpcCidr"],
+                az_count=c["azCount"],
+                nat_gateways=c["natGateways"],
+                flow_log_retention_days=c["flowLogRetentionDays"],
                 worker_az=az,
             ),
-            access=AccessConfig(operator_cidrs=check.operator_cidrs(v["operatorCidrs"])),
+            access=AccessConfig(operator_cidrs=c["operatorCidrs"]),
             nodes=nodes,
             storage=StorageConfig(
-                bucket_prefix=check.bucket_prefix(v["bucketPrefix"]),
-                key_prefix=check.key_prefix(v["bucketKeyPrefix"]),
-                encryption=check.choice("bucketEncryption", v["bucketEncryption"], ("kms", "s3")),
-                noncurrent_version_days=check.int_range(
-                    "noncurrentVersionDays", v["noncurrentVersionDays"], 1, 3650),
-                abort_multipart_days=check.int_range(
-                    "abortMultipartDays", v["abortMultipartDays"], 1, 365),
+                bucket_prefix=c["bucketPrefix"],
+                key_prefix=c["bucketKeyPrefix"],
+                encryption=c["bucketEncryption"],
+                noncurrent_version_days=c["noncurrentVersionDays"],
+                abort_multipart_days=c["abortMultipartDays"],
             ),
             budget=BudgetConfig(monthly_usd=monthly_usd, emails=emails),
-            autostop_minutes=check.int_range("autostopMinutes", v["autostopMinutes"], 0, 10080),
-            head_ha=v["headHa"],
+            autostop_minutes=c["autostopMinutes"],
+            head_ha=c["headHa"],
             values=v,
         )
 

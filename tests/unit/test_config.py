@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import subprocess
 import sys
@@ -10,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rayfleet import config, configcheck, configkeys, configvalues
 from rayfleet.config import StackConfig, load_stack_file
-from rayfleet.configkeys import SCHEMA, WORKER_REGIONS
+from rayfleet.configkeys import JOINT_CHECKS, SCHEMA, SCHEMA_BY_NAME, WORKER_REGIONS
 from rayfleet.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -393,6 +395,41 @@ def test_bad_setting_fails_on_one_line_naming_the_key(mapping, key, fragments):
 def test_every_key_has_a_bad_value_test():
     named = {key for _, key, _ in BAD}
     assert {k.qualified for k in SCHEMA} <= named
+
+
+# ----------------------------------------------------------------------------- declared checks
+
+def test_every_key_carries_its_own_check_or_names_its_joint_check():
+    for key in SCHEMA:
+        own, joint = key.check is not None, key.checked_with in JOINT_CHECKS
+        assert own != joint, f"{key.name}: a check of its own, or checked_with a joint check"
+
+
+@pytest.mark.parametrize("name,bad", [
+    ("clusterName", "My_Cluster"), ("region", "us-east1"), ("azCount", 7),
+    ("natGateways", "per_az"), ("flowLogRetentionDays", 91), ("operatorCidrs", ["0.0.0.0/0"]),
+    ("bucketKeyPrefix", "/data"), ("autostopMinutes", 10081),
+])
+def test_a_bad_value_is_refused_by_its_keys_declared_check(name, bad):
+    with pytest.raises(ConfigError) as declared:
+        SCHEMA_BY_NAME[name].checked(bad)
+    assert str(error_for({f"rayfleet:{name}": bad})) == str(declared.value)
+
+
+def test_from_mapping_runs_the_check_the_schema_declares(monkeypatch):
+    stricter = dataclasses.replace(SCHEMA_BY_NAME["azCount"], check=configvalues.between(3, 4))
+    monkeypatch.setattr(config, "SCHEMA",
+                        tuple(stricter if k.name == "azCount" else k for k in SCHEMA))
+    assert str(error_for({"rayfleet:azCount": 5})) == \
+        "rayfleet:azCount: must be between 3 and 4, got 5"
+
+
+def test_the_moved_checks_and_tables_keep_their_old_import_paths():
+    assert configkeys.AWS_REGIONS is configvalues.AWS_REGIONS
+    assert configkeys.LOG_RETENTION_DAYS is configvalues.LOG_RETENTION_DAYS
+    for name in ("qualified", "suggest", "choice", "int_range", "cluster_name", "region",
+                 "vpc_cidr", "operator_cidrs", "bucket_prefix", "key_prefix", "budget"):
+        assert getattr(configcheck, name) is getattr(configvalues, name), name
 
 
 def test_stack_file_problems_are_config_errors(tmp_path):
