@@ -9,8 +9,8 @@ import argparse
 import math
 import sys
 
-from rayfleet.commands import (cliargs, cost, lint, local, logs, preflight, render, serve_config,
-                               status, sweep)
+from rayfleet.commands import (cliargs, cloudenv, cost, lint, local, logs, preflight, render,
+                               serve_config, status, sweep)
 from rayfleet.entrypoint import ArgumentParser, UsageError, at_least, bounded, run_main, tcp_port
 from rayfleet.facts import loopback_port, port
 from rayfleet.ingress import DEFAULT_INGRESS, INGRESS_CHOICES
@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_config(sub)
     _logs(sub)
     _status(sub)
+    _env(sub)
     return parser
 
 
@@ -110,9 +111,8 @@ def _render(sub: argparse._SubParsersAction) -> None:
                         "stack's rayfleet:autostopMinutes, 0 unless set)")
     p.add_argument("--metrics", action="store_true",
                    help="run Prometheus on the head's loopback, scraping Ray's metrics "
-                        "(reach it with `ray dashboard --port "
-                        f"{loopback_port('prometheus')} --remote-port "
-                        f"{loopback_port('prometheus')} <yaml>`)")
+                        "(reach it with `rayfleet env <yaml>`: $RAYFLEET_METRICS_URL, a "
+                        f"tunnel to the head's {loopback_port('prometheus')})")
     p.add_argument("--vllm", choices=["cuda", "cpu", "none"], default="cuda",
                    help="the vLLM the head and the GPU workers get, for the llm Serve app: "
                         "cuda (pyproject.toml's llm extra, default), cpu (its llm-cpu extra, "
@@ -270,7 +270,7 @@ def _status(sub: argparse._SubParsersAction) -> None:
                             "token", optional=True)
     cliargs.old_config(p)
     p.add_argument("--address", default=None, metavar="URL",
-                   help="the dashboard through `ray dashboard <cluster.yaml>`'s tunnel "
+                   help="the dashboard through `rayfleet env <cluster.yaml>`'s tunnel "
                         f"(default: RAY_ADDRESS if http://, else {status.DEFAULT_ADDRESS})")
 
 
@@ -279,10 +279,33 @@ def _run_status(args: argparse.Namespace) -> int:
     return status.main(address=args.address, config=config)
 
 
+def _env(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("env", help="shell exports for a cluster `ray up` launched, through "
+                                   'background tunnels: eval "$(rayfleet env CLUSTER_YAML)"',
+                       usage="rayfleet env [-h] CLUSTER_YAML [--shell {sh,fish}] "
+                             "[--timeout SECONDS]\n"
+                             "       rayfleet env [-h] CLUSTER_YAML --close")
+    cliargs.cluster_yaml(p, "the YAML `rayfleet render` wrote and `ray up` launched: the "
+                            "cluster's name, token, region and run store are read from it and "
+                            "render's facts beside it")
+    p.add_argument("--shell", choices=["sh", "fish"], default="sh")
+    p.add_argument("--timeout", type=at_least(1, float, "second"), default=cloudenv.WAIT_S,
+                   metavar="SECONDS",
+                   help=f"how long the tunnels get to answer (default {cloudenv.WAIT_S:g})")
+    p.add_argument("--close", action="store_true",
+                   help="stop the tunnels this command opened for the cluster, and only them")
+
+
+def _run_env(args: argparse.Namespace) -> int:
+    if args.close:
+        return cloudenv.close(args.cluster_yaml)
+    return cloudenv.env(args.cluster_yaml, shell=args.shell, timeout=args.timeout)
+
+
 HANDLERS = {"local": _run_local, "render": _run_render, "lint": _run_lint,
             "cost": _run_cost, "sweep": _run_sweep, "preflight": _run_preflight,
             "serve-config": _run_serve_config, "logs": _run_logs,
-            "status": _run_status}
+            "status": _run_status, "env": _run_env}
 
 
 def _main(argv: list[str] | None) -> int:

@@ -31,7 +31,7 @@ from rayfleet.commands.localhead import (DEFAULT_DASHBOARD_PORT, DEFAULT_GCS_POR
                                          STOP_GRACE_S, check_node_env, jobs_api_ready, start,
                                          stop, wait_ready)
 from rayfleet.commands.localredis import redis_folder, restarts, stop_redis
-from rayfleet.commands.localstate import (LocalCluster, ensure_token, load_state,
+from rayfleet.commands.localstate import (LocalCluster, ensure_token, export_lines, load_state,
                                           ray_temp_dir)
 from rayfleet.entrypoint import parse_size
 from rayfleet.errors import ClusterError, ConfigError, RayfleetError
@@ -236,13 +236,7 @@ def require_running() -> LocalCluster:
 
 
 def env_lines(shell: str = "sh") -> list[str]:
-    env = require_running().client_env()
-    # Ray reads RAY_AUTH_TOKEN before RAY_AUTH_TOKEN_PATH (which wins over ~/.ray/auth_token):
-    # a token the user's shell already exports would be sent instead of the cluster's.
-    stray = "RAY_AUTH_TOKEN" in os.environ
-    if shell == "fish":
-        return ["set -e RAY_AUTH_TOKEN;"] * stray + [f"set -gx {k} {v};" for k, v in env.items()]
-    return ["unset RAY_AUTH_TOKEN"] * stray + [f"export {k}={v}" for k, v in env.items()]
+    return export_lines(require_running().client_env(), shell)
 
 
 def status(out=sys.stdout) -> int:

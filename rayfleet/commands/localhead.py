@@ -46,7 +46,8 @@ def _pick(default: int) -> int:
     return default if not port_in_use(default) else free_port()
 
 
-def _request(url: str, token: str | None, timeout: float = 2.0) -> int:
+def status_of(url: str, token: str | None, timeout: float = 2.0) -> int:
+    """The HTTP status of GET ``url`` with the token, sent straight (never through a proxy)."""
     req = urllib.request.Request(url)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
@@ -59,7 +60,7 @@ def _request(url: str, token: str | None, timeout: float = 2.0) -> int:
 
 def jobs_api_ready(dashboard_url: str, token: str | None) -> bool:
     try:
-        return _request(f"{dashboard_url}/api/jobs/", token) == 200
+        return status_of(f"{dashboard_url}/api/jobs/", token) == 200
     except (urllib.error.URLError, OSError):
         return False
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shlex
 import secrets
 import shutil
 import stat
@@ -197,3 +199,21 @@ def forget() -> None:
     except FileNotFoundError:
         pass
     shutil.rmtree(haproxy_folder(), ignore_errors=True)  # HAProxy's sockets and state
+
+
+def _fish(value: str) -> str:
+    if re.fullmatch(r"[\w@%+=:,./-]+", value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def export_lines(env: dict[str, str], shell: str = "sh") -> list[str]:
+    """``env`` as lines for ``eval``, in sh's or fish's words. As `rayfleet local env` does:
+    Ray reads RAY_AUTH_TOKEN before RAY_AUTH_TOKEN_PATH, so one the shell already exports is
+    unset (it would be sent instead of the cluster's)."""
+    stray = "RAY_AUTH_TOKEN" in os.environ
+    if shell == "fish":
+        return (["set -e RAY_AUTH_TOKEN;"] * stray
+                + [f"set -gx {k} {_fish(v)};" for k, v in env.items()])
+    return ["unset RAY_AUTH_TOKEN"] * stray + [f"export {k}={shlex.quote(v)}"
+                                               for k, v in env.items()]

@@ -56,7 +56,7 @@ def trap(monkeypatch):
 def test_the_kits_own_clients_bypass_the_proxy(trap):
     proxied, direct, address = trap
     status.fetch(address, TOKEN)                          # rayfleet status
-    localhead._request(f"{address}/api/version", TOKEN)  # local's Jobs API probe
+    localhead.status_of(f"{address}/api/version", TOKEN)  # local's Jobs API probe
     load_agent("autostop").Dashboard(address, TOKEN).get("/api/jobs/")   # auto-stop
     assert proxied == [], proxied
     assert [auth for _, auth in direct] == [f"Bearer {TOKEN}"] * 3, direct
