@@ -19,8 +19,10 @@ head's loss to the worker's rejoin are measured and held to what docs/faults.md 
 Then auto-stop (rendered with --autostop-minutes 1) on that cluster: `serve shutdown`, and once
 the idle minute has passed and auto-stop has paused the autoscaler, a job submitted inside its
 teardown window aborts the teardown (nothing terminated, the job runs to the end) -> idle again,
-auto-stop terminates the worker and then the head, while minWorkers 1 would have its autoscaler
-launch another -> `rayfleet sweep` finds nothing of the cluster left.
+auto-stop terminates the worker and then the head (the order as moto served the calls), while
+minWorkers 1 would have its autoscaler launch another -> `rayfleet logs --cluster` reads its
+reason and what it terminated back from the bucket -> `rayfleet sweep` finds nothing of the
+cluster left. (The rehearsal, tests/fakecloud/test_ray_up.py, ends with `ray down` instead.)
 
 The fake nodes have no GPUs and no vLLM (rendered with --vllm none): what is lost and brought
 back is the head, its GCS and Serve's controller."""
@@ -50,11 +52,11 @@ from .cloud import REGION, Unavailable, operator_command, require_tools, stop_on
 from .test_ray_up import (VPC, _http, _logged, _ok, _tags, _tunnel, caller_env, finish,
                           operator_env, operator_key, prepare)
 
-# 552-590 s in fresh clones' .ci/run without the auto-stop steps (2026-11-28); with them, 579 s
-# alone on 2 idle cores (the auto-stop steps 218 s of it): the limit, about twice what a loaded
-# run takes, catches a hang or a slowdown, naming its step.
+# 474 s alone on 2 cores with its auto-stop steps (2026-11-28), 649 s in a fresh clone's
+# .ci/run beside the session cluster's tests: the limit, about twice what a loaded run takes,
+# catches a hang or a slowdown, naming its step.
 pytestmark = [pytest.mark.slow, pytest.mark.moto, pytest.mark.ray, pytest.mark.fakecloud,
-              pytest.mark.timeout(1600)]
+              pytest.mark.timeout(1300)]
 MODEL = "rayfleet-lm"
 # docs/faults.md, fault 10, states these; the measured numbers are printed.
 MAX_FAILED = 0            # requests through the worker's ingress that failed (no retries)
@@ -378,10 +380,25 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
                 else None), 120, 1)
 
         with step("auto-stop with minWorkers 1: every node goes, sweep finds nothing"):
+            # Recorded from here (the idle window starts again after the late job): the
+            # TerminateInstances calls moto serves, in its order.
+            cloud.record_calls()
+            workers = sorted(set(cloud.nodes) - {new_head.instance_id})
+            assert workers, cloud.events   # minWorkers keeps one
             wait_until("auto-stop to terminate every node", lambda: not cloud.nodes,
                        60 + 300, 1, detail=lambda: "\n".join(said()[-5:]))
             up_started = False
             assert cluster_instances(ec2, cluster) == []
+            # The workers, then the head: as moto served the calls, not as auto-stop says.
+            calls = cloud.terminated_in_order()
+            assert [sorted(c) for c in calls] == [workers, [new_head.instance_id]], cloud.events
+            # Its reason and what it terminated, read back from the bucket with the head gone.
+            why = _ok(run([str(BIN / "rayfleet"), "logs", str(cluster_yaml), "--cluster",
+                           cluster], env=env, timeout=60), "rayfleet logs --cluster")
+            assert f"tearing {cluster} down: idle for" in why, why
+            terminated = [ln for ln in why.splitlines() if " instance(s): " in ln][-1]
+            assert set(terminated.split("instance(s): ", 1)[1].split()) == {
+                *workers, new_head.instance_id}, terminated
             assert len([ln for ln in said() if ln.startswith("paused Ray's autoscaler")]) == 2
             assert any(ln.startswith("terminating the head") for ln in said()), said()
             time.sleep(10)   # nothing launches after (the autoscaler went with the head)

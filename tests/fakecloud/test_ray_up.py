@@ -13,13 +13,11 @@ runs, whose final checkpoint's hf/ export lands under the run in S3 -> `rayfleet
 one `serve deploy` of `lm` on the first checkpoint and of `llm` (real vLLM, through the kit's
 builder) on the Hugging Face run, its config written by `workloads.serve.llm_config --device
 cpu` for the run folder in S3 -> the FSDP and data-again jobs while vLLM starts -> both
-apps answer the `openai` client through a second tunnel -> the Serve apps
-deleted, the cluster idle: the head's auto-stop (rendered with --autostop-minutes 3) terminates
-the worker, then the head itself (the order as moto served the calls) -> with the
-cluster gone, `rayfleet logs` reads the training job's driver log, its workers' logs and its
-metrics back from the bucket, and the auto-stop's reason -> `ray up` again (a head alone, no
-vLLM) and `ray down -y` of that live cluster (`ray stop` on the head, then its instance
-terminated) -> `rayfleet sweep` finds nothing -> the fake cloud is gone, even after a hung
+apps answer the `openai` client through a second tunnel -> the Serve apps deleted, and
+`ray down -y` of the live cluster (`ray stop` on the head, then the worker and the head
+terminated) -> with the cluster gone, `rayfleet logs` reads the training job's driver log, its
+workers' logs and its metrics back from the bucket -> `rayfleet sweep` finds nothing -> the
+fake cloud is gone, even after a hung
 `ray down` or a second SIGTERM (tests/fakecloud/test_fence.py; its fences are tested there too).
 
 The fake A100 nodes have no GPUs, so their vLLM is the CPU build: the YAML is rendered with
@@ -38,6 +36,10 @@ transformers' generate on that export here, streamed or not. What it no longer r
 other tiers run it on real nodes (the suite's 2 cores cannot also carry it here): a DeepSpeed
 job (on the Ansible-built nodes, tests/cluster/test_ansible.py) and the embeddings job (on the
 session's cluster, docs/workloads.md's example run by tests/cluster/test_readme.py).
+
+Auto-stop's teardown on the fake cloud (the worker, then the head, as moto served the calls;
+its reason read back by `rayfleet logs --cluster`) is fault 10's last step
+(tests/fakecloud/test_head_loss.py), which waits out its idle window once for both.
 
 A failed step names itself; everything is torn down whatever happens."""
 
@@ -59,7 +61,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import (BIN, REPO, SFT_MAX_LENGTH, copy_of_checkout, free_port, run,
+from tests.conftest import (BIN, CLOCK, REPO, SFT_MAX_LENGTH, copy_of_checkout, run,
                             summary_of, wait_until)
 
 from tests.moto.pulumi_moto import cluster_instances
@@ -68,11 +70,12 @@ from tests.tiers import unavailable
 from .cloud import (BRIDGE_ENV, PROXY_VARS, REGION, FakeCloud, Unavailable, operator_command,
                     require_tools, stop_on_first_sigterm, teardown, wheelhouse)
 
-# The rehearsal takes 10-12 min alone on 2 cores and 20.5 min beside the session cluster's
-# tests (a fresh clone's .ci/run, 2026-11-27; docs/testing.md); its limit, about twice that,
-# is for a hang, not a budget: a slowdown past it fails naming the step it was in.
+# The rehearsal took 6.6 min alone on 2 cores once it ended with `ray down` (2026-11-28; 13 min
+# with auto-stop's idle window and a second `ray up`, 18.6 min of it beside the session
+# cluster's tests in a fresh clone's .ci/run); its limit, about twice the loaded time, is for a
+# hang, not a budget: a slowdown past it fails naming the step it was in.
 pytestmark = [pytest.mark.slow, pytest.mark.moto, pytest.mark.ray, pytest.mark.fakecloud,
-              pytest.mark.timeout(2500)]
+              pytest.mark.timeout(1500)]
 HERE = Path(__file__).resolve().parent
 # Auto-stop's idle window. The cluster is idle between steps (after `ray up` until the first
 # job; while the Hugging Face run's model and rows are made and uploaded); on CI's 2 busy
@@ -109,7 +112,7 @@ class Steps:
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), CLOCK.seconds()
         try:
             yield
         except Exception as e:
@@ -117,7 +120,9 @@ class Steps:
                                  f"{e}{self.context()}") from e
         finally:
             self.times.append((name, time.monotonic() - t0))
-            print(f"rehearsal: {name}: {time.monotonic() - t0:.1f} s", flush=True)
+            c1 = CLOCK.seconds()
+            cpu = f", {c1 - c0:.1f} CPU-s" if c0 is not None and c1 is not None else ""
+            print(f"rehearsal: {name}: {time.monotonic() - t0:.1f} s{cpu}", flush=True)
 
 
 def _ok(proc: subprocess.CompletedProcess, what: str) -> str:
@@ -306,10 +311,8 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
     except Unavailable as e:
         unavailable("fakecloud", str(e))   # a skip, or a failure under RAYFLEET_REQUIRE
     root, step, cloud, op_home = prepare("rayfleet-fakecloud-")
-    tunnels: list[subprocess.Popen] = []
     background: list[subprocess.Popen] = []   # a job submitted while the next steps run
     cluster_yaml = op_home / "cluster.yaml"
-    down_yaml = cluster_yaml   # what `ray down` takes down if a step fails
 
     def op(argv: list[str]) -> list[str]:
         return operator_command(op_home / ".ssh", argv)
@@ -384,14 +387,25 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert f"NODE True {ray.__version__} True None True" in probe, probe[-2000:]   # rule 25
 
         token = token_file.read_text().strip()
-        client = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
-        dash = free_port()
-        with step("ray dashboard (the tunnel)"):
-            tunnels.append(_tunnel(op, env, cluster_yaml, dash, 8265, root / "tunnel-8265.log"))
-            address = f"http://127.0.0.1:{dash}"
-            wait_until("the dashboard through the tunnel",
-                       lambda: _http(address + "/api/version", token)[0] == 200, 60, 1.0)
-            client["RAY_ADDRESS"] = address
+        with step("rayfleet env: background tunnels, the exports a shell evals"):
+            # As README's AWS steps run it: `eval "$(rayfleet env CLUSTER_YAML)"`, then the
+            # local quickstart's very lines. The shell's environment after the eval is the
+            # client's for every step below.
+            env_cmd = [str(BIN / "rayfleet"), "env", str(cluster_yaml)]
+            closing = op([*env_cmd, "--close"])
+            shown = run(op(["sh", "-c", 'eval "$("$@")" && env -0', "sh", *env_cmd]), env=env,
+                        timeout=240)
+            assert shown.returncode == 0, shown.stdout[-2000:] + shown.stderr[-2000:]
+            assert token not in shown.stdout + shown.stderr   # never printed
+            client = dict(kv.split("=", 1) for kv in shown.stdout.split("\0") if "=" in kv)
+            address = client["RAY_ADDRESS"]
+            assert client["RAY_AUTH_TOKEN_PATH"] == str(token_file), client
+            assert client["RAYFLEET_STORAGE"] == facts["run_store"], client
+            assert client["AWS_DEFAULT_REGION"] == REGION, client
+            assert _http(address + "/api/version", token)[0] == 200
+            # Again: the same tunnels, found still open.
+            again = _ok(run(op(env_cmd), env=env, timeout=120), "rayfleet env (again)")
+            assert f"RAY_ADDRESS={address}" in again, again
 
         with step("a client without the token is refused"):
             status, _ = _http(address + "/api/jobs/")
@@ -560,7 +574,6 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             # each replica downloads). One file with both apps: `serve deploy` replaces every
             # app with the file's, and the HTTP port is the cluster's. Deployed now, so vLLM
             # starts while the next jobs run; both answer after the data job's rerun.
-            src = yaml.safe_load((REPO / "cluster-configs" / "serve" / "lm.yaml").read_text())
             serve_yaml = op_home / "serve-lm.yaml"
             # The code both packages are made from: the checkout's tracked files, copied once.
             # (The checkout itself may change between the two while the suite's other worker
@@ -572,8 +585,9 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                      "--working-dir", str(code),
                      f"--arg=checkpoint={s['checkpoint']}"], env=client, timeout=120),
                 "rayfleet serve-config")
-            # Without RAY_ADDRESS (here the Jobs API's): the generator checks the export in S3
-            # from here, and the builder on the head checks the replica fits the node types.
+            # The env's RAY_ADDRESS is the Jobs API's (a tunnel, no GCS here): the generator
+            # checks the export in S3 from here, and the builder on the head checks the
+            # replica fits the node types.
             llm_src, llm_yaml = op_home / "llm.yaml", op_home / "serve-llm.yaml"
             _ok(run([str(BIN / "python"), "-m", "workloads.serve.llm_config", "--device", "cpu",
                      "--model-id", LLM_MODEL, "--model-source", h["run_path"],
@@ -582,7 +596,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                      # minutes of CPU (BENCHMARKS.md, vLLM's start-up rows).
                      "--engine-kwarg", "enforce_eager=true",
                      "--max-replicas", "1", "--output", str(llm_src)],
-                    env={k: v for k, v in client.items() if k != "RAY_ADDRESS"}, timeout=180),
+                    env=client, timeout=180),
                 "workloads.serve.llm_config")
             _ok(run([str(BIN / "rayfleet"), "serve-config", str(llm_src), "--package-to",
                      f"s3://{bucket}/rayfleet/packages", "-o", str(llm_yaml),
@@ -631,13 +645,10 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert again["written"] == 0 and again["skipped"] == d["shards"], again
             assert again["rows"] == d["rows"], again
 
-        with step("lm and llm answer through a tunnel"):
-            api = free_port()
-            tunnels.append(_tunnel(op, env, cluster_yaml, api, src["http_options"]["port"],
-                                   root / "tunnel-serve.log"))
+        with step("lm and llm answer at the env's Serve URL (a tunnel)"):
             from openai import OpenAI
 
-            oa = OpenAI(base_url=f"http://127.0.0.1:{api}/v1", api_key="unused",
+            oa = OpenAI(base_url=client["RAYFLEET_SERVE_URL"] + "/v1", api_key="unused",
                         max_retries=0, timeout=30)
 
             lm_last: dict = {}
@@ -668,7 +679,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             expected = tok.decode(new.tolist(), skip_special_tokens=True,
                                   clean_up_tokenization_spaces=False)
 
-            vllm = OpenAI(base_url=f"http://127.0.0.1:{api}/llm/v1", api_key="unused",
+            vllm = OpenAI(base_url=client["RAYFLEET_SERVE_URL"] + "/llm/v1", api_key="unused",
                           max_retries=0, timeout=60)
 
             llm_last: dict = {}
@@ -700,57 +711,22 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert "".join(chunks) == expected, chunks
             assert len([c for c in chunks if c]) > 1 or len(new) < 3, chunks
 
-        with step("auto-stop: the idle cluster tears itself down, head included"):
+        with step("ray down -y of the live cluster, its worker and vLLM on it"):
+            # README's way to end a cluster: `ray stop` on the head through the SSM proxy, then
+            # Ray's provider terminates every node. Auto-stop's own teardown (workers, then the
+            # head, as moto served the calls) is fault 10's last step, on its cluster; here the
+            # `down` comes well inside the idle window (AUTOSTOP_MINUTES), so the two never race.
             _ok(run([str(BIN / "serve"), "shutdown", "-y", "--address", address], env=client,
                     timeout=120), "serve shutdown")
-            for t in tunnels:
-                os.killpg(t.pid, 15)
-            # Every worker the first cluster had (the fake cloud started a node for each).
-            started = [e.split()[1] for e in cloud.events if e.startswith("start ")]
-            all_workers = sorted(set(started) - {head.instance_id})
-            cloud.record_calls()
-            # The idle minutes, then the workers, then the head: no one runs `ray down`.
-            wait_until("auto-stop to terminate every node", lambda: not cloud.nodes,
-                       int(AUTOSTOP_MINUTES) * 60 + 180, 2)
-            up_started = False
-            assert cluster_instances(ec2, cluster) == []
-            # The order as moto served the calls, not as auto-stop tells it (moto terminates
-            # at once: every instance goes within one poll of the fake cloud's watcher).
-            calls = cloud.terminated_in_order()
-            assert [sorted(c) for c in calls] == [all_workers, [head.instance_id]], cloud.events
-        with step("rayfleet logs: the run's logs and metrics, after the cluster is gone"):
-            logs = [str(BIN / "rayfleet"), "logs", str(cluster_yaml)]
-            shown = run([*logs, "cloud-ddp"], env=env, timeout=60)
-            driver = _ok(shown, "rayfleet logs")
-            assert "re-render" not in shown.stderr, shown.stderr   # read from render's facts
-            assert "RAYFLEET_SUMMARY" in driver and "SUCCEEDED" in driver, driver[-2000:]
-            listing = _ok(run([*logs, "cloud-ddp", "--list"], env=env, timeout=60),
-                          "rayfleet logs --list")
-            for name in ("metrics.csv", "loss.png", "worker-"):
-                assert name in listing, listing
-            why = _ok(run([*logs, "--cluster", cluster], env=env, timeout=60),
-                      "rayfleet logs --cluster")
-            assert f"tearing {cluster} down: idle for" in why, why
-            # What auto-stop says it did, as the watcher saw it (above).
-            terminated = next(ln for ln in why.splitlines()
-                              if f"terminated {len(all_workers) + 1} instance(s): " in ln)
-            assert set(terminated.split("instance(s): ", 1)[1].split()) == {
-                *all_workers, head.instance_id}, terminated
-        with step("ray up again, then ray down -y of the live cluster"):
-            # README's way to end a cluster, on one that is up: `ray stop` on the head through
-            # the SSM proxy, then Ray's provider terminates it. A head alone, without vLLM or
-            # auto-stop (which would race the `down`), to keep it short.
-            down_yaml = op_home / "cluster-again.yaml"
-            _ok(run([str(BIN / "rayfleet"), "render", str(stack.path), "-o", str(down_yaml),
-                     "--autostop-minutes", "0", "--vllm", "none"], env=env, timeout=60),
-                "rayfleet render (again)")
-            up_started = True
-            _ok(_logged(op([str(BIN / "ray"), "up", "-y", "--no-config-cache",
-                            str(down_yaml)]), env, root / "ray-up-again.log", 480),
-                "ray up (again)")
-            (live,) = cloud.nodes.values()
-            assert "gcs_server" in _commands(live.netns), cloud.events   # Ray is up on it
-            down = _ok(_logged(op([str(BIN / "ray"), "down", "-y", str(down_yaml)]), env,
+            shut = run(closing, env=env, timeout=60)
+            closed = _ok(shut, "rayfleet env --close") + shut.stderr
+            # Closed here too, at once: Ray's ssh shares one connection per cluster, whose
+            # master holds the forwards and outlives the tunnels' own ssh (tunnels.cancel_command).
+            wait_until("the closed tunnel to stop answering", lambda: not _http(
+                address + "/api/version", token, timeout=2)[0], 5, 0.5, detail=lambda: closed)
+            live = sorted(cloud.nodes)
+            assert head.instance_id in live and len(live) >= 2, cloud.events   # head + worker
+            down = _ok(_logged(op([str(BIN / "ray"), "down", "-y", str(cluster_yaml)]), env,
                                root / "ray-down.log", 300), "ray down")
             up_started = False
             # `ray stop` ran on the head (Ray's teardown only warns when it fails, then
@@ -762,8 +738,18 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                 f"(log: {root / 'ray-down.log'})")
             wait_until("the fake cloud to see every node terminated", lambda: not cloud.nodes,
                        60, 0.5)
-            assert f"stop {live.instance_id}" in cloud.events
+            assert all(f"stop {i}" in cloud.events for i in live), cloud.events
             assert cluster_instances(ec2, cluster) == []
+        with step("rayfleet logs: the run's logs and metrics, after the cluster is gone"):
+            logs = [str(BIN / "rayfleet"), "logs", str(cluster_yaml)]
+            shown = run([*logs, "cloud-ddp"], env=env, timeout=60)
+            driver = _ok(shown, "rayfleet logs")
+            assert "re-render" not in shown.stderr, shown.stderr   # read from render's facts
+            assert "RAYFLEET_SUMMARY" in driver and "SUCCEEDED" in driver, driver[-2000:]
+            listing = _ok(run([*logs, "cloud-ddp", "--list"], env=env, timeout=60),
+                          "rayfleet logs --list")
+            for name in ("metrics.csv", "loss.png", "worker-"):
+                assert name in listing, listing
         with step("rayfleet sweep finds nothing"):
             swept = run([str(BIN / "rayfleet"), "sweep", "--cluster-name", cluster,
                          "--region", REGION], env=env, timeout=120)
@@ -771,8 +757,10 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                 swept, "rayfleet sweep"), swept.stdout
         cloud.check()
     finally:
-        problems = finish(root, step, cloud, tunnels + background,
-                          op([str(BIN / "ray"), "down", "-y", str(down_yaml)])
+        with contextlib.suppress(NameError, OSError, subprocess.TimeoutExpired):
+            run(closing, env=env, timeout=60)   # the env's tunnels, whatever failed
+        problems = finish(root, step, cloud, background,
+                          op([str(BIN / "ray"), "down", "-y", str(cluster_yaml)])
                           if up_started else None, env, previous)
     assert not problems, f"{problems} (logs in {root})"
     shutil.rmtree(root, ignore_errors=True)
