@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from scripts.readme_blocks import FENCE, PAGES, all_examples, examples, find_section
-from tests.conftest import BIN, REPO, copy_of_checkout, free_port, run
+from tests.conftest import BIN, CLOCK, REPO, copy_of_checkout, free_port, run
 from tests.workloads.conftest import post_json, serve_shutdown
 
 def _runnable() -> list[tuple[str, str, list[str]]]:
@@ -121,7 +121,11 @@ def _run_blocks(blocks, shells: dict, open_shell, port: int, outputs: list) -> N
         if page not in shells:
             shells[page] = open_shell(page)
         body = body.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        t0, c0 = time.monotonic(), CLOCK.seconds()
         status, out = shells[page].run(body, timeout=600)
+        c1 = CLOCK.seconds()
+        cpu = f", {c1 - c0:.1f} CPU-s" if c0 is not None and c1 is not None else ""
+        print(f"readme: {where}: {time.monotonic() - t0:.1f} s{cpu}", flush=True)
         outputs.append((where, body, out))
         where = f"{where}: exit {status}\n{out[-4000:]}"
         assert status == 0, where
