@@ -65,7 +65,8 @@ def jobs_api_ready(dashboard_url: str, token: str | None) -> bool:
         return False
 
 
-def _listening(port: int) -> bool:
+def listening(port: int) -> bool:
+    """Whether something on 127.0.0.1 takes a TCP connection on ``port``."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1):
             return True
@@ -193,7 +194,7 @@ def _ready(cluster: LocalCluster, secret: str) -> bool:
     # machine the gap is seconds): ready means both.
     # And `ray start` names the cluster in <temp dir>/ray_current_cluster only after the
     # dashboard is up; a job submitted before that has its driver pointed elsewhere.
-    return (jobs_api_ready(cluster.dashboard_url, secret) and _listening(cluster.agent_port)
+    return (jobs_api_ready(cluster.dashboard_url, secret) and listening(cluster.agent_port)
             and (ray_temp_dir() / "ray_current_cluster").exists()
             # HA: up once the supervisor watches gcs_server (after `ray start` exited).
             and (not cluster.ha or supervised()))

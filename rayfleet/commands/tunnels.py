@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,8 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rayfleet.commands.host import alive, start_ticks
-# The kit's own probe of a dashboard: the token sent straight, never through a proxy.
-from rayfleet.commands.localhead import status_of
+# The kit's own probes of a port here and of a dashboard (its token sent straight, never
+# through a proxy).
+from rayfleet.commands.localhead import listening, status_of
 from rayfleet.errors import ClusterError
 
 STATE_FILE = "tunnels.json"
@@ -183,14 +183,6 @@ def stop(*stopping: Tunnel, grace: float = STOP_GRACE_S) -> list[str]:
     return said
 
 
-def _accepts(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
 # What `answers` says of a tunnel.
 OK, NOT_YET, REFUSED = "ok", "not yet", "refused"
 
@@ -198,7 +190,7 @@ OK, NOT_YET, REFUSED = "ok", "not yet", "refused"
 def answers(tunnel: Tunnel, token: str) -> tuple[str, int | None]:
     """(OK, NOT_YET or REFUSED, the HTTP status): its local port takes a TCP connection and,
     for the dashboard's, GET /api/version with the token answers 200 (401/403: REFUSED)."""
-    if not _accepts(tunnel.local_port):
+    if not listening(tunnel.local_port):
         return NOT_YET, None
     if tunnel.role != "dashboard":
         return OK, None
