@@ -52,7 +52,7 @@ from .cloud import REGION, Unavailable, operator_command, require_tools, stop_on
 from .test_ray_up import (VPC, _http, _logged, _ok, _tags, _tunnel, caller_env, finish,
                           operator_env, operator_key, prepare)
 
-# 474 s alone on 2 cores with its auto-stop steps (2026-11-28), 649 s in a fresh clone's
+# 474 s alone on 2 cores with its auto-stop steps (2026-11-28), 580-607 s in fresh clones'
 # .ci/run beside the session cluster's tests: the limit, about twice what a loaded run takes,
 # catches a hang or a slowdown, naming its step.
 pytestmark = [pytest.mark.slow, pytest.mark.moto, pytest.mark.ray, pytest.mark.fakecloud,
