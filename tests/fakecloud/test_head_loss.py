@@ -21,7 +21,7 @@ the idle minute has passed and auto-stop has paused the autoscaler, a job submit
 teardown window aborts the teardown (nothing terminated, the job runs to the end) -> idle again,
 auto-stop terminates the worker and then the head (the order as moto served the calls), while
 minWorkers 1 would have its autoscaler launch another -> `rayfleet logs --cluster` reads its
-reason and what it terminated back from the bucket -> `rayfleet sweep` finds nothing of the
+reason back from the bucket -> `rayfleet sweep` finds nothing of the
 cluster left. (The rehearsal, tests/fakecloud/test_ray_up.py, ends with `ray down` instead.)
 
 The fake nodes have no GPUs and no vLLM (rendered with --vllm none): what is lost and brought
@@ -392,13 +392,12 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
             # The workers, then the head: as moto served the calls, not as auto-stop says.
             calls = cloud.terminated_in_order()
             assert [sorted(c) for c in calls] == [workers, [new_head.instance_id]], cloud.events
-            # Its reason and what it terminated, read back from the bucket with the head gone.
+            # Its reason, read back from the bucket with the head gone. (Not its last line,
+            # "terminated N instance(s)": the head writes it after asking EC2 to terminate
+            # itself, and here moto ends the node at once; one run lost it that way.)
             why = _ok(run([str(BIN / "rayfleet"), "logs", str(cluster_yaml), "--cluster",
                            cluster], env=env, timeout=60), "rayfleet logs --cluster")
             assert f"tearing {cluster} down: idle for" in why, why
-            terminated = [ln for ln in why.splitlines() if " instance(s): " in ln][-1]
-            assert set(terminated.split("instance(s): ", 1)[1].split()) == {
-                *workers, new_head.instance_id}, terminated
             assert len([ln for ln in said() if ln.startswith("paused Ray's autoscaler")]) == 2
             assert any(ln.startswith("terminating the head") for ln in said()), said()
             time.sleep(10)   # nothing launches after (the autoscaler went with the head)
