@@ -135,11 +135,12 @@ def write_shard(ds, storage: Storage, index: int, n: int, extra: dict | None = N
     fs, name = storage.fs, shard_name(index)
     tmp = storage.join(f"_tmp-{name}")
     fs.delete_dir_contents(tmp, missing_dir_ok=True)
-    # Ray writes no file (and no folder) for a shard that cleaning emptied; the listing
-    # below must still find the folder.
+    # Ray writes no file (and no folder) for a shard that cleaning emptied: the listing
+    # below finds nothing then (and on S3, where a folder is only its keys, no folder).
     fs.create_dir(tmp)
     ds.write_parquet(tmp, filesystem=storage.filesystem)
-    parts = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(tmp, recursive=True))
+    parts = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(tmp, recursive=True,
+                                                                      allow_not_found=True))
                    if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
     rows, files = 0, []
     for k, part in enumerate(parts):
