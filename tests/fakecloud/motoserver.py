@@ -15,15 +15,38 @@ instead, where a just-freed one is as unlikely as any other.
 moto's backends are not thread-safe either (getmoto/moto#5881): one request is served at a
 time (the server keeps its threads; the backends see one caller).
 
+IAM, where the fake cloud turns moto's access control on (FakeCloud.enforce_iam; nothing here
+changes a run that does not): S3 requests are judged against the caller's policies, a node's
+being its instance role's; every other service is not judged, as moto's evaluator cannot do it
+right: it hands every EC2 action the resource "*", so a statement scoped to ARNs (the head's
+RunInstances, TerminateInstances on its cluster's tags) matches nothing, and it has no value
+for any condition key but sts:ExternalId. For S3 it has the bucket's and the object's ARN; here
+it also gets the one condition key the node roles use, `s3:prefix` (a ListObjects request's
+`prefix`, absent when it has none), judged as AWS does: StringLike matches `*` and `?`, a key
+the request lacks fails the condition unless the operator ends in IfExists, an operator this
+stand-in does not know fails it (a statement it cannot judge never allows), and a statement
+whose condition fails does not apply, where moto 5.2 turns an Allow into a Deny. A
+DeleteObjects request is judged key by key (s3:DeleteObject on each object's ARN), as AWS does,
+where moto 5.2 judges it on the bucket's ARN and so denies a role scoped to a prefix every
+batch delete; here a batch with any key denied is denied whole (stricter than AWS, which
+deletes the allowed keys and reports the others).
+
 Run as moto_server is: ``python motoserver.py -H HOST -p PORT``."""
 
 from __future__ import annotations
 
+import fnmatch
 import sys
 import threading
+import urllib.parse
 
+import xmltodict
+
+from moto.core.authorization import ActionAuthenticatorMixin
 from moto.ec2.models.instances import Instance
+from moto.iam.access_control import IAMPolicyStatement, IAMRequestBase, PermissionResult
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication
+from moto.s3.responses import S3Response
 from moto.server import main
 
 _terminate = Instance.terminate
@@ -55,6 +78,88 @@ def _serialized(self, environ, start_response):
 
 
 DomainDispatcherApplication.__call__ = _serialized
+
+
+# ---------------------------------------------------------------------- IAM (see above)
+
+def _not_judged(self, resource: str = "*") -> None:
+    """Services but S3: not judged (moto's evaluator gives EC2 no resource ARN)."""
+
+
+ActionAuthenticatorMixin._authenticate_and_authorize_normal_action = _not_judged
+
+# The condition values of the request being judged (one request at a time: _serialized).
+_REQUEST: dict[str, str] = {}
+_permitted = IAMRequestBase.check_action_permitted
+
+
+def _with_values(self, resource: str) -> None:
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(self._path).query,
+                                  keep_blank_values=True)
+    _REQUEST.clear()
+    if self._action == "s3:ListBucket" and "prefix" in query:
+        _REQUEST["s3:prefix"] = query["prefix"][0]
+    try:
+        _permitted(self, resource)
+    finally:
+        _REQUEST.clear()
+
+
+IAMRequestBase.check_action_permitted = _with_values
+
+OPERATORS = {"StringEquals": lambda expected, actual: actual == expected,
+             "StringLike": lambda expected, actual: fnmatch.fnmatchcase(actual, expected)}
+
+
+def holds(condition: dict, values: dict[str, str]) -> bool:
+    """Whether a statement's Condition block holds for the request's ``values``, as AWS judges
+    it (the module docstring); every operator and every key must hold."""
+    for operator, keys in condition.items():
+        base = operator.removesuffix("IfExists")
+        test = OPERATORS.get(base)
+        if test is None:
+            return False
+        for key, expected in keys.items():
+            if key not in values:
+                if operator.endswith("IfExists"):
+                    continue
+                return False
+            wanted = expected if isinstance(expected, list) else [expected]
+            if not any(test(str(e), values[key]) for e in wanted):
+                return False
+    return True
+
+
+_statement = IAMPolicyStatement.is_action_permitted
+
+
+def _statement_verdict(self, action, resource="*", principal=None,
+                       incoming_condition_values=None):
+    condition = self._statement.get("Condition")
+    if not condition or "Principal" in self._statement:   # trust policies: moto's own way
+        return _statement(self, action, resource, principal, incoming_condition_values)
+    if not holds(condition, {**_REQUEST, **(incoming_condition_values or {})}):
+        return PermissionResult.NEUTRAL
+    plain = IAMPolicyStatement({k: v for k, v in self._statement.items() if k != "Condition"})
+    return _statement(plain, action, resource, principal, incoming_condition_values)
+
+
+IAMPolicyStatement.is_action_permitted = _statement_verdict
+
+_s3_action = S3Response._authenticate_and_authorize_s3_action
+
+
+def _per_key(self, bucket_name: str | None = None, key_name: str | None = None) -> None:
+    if key_name is None and bucket_name and self.data.get("Action") == "DeleteObject" \
+            and self.is_delete_keys():
+        objects = xmltodict.parse(self.body)["Delete"].get("Object") or []
+        for obj in objects if isinstance(objects, list) else [objects]:
+            _s3_action(self, bucket_name=bucket_name, key_name=obj["Key"])
+        return
+    _s3_action(self, bucket_name=bucket_name, key_name=key_name)
+
+
+S3Response._authenticate_and_authorize_s3_action = _per_key
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -1,7 +1,8 @@
 """The fake cloud's moto (tests/fakecloud/motoserver.py) frees a terminated instance's address
 as EC2 does: a replaced head may launch at it again, and an instance launched without an
-address meanwhile does not take it first. Run in a child process: the module patches moto's
-Instance class for the process that imports it."""
+address meanwhile does not take it first. With access control on, it judges S3 as AWS does
+for the node roles' one condition (`s3:prefix`) and leaves the other services unjudged. Run in
+a child process: the module patches moto's classes for the process that imports it."""
 
 from __future__ import annotations
 
@@ -53,3 +54,79 @@ def test_a_replaced_head_launches_at_its_fixed_address_after_an_instance_without
 def test_plain_moto_refuses_it_which_is_why_the_fake_cloud_patches_it():
     # moto 5.2 alone keeps the address held: the fixed-address launch fails.
     assert "head refused" in _run("plain")
+
+
+# A node's role as the stack's storage policy shapes it (infra/components/iam.py; the fake-cloud
+# rehearsal runs the program's own roles): list only under the prefix, read and write only
+# under it.
+IAM_SCENARIO = """
+import importlib.util, json, sys, boto3
+from botocore.exceptions import ClientError
+from moto import mock_aws, settings
+if sys.argv[1] == "patched":
+    spec = importlib.util.spec_from_file_location("ms", "tests/fakecloud/motoserver.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+policy = {"Version": "2012-10-17", "Statement": [
+    {"Effect": "Allow", "Action": "s3:ListBucket", "Resource": "arn:aws:s3:::bkt",
+     "Condition": {"StringLike": {"s3:prefix": ["rayfleet/*", "rayfleet"]}}},
+    {"Effect": "Allow", "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+     "Resource": "arn:aws:s3:::bkt/rayfleet/*"}]}
+trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+         "Principal": {"Service": "ec2.amazonaws.com"}}]}
+with mock_aws():
+    boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="bkt")
+    iam = boto3.client("iam", region_name="us-east-1")
+    role = iam.create_role(RoleName="node", AssumeRolePolicyDocument=json.dumps(trust))["Role"]
+    iam.put_role_policy(RoleName="node", PolicyName="storage", PolicyDocument=json.dumps(policy))
+    c = boto3.client("sts", region_name="us-east-1").assume_role(
+        RoleArn=role["Arn"], RoleSessionName="i-1")["Credentials"]
+    settings.INITIAL_NO_AUTH_ACTION_COUNT = 0
+    kw = dict(region_name="us-east-1", aws_access_key_id=c["AccessKeyId"],
+              aws_secret_access_key=c["SecretAccessKey"], aws_session_token=c["SessionToken"])
+    s3 = boto3.client("s3", **kw)
+    def said(what, call):
+        try:
+            call()
+            print(what, "allowed")
+        except ClientError as e:
+            print(what, e.response["Error"]["Code"])
+    said("put inside", lambda: s3.put_object(Bucket="bkt", Key="rayfleet/runs/x", Body=b"x"))
+    said("put outside", lambda: s3.put_object(Bucket="bkt", Key="runs/x", Body=b"x"))
+    said("list inside", lambda: s3.list_objects_v2(Bucket="bkt", Prefix="rayfleet/runs/"))
+    said("list outside", lambda: s3.list_objects_v2(Bucket="bkt", Prefix="runs/"))
+    said("list no prefix", lambda: s3.list_objects_v2(Bucket="bkt"))
+    def batch(key):
+        errors = s3.delete_objects(Bucket="bkt", Delete={"Objects": [{"Key": key}]}).get("Errors")
+        if errors:
+            raise ClientError({"Error": {"Code": errors[0]["Code"]}}, "DeleteObjects")
+    said("batch delete inside", lambda: batch("rayfleet/runs/x"))
+    said("batch delete outside", lambda: batch("runs/x"))
+    said("ec2 not judged", lambda: boto3.client("ec2", **kw).describe_instances())
+"""
+
+
+def _run_iam(mode: str) -> dict[str, str]:
+    proc = subprocess.run([sys.executable, "-c", IAM_SCENARIO, mode], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "AWS_ACCESS_KEY_ID": "testing",
+                               "AWS_SECRET_ACCESS_KEY": "testing"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(ln.rsplit(" ", 1) for ln in proc.stdout.splitlines())
+
+
+def test_s3_is_judged_by_the_roles_prefix_condition_as_aws_judges_it():
+    assert _run_iam("patched") == {
+        "put inside": "allowed", "put outside": "AccessDenied", "list inside": "allowed",
+        "list outside": "AccessDenied", "list no prefix": "AccessDenied",
+        "batch delete inside": "allowed", "batch delete outside": "AccessDenied",
+        "ec2 not judged": "allowed"}
+
+
+def test_plain_moto_lets_a_prefix_condition_pass_and_judges_ec2():
+    # moto 5.2 alone: the condition is never evaluated (every list allowed), and EC2 is judged
+    # against a resource of "*" (this role has no EC2 statement: denied).
+    got = _run_iam("plain")
+    assert got["list outside"] == got["list no prefix"] == "allowed", got
+    # ... and a batch delete judged on the bucket's ARN: denied even inside the prefix.
+    assert got["batch delete inside"] == "AccessDenied", got
+    assert got["ec2 not judged"] != "allowed", got
