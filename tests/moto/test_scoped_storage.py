@@ -55,7 +55,7 @@ def role_env(tmp_path_factory):
                 break
             except OSError:
                 if time.time() > deadline:
-                    raise RuntimeError(f"moto did not start: {log.read_text()[-2000:]}")
+                    raise RuntimeError(f"moto did not start: {log.read_text()[-2000:]}") from None
                 time.sleep(0.2)
         kw = dict(endpoint_url=url, region_name="us-west-2", aws_access_key_id="testing",
                   aws_secret_access_key="testing")
