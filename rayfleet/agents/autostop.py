@@ -292,10 +292,12 @@ def restart(saved) -> None:
 
 
 def teardown(ec2, cluster: str, check=lambda step: None, wait_s: float = 300,
-             poll_s: float = 5) -> list[str]:
+             poll_s: float = 5, say=log) -> list[str]:
     """As `ray down` does: the workers first, until none of the cluster's is left (one an
     autoscaler launches meanwhile included), then the head. ``check(step)`` runs right before
-    each termination and raises Busy to abort. Returns the instance ids terminated."""
+    each termination and raises Busy to abort; ``say(line)`` records each termination before
+    its call (the head's own is the last this process may live to write). Returns the
+    instance ids terminated."""
     gone: list[str] = []
     deadline = time.monotonic() + wait_s
     while True:
@@ -306,7 +308,7 @@ def teardown(ec2, cluster: str, check=lambda step: None, wait_s: float = 300,
         new = [w for w in workers if w not in gone]
         if new:
             check(f"terminating {len(new)} worker(s)")
-            log(f"terminating {len(new)} worker(s): {' '.join(new)}")
+            say(f"terminating {len(new)} worker(s): {' '.join(new)}")
             ec2.terminate_instances(InstanceIds=new)
             gone += new
         if time.monotonic() > deadline:
@@ -317,7 +319,7 @@ def teardown(ec2, cluster: str, check=lambda step: None, wait_s: float = 300,
     heads = [i["InstanceId"] for i in cluster_instances(ec2, cluster) if is_head(i)]
     if heads:
         check("terminating the head")
-        log(f"terminating the head: {' '.join(heads)}")
+        say(f"terminating the head: {' '.join(heads)}")
         ec2.terminate_instances(InstanceIds=heads)
     return gone + heads
 
@@ -424,7 +426,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def tear_down(args: argparse.Namespace, ec2, ray: Dashboard) -> list[str]:
+def tear_down(args: argparse.Namespace, ec2, ray: Dashboard, say=log) -> list[str]:
     """The autoscaler paused, the log shipper's last copy, then the instances, one more look
     at Ray before each step; on Busy, what was paused or stopped runs again."""
     check = still_idle(ray, args.minutes * 60)
@@ -433,7 +435,7 @@ def tear_down(args: argparse.Namespace, ec2, ray: Dashboard) -> list[str]:
         if args.stop_first:
             check("stopping the log shipper")
             stopped = stop_first(args.stop_first)
-        return teardown(ec2, args.cluster_name, check)
+        return teardown(ec2, args.cluster_name, check, say=say)
     except Exception:   # Busy, or an EC2 call that failed: nothing stays paused or stopped
         restart(stopped)
         resume(paused)
@@ -482,13 +484,14 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             cluster_log.write(f"tearing {args.cluster_name} down: {reason}")
             try:
-                gone = tear_down(args, session.client("ec2"), ray)
+                gone = tear_down(args, session.client("ec2"), ray, cluster_log.write)
             except Busy as e:
                 cluster_log.write(f"teardown aborted {e}; watching again")
                 continue
             except Exception as e:   # noqa: BLE001 (said, and the watch goes on)
                 cluster_log.write(f"teardown failed ({type(e).__name__}: {e}); watching again")
                 continue
+            # Written when this process outlives its own head's termination call, as it may.
             cluster_log.write(f"terminated {len(gone)} instance(s): {' '.join(gone)}")
             return 0
     except Stop:
