@@ -135,15 +135,11 @@ def write_shard(ds, storage: Storage, index: int, n: int, extra: dict | None = N
     fs, name = storage.fs, shard_name(index)
     tmp = storage.join(f"_tmp-{name}")
     fs.delete_dir_contents(tmp, missing_dir_ok=True)
-    # Ray writes no file (and no folder) for a shard that cleaning emptied: the listing
-    # below finds nothing then (and on S3, where a folder is only its keys, no folder).
-    # The folder is made here, not by Ray Data: given a path without s3://, it would make it
-    # with pyarrow's own create_dir, whose bucket check a prefix-scoped role is refused
-    # (workloads/common/s3scope.py).
+    # Ray writes no file (and no folder) for a shard that cleaning emptied; the listing
+    # below must still find the folder.
     fs.create_dir(tmp)
-    ds.write_parquet(tmp, filesystem=storage.filesystem, try_create_dir=False)
-    parts = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(tmp, recursive=True,
-                                                                      allow_not_found=True))
+    ds.write_parquet(tmp, filesystem=storage.filesystem)
+    parts = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(tmp, recursive=True))
                    if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
     rows, files = 0, []
     for k, part in enumerate(parts):

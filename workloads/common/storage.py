@@ -18,8 +18,6 @@ from rayfleet import clusteryaml, runstore
 from rayfleet.errors import ConfigError, StorageError
 from rayfleet.facts import is_bucket_name
 
-from .s3scope import scoped
-
 
 def default_root() -> str:
     """Where runs, datasets and embeddings go when no path is given: $RAYFLEET_STORAGE (the
@@ -97,9 +95,7 @@ class Storage:
 
     @property
     def fs(self) -> pafs.FileSystem:
-        """For the kit's own calls and Ray Train's run store: on S3, as a role scoped to a key
-        prefix may use it (s3scope; ``filesystem`` stays pyarrow's own, for Ray Data)."""
-        return scoped(self.filesystem) if self.filesystem else pafs.LocalFileSystem()
+        return self.filesystem or pafs.LocalFileSystem()
 
     def write_bytes(self, rel: str, data: bytes) -> str:
         target = self.join(rel)
@@ -152,17 +148,14 @@ def resolve(uri: str, *, endpoint: str | None = None, check_writable: bool = Tru
             raise StorageError(f"{uri}: {bucket!r} is not a valid S3 bucket name "
                                "(3-63 lowercase letters, digits, dots, hyphens)")
         fs = s3_filesystem(endpoint)
-        # The prefix, not the bucket, where there is one: a role scoped to a prefix (the node
-        # roles) may not ask about the bucket itself (s3scope).
         try:
-            info = fs.get_file_info(rest)
+            info = fs.get_file_info(bucket)
         except OSError as e:
-            if "ACCESS_DENIED" not in str(e):
-                raise StorageError(f"{uri}: bucket {bucket!r} is not reachable: "
-                                   f"{_first_line(e)}") from e
-            info = None   # may not read that key itself (a prefix's own name): the probe judges
-        if not prefix and info and info.type == pafs.FileType.NotFound:
-            raise StorageError(_no_bucket(uri, bucket))
+            raise StorageError(f"{uri}: bucket {bucket!r} is not reachable: "
+                               f"{_first_line(e)}") from e
+        if info.type == pafs.FileType.NotFound:
+            raise StorageError(f"{uri}: bucket {bucket!r} does not exist (or these "
+                               "credentials cannot see it)")
         storage = Storage(uri=f"s3://{rest}", path=rest, filesystem=fs)
     else:
         local = Path(uri.removeprefix("file://")).expanduser().resolve()
@@ -179,14 +172,8 @@ def resolve(uri: str, *, endpoint: str | None = None, check_writable: bool = Tru
             storage.write_bytes(probe, b"ok")
             storage.fs.delete_file(storage.join(probe))
         except OSError as e:
-            if "NO_SUCH_BUCKET" in str(e):   # pyarrow's name for S3's NoSuchBucket
-                raise StorageError(_no_bucket(uri, storage.path.partition("/")[0])) from e
             raise StorageError(f"{storage.uri}: not writable: {_first_line(e)}") from e
     return storage
-
-
-def _no_bucket(uri: str, bucket: str) -> str:
-    return f"{uri}: bucket {bucket!r} does not exist (or these credentials cannot see it)"
 
 
 def _first_line(e: BaseException, limit: int = 300) -> str:

@@ -241,8 +241,7 @@ def _trainer(opts: TrainOptions, model, cfg: LoopConfig, name: str, storage: Sto
         scaling_config=ScalingConfig(num_workers=opts.num_workers, use_gpu=opts.use_gpu,
                                      resources_per_worker=worker_bundle(opts)),
         run_config=RunConfig(
-            name=name, storage_path=storage.path,
-            storage_filesystem=storage.fs if storage.filesystem else None,
+            name=name, storage_path=storage.path, storage_filesystem=storage.filesystem,
             checkpoint_config=CheckpointConfig(num_to_keep=opts.num_to_keep),
             # A finite controller_failure_limit: Ray's default (-1) retries a worker group
             # that cannot be placed (a node it needs is gone) forever, a silent hang.
