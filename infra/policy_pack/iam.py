@@ -140,8 +140,9 @@ def _check_s3_scope(policy: Resource, s: dict, bucket_arns: set[str]) -> Iterato
         elif "/" in res and res.split("/", 1)[1] in ("", "*"):
             yield _v(17, policy, f"allows {', '.join(s3)} on every object of {bucket}, not "
                                  "only the cluster's key prefix")
-    if "s3:ListBucket" in s3 and not (s.get("Condition") or {}).get("StringLike", {}).get(
-            "s3:prefix"):
+    condition = s.get("Condition") or {}
+    if "s3:ListBucket" in s3 and not any(condition.get(op, {}).get("s3:prefix")
+                                         for op in ("StringLike", "StringLikeIfExists")):
         yield _v(17, policy, "allows s3:ListBucket on the whole bucket (no s3:prefix condition)")
 
 

@@ -269,7 +269,7 @@ def test_node_roles_reach_only_the_configured_key_prefix(stack):
         assert by_sid["ReadWriteClusterPrefix"]["Resource"] == \
             f"{bucket_arn}/{c.storage.key_prefix}*"
         assert f"{c.storage.key_prefix}*" in \
-            by_sid["ListClusterPrefix"]["Condition"]["StringLike"]["s3:prefix"]
+            by_sid["ListClusterPrefix"]["Condition"]["StringLikeIfExists"]["s3:prefix"]
         assert ("UseBucketKeyThroughS3" in by_sid) == (c.storage.encryption == "kms")
 
 
