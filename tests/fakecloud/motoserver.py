@@ -20,16 +20,22 @@ changes a run that does not): S3 requests are judged against the caller's polici
 being its instance role's; every other service is not judged, as moto's evaluator cannot do it
 right: it hands every EC2 action the resource "*", so a statement scoped to ARNs (the head's
 RunInstances, TerminateInstances on its cluster's tags) matches nothing, and it has no value
-for any condition key but sts:ExternalId. For S3 it has the bucket's and the object's ARN; here
-it also gets the one condition key the node roles use, `s3:prefix` (a ListObjects request's
-`prefix`, absent when it has none), judged as AWS does: StringLike matches `*` and `?`, a key
-the request lacks fails the condition unless the operator ends in IfExists, an operator this
-stand-in does not know fails it (a statement it cannot judge never allows), and a statement
-whose condition fails does not apply, where moto 5.2 turns an Allow into a Deny. A
-DeleteObjects request is judged key by key (s3:DeleteObject on each object's ARN), as AWS does,
-where moto 5.2 judges it on the bucket's ARN and so denies a role scoped to a prefix every
-batch delete; here a batch with any key denied is denied whole (stricter than AWS, which
-deletes the allowed keys and reports the others).
+for any condition key but sts:ExternalId. For S3, as AWS does and moto 5.2 does not:
+- the one condition key the node roles use, `s3:prefix` (a ListObjects request's `prefix`,
+  absent when it has none): StringLike matches `*` and `?`; a key the request lacks fails the
+  condition unless the operator ends in IfExists; an operator this stand-in does not know fails
+  it (a statement it cannot judge never allows); a statement whose condition fails does not
+  apply (moto 5.2 turns such an Allow into a Deny);
+- HeadBucket is s3:ListBucket with no prefix (moto 5.2 asks for an "s3:HeadBucket" that no
+  policy names);
+- DeleteObjects is judged key by key, s3:DeleteObject on each object's ARN (moto 5.2 judges it
+  on the bucket's ARN, so a role scoped to a prefix could never batch-delete); a batch with any
+  key refused is refused whole, stricter than AWS, which deletes the others;
+- a GetObject or HeadObject of a key that does not exist is 404 only for a caller allowed
+  s3:ListBucket on the bucket, judged with no `s3:prefix` (the request has none), and 403 for
+  the others, as AWS documents (moto 5.2: 404 for anyone allowed the object). Whether AWS counts
+  a ListBucket allowed only under a prefix there is not documented: this takes the stricter
+  reading, and the node roles' policy passes either way.
 
 Run as moto_server is: ``python motoserver.py -H HOST -p PORT``."""
 
@@ -150,6 +156,8 @@ _s3_action = S3Response._authenticate_and_authorize_s3_action
 
 
 def _per_key(self, bucket_name: str | None = None, key_name: str | None = None) -> None:
+    if self.data.get("Action") == "HeadBucket":   # moto's name; IAM's action is ListBucket
+        self.data["Action"] = "ListBucket"
     if key_name is None and bucket_name and self.data.get("Action") == "DeleteObject" \
             and self.is_delete_keys():
         objects = xmltodict.parse(self.body)["Delete"].get("Object") or []
@@ -157,6 +165,15 @@ def _per_key(self, bucket_name: str | None = None, key_name: str | None = None) 
             _s3_action(self, bucket_name=bucket_name, key_name=obj["Key"])
         return
     _s3_action(self, bucket_name=bucket_name, key_name=key_name)
+    if key_name and bucket_name and self.data.get("Action") == "GetObject" \
+            and self.backend.get_object(bucket_name, key_name) is None:
+        # A key that is not there: 404 only to a caller who may list the bucket, judged with
+        # no s3:prefix (the request has none); 403 to the others (the module's text).
+        self.data["Action"] = "ListBucket"
+        try:
+            _s3_action(self, bucket_name=bucket_name)
+        finally:
+            self.data["Action"] = "GetObject"
 
 
 S3Response._authenticate_and_authorize_s3_action = _per_key

@@ -101,7 +101,18 @@ with mock_aws():
             raise ClientError({"Error": {"Code": errors[0]["Code"]}}, "DeleteObjects")
     said("batch delete inside", lambda: batch("rayfleet/runs/x"))
     said("batch delete outside", lambda: batch("runs/x"))
+    said("get missing", lambda: s3.get_object(Bucket="bkt", Key="rayfleet/runs/none"))
+    said("head missing", lambda: s3.head_object(Bucket="bkt", Key="rayfleet/runs/none"))
     said("ec2 not judged", lambda: boto3.client("ec2", **kw).describe_instances())
+    # The same role with the condition's IfExists form (a request with no prefix passes).
+    if_exists = json.loads(json.dumps(policy).replace('"StringLike"', '"StringLikeIfExists"'))
+    settings.INITIAL_NO_AUTH_ACTION_COUNT = 1000
+    iam.put_role_policy(RoleName="node", PolicyName="storage",
+                        PolicyDocument=json.dumps(if_exists))
+    settings.INITIAL_NO_AUTH_ACTION_COUNT = 0
+    said("IfExists: head missing", lambda: s3.head_object(Bucket="bkt",
+                                                         Key="rayfleet/runs/none"))
+    said("IfExists: list outside", lambda: s3.list_objects_v2(Bucket="bkt", Prefix="runs/"))
 """
 
 
@@ -119,7 +130,9 @@ def test_s3_is_judged_by_the_roles_prefix_condition_as_aws_judges_it():
         "put inside": "allowed", "put outside": "AccessDenied", "list inside": "allowed",
         "list outside": "AccessDenied", "list no prefix": "AccessDenied",
         "batch delete inside": "allowed", "batch delete outside": "AccessDenied",
-        "ec2 not judged": "allowed"}
+        # A missing key, for a role that may list only under a prefix: 403, not 404.
+        "get missing": "AccessDenied", "head missing": "AccessDenied", "ec2 not judged": "allowed",
+        "IfExists: head missing": "404", "IfExists: list outside": "AccessDenied"}
 
 
 def test_plain_moto_lets_a_prefix_condition_pass_and_judges_ec2():
@@ -127,6 +140,8 @@ def test_plain_moto_lets_a_prefix_condition_pass_and_judges_ec2():
     # against a resource of "*" (this role has no EC2 statement: denied).
     got = _run_iam("plain")
     assert got["list outside"] == got["list no prefix"] == "allowed", got
-    # ... and a batch delete judged on the bucket's ARN: denied even inside the prefix.
+    # ... and a batch delete judged on the bucket's ARN: denied even inside the prefix; a
+    # missing key is 404 to anyone who may read it.
     assert got["batch delete inside"] == "AccessDenied", got
+    assert got["get missing"] == "NoSuchKey" and got["head missing"] == "404", got
     assert got["ec2 not judged"] != "allowed", got
