@@ -1,9 +1,11 @@
-"""The kit's S3 calls work on a node role's credentials, which may touch only the stack's key
-prefix (the Pulumi program's own storage policy, run under Pulumi's mocks),
-with moto judging S3 as AWS does (tests/fakecloud/motoserver.py, IAM on): the run store
-resolves, Ray Train's folder and upload calls go through, a path outside the prefix is refused
-in one line. pyarrow's own S3 filesystem is refused the folder (its HeadBucket), which is why
-the kit wraps it (workloads/common/s3scope.py)."""
+"""The node roles' storage policy (the Pulumi program's own, run under Pulumi's mocks) judged
+by the fake cloud's moto with IAM on (tests/fakecloud/motoserver.py): on it, the run store
+resolves and Ray Train's folder, marker, upload and pruning calls work, a file not written yet
+is missing (404), and a path outside the key prefix is refused in one line. Beside it, the same
+policy's strict reading (its s3:prefix condition without IfExists, what the roles had before)
+shows why the program writes IfExists: there pyarrow's bucket check (HeadBucket), which the
+kit's storage check and Ray Train's run folder make, and a look at a file not written yet are
+refused."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import urllib.request
 import pyarrow.fs as pafs
 import pytest
 
+from rayfleet.errors import StorageError
 from tests.conftest import REPO, free_port
 
 pytestmark = pytest.mark.moto
@@ -66,56 +69,79 @@ def role_env(tmp_path_factory):
         trust = {"Version": "2012-10-17", "Statement": [{
             "Effect": "Allow", "Action": "sts:AssumeRole",
             "Principal": {"Service": "ec2.amazonaws.com"}}]}
-        arn = iam.create_role(RoleName="node", AssumeRolePolicyDocument=json.dumps(trust))
-        iam.put_role_policy(RoleName="node", PolicyName="storage", PolicyDocument=policy)
-        c = boto3.client("sts", **kw).assume_role(RoleArn=arn["Role"]["Arn"],
-                                                  RoleSessionName="i-node")["Credentials"]
+        # The program's policy, and its strict reading: the prefix condition without IfExists
+        # (what the roles had before; a request that names no prefix is refused).
+        strict = policy.replace('"StringLikeIfExists"', '"StringLike"')
+        assert strict != policy, policy
+        envs = {}
+        for name, doc in (("program", policy), ("strict", strict)):
+            arn = iam.create_role(RoleName=name, AssumeRolePolicyDocument=json.dumps(trust))
+            iam.put_role_policy(RoleName=name, PolicyName="storage", PolicyDocument=doc)
+            c = boto3.client("sts", **kw).assume_role(RoleArn=arn["Role"]["Arn"],
+                                                      RoleSessionName="i-node")["Credentials"]
+            envs[name] = {"AWS_ACCESS_KEY_ID": c["AccessKeyId"],
+                          "AWS_SECRET_ACCESS_KEY": c["SecretAccessKey"],
+                          "AWS_SESSION_TOKEN": c["SessionToken"],
+                          "AWS_DEFAULT_REGION": "us-west-2", "AWS_ENDPOINT_URL_S3": url}
         urllib.request.urlopen(urllib.request.Request(
             url + "/moto-api/reset-auth", data=b"0", method="POST",
             headers={"Content-Type": "text/plain"}), timeout=10)
-        yield {"AWS_ACCESS_KEY_ID": c["AccessKeyId"],
-               "AWS_SECRET_ACCESS_KEY": c["SecretAccessKey"],
-               "AWS_SESSION_TOKEN": c["SessionToken"], "AWS_DEFAULT_REGION": "us-west-2",
-               "AWS_ENDPOINT_URL_S3": url}, bucket
+        yield envs, bucket
     finally:
         proc.kill()
         proc.wait()
 
 
-def _on_role(role_env, monkeypatch) -> str:
-    env, bucket = role_env
-    for k, v in env.items():
+def _on_role(role_env, monkeypatch, role: str = "program") -> str:
+    envs, bucket = role_env
+    for k, v in envs[role].items():
         monkeypatch.setenv(k, v)
     return bucket
 
 
-def test_the_run_store_and_ray_trains_folder_calls_work_on_the_prefix(role_env, monkeypatch,
-                                                                         tmp_path):
+def test_the_run_store_and_ray_trains_calls_work_on_the_programs_role(role_env, monkeypatch,
+                                                                        tmp_path):
     from ray.train.v2._internal.execution.storage import _upload_to_fs_path
 
     from workloads.common import storage
 
     bucket = _on_role(role_env, monkeypatch)
-    store = storage.resolve(f"s3://{bucket}/{PREFIX}runs")
-    # As Ray Train's StorageContext does: the run's folder, its marker, a checkpoint upload.
+    store = storage.resolve(f"s3://{bucket}/{PREFIX}runs")   # its check: HeadBucket
     run = store.join("exp1")
+    # A run's first look for its own bookkeeping: missing, not refused.
+    assert store.fs.get_file_info(f"{run}/state.json").type == pafs.FileType.NotFound
+    # As Ray Train's StorageContext does: the run's folder, its marker, a checkpoint upload.
     store.fs.create_dir(run)
     with store.fs.open_output_stream(f"{run}/.validate_storage_marker"):
         pass
-    (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "model.pt").write_bytes(b"weights")
-    _upload_to_fs_path(str(tmp_path / "ckpt"), store.fs, f"{run}/checkpoint_000000")
+    _upload_to_fs_path(str(_checkpoint(tmp_path)), store.fs, f"{run}/checkpoint_000000")
     assert store.read_bytes(f"{run}/checkpoint_000000/model.pt") == b"weights"
     store.fs.delete_dir(f"{run}/checkpoint_000000")   # num_to_keep's pruning: a batch delete
     names = {i.base_name for i in store.fs.get_file_info(pafs.FileSelector(run))}
     assert names == {".validate_storage_marker"}, names
-    # pyarrow's own filesystem asks about the bucket first, and the role may not.
-    with pytest.raises(OSError, match="HeadBucket"):
-        store.filesystem.create_dir(f"{run}/other", recursive=True)
+
+
+def test_the_strict_reading_refuses_the_bucket_check_and_a_missing_file(role_env, monkeypatch):
+    from workloads.common import storage
+
+    bucket = _on_role(role_env, monkeypatch, "strict")
+    with pytest.raises(StorageError, match="HeadBucket"):
+        storage.resolve(f"s3://{bucket}/{PREFIX}runs")   # the kit's storage check
+    fs = storage.s3_filesystem()
+    run = f"{bucket}/{PREFIX}runs/exp2"
+    with pytest.raises(OSError, match="ACCESS_DENIED during HeadBucket"):
+        fs.create_dir(run)   # Ray Train's StorageContext, before a run's first step
+    with pytest.raises(OSError, match="ACCESS_DENIED during HeadObject"):
+        fs.get_file_info(f"{run}/state.json")   # a file not written yet
+
+
+def _checkpoint(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.pt").write_bytes(b"weights")
+    return tmp_path / "ckpt"
 
 
 def test_a_path_outside_the_prefix_is_refused_in_one_line(role_env, monkeypatch):
-    from rayfleet.errors import StorageError
     from workloads.common import storage
 
     bucket = _on_role(role_env, monkeypatch)
@@ -123,15 +149,3 @@ def test_a_path_outside_the_prefix_is_refused_in_one_line(role_env, monkeypatch)
                                            r".*ACCESS_DENIED") as e:
         storage.resolve(f"s3://{bucket}/runs")
     assert "\n" not in str(e.value)
-
-
-def test_a_missing_bucket_is_named_so(aws_env, monkeypatch):
-    # Asked about the prefix, S3 cannot say the bucket is missing; the write probe does.
-    from rayfleet.errors import StorageError
-    from workloads.common import storage
-
-    for k, v in aws_env.items():
-        monkeypatch.setenv(k, v)
-    with pytest.raises(StorageError, match=r"^s3://rayfleet-no-such-bucket/rayfleet/runs: "
-                                           r"bucket 'rayfleet-no-such-bucket' does not exist"):
-        storage.resolve("s3://rayfleet-no-such-bucket/rayfleet/runs")
