@@ -66,7 +66,15 @@ HERE = Path(__file__).resolve().parent
 TOOLS = {"ip": "iproute2", "unshare": "util-linux", "sshd": "openssh-server",
          "ssh": "openssh-client", "ssh-keygen": "openssh-client", "rsync": "rsync",
          "nft": "nftables"}
-REGION = "us-east-1"
+# Not us-east-1: an S3 or EC2 call that falls back to the SDKs' default region, instead of the
+# stack's, fails here as it would on AWS.
+REGION = "us-west-2"
+
+
+def stack_config(**overrides) -> dict:
+    """The example stack's config (Pulumi.dev.yaml) moved to the fake cloud's region, plus
+    ``overrides`` (keys as in that file)."""
+    return {"rayfleet:region": REGION, "rayfleet:workerAz": f"{REGION}b", **overrides}
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"   # Debian's (and Ubuntu's) system bundle
 # Where a proxy would take HTTP (boto3, urllib, requests, pip all read these): the fake cloud's
 # traffic goes to its own addresses, never through a proxy host.
@@ -187,6 +195,9 @@ class FakeCloud:
         self.services: list[str] = []
         self.dns: dict[str, str] = {}
         self.ca: Path | None = None
+        # Once enforce_iam() has run: moto judges S3 against the caller's policies, and each
+        # node gets its instance role's own credentials.
+        self.iam = False
 
     # ------------------------------------------------------------------ network + moto
 
@@ -358,7 +369,8 @@ class FakeCloud:
                         continue   # not in the fake VPC (e.g. the AMI's builder instance)
                     if state in ("pending", "running") and iid not in self.nodes \
                             and iid not in self.gone:
-                        self.start_node(iid, ip, inst.get("KeyName"))
+                        self.start_node(iid, ip, inst.get("KeyName"),
+                                        (inst.get("IamInstanceProfile") or {}).get("Arn"))
                     elif state in ("shutting-down", "terminated", "stopping", "stopped") \
                             and iid in self.nodes:
                         self.stop_node(iid)
@@ -382,7 +394,55 @@ class FakeCloud:
 
     # ------------------------------------------------------------------ nodes
 
-    def start_node(self, instance_id: str, ip: str, key_name: str | None) -> Node:
+    def enforce_iam(self) -> dict[str, str]:
+        """moto's access control on from here (motoserver.py says what it judges: S3, by the
+        caller's policies), with an operator allowed everything, as the account admin who runs
+        `pulumi up` and `ray up` is: returns that operator's keys (AWS_ACCESS_KEY_ID and
+        AWS_SECRET_ACCESS_KEY), which the caller's own clients must use from now on. Nodes
+        started after it get their instance role's credentials."""
+        iam = self._client("iam")
+        iam.create_user(UserName="fakecloud-operator")
+        iam.put_user_policy(UserName="fakecloud-operator", PolicyName="admin",
+                            PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [
+                                {"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
+        key = iam.create_access_key(UserName="fakecloud-operator")["AccessKey"]
+        # The count of requests left unjudged, as text (a form body reaches moto empty).
+        _DIRECT.open(urllib.request.Request(f"{self.endpoint}/moto-api/reset-auth", data=b"0",
+                                            method="POST",
+                                            headers={"Content-Type": "text/plain"}), timeout=10)
+        self.iam = True
+        return {"AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+                "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+
+    def _client(self, service: str, **keys):
+        import boto3
+        from botocore.config import Config
+
+        # Direct, whatever proxy variables the caller has (the fences).
+        return boto3.client(service, region_name=REGION, endpoint_url=self.endpoint,
+                            **(keys or {"aws_access_key_id": "testing",
+                                        "aws_secret_access_key": "testing"}),
+                            config=Config(proxies={}))
+
+    def _credentials(self, profile_arn: str | None) -> str:
+        """The node's ~/.aws/credentials: its instance role's temporary credentials (what IMDS
+        hands an instance), or, before enforce_iam(), moto's unchecked test keys."""
+        if not self.iam:
+            return "[default]\naws_access_key_id = testing\naws_secret_access_key = testing\n"
+        if not profile_arn:
+            raise RuntimeError("an instance launched without an instance profile: with IAM "
+                               "enforced it would have no credentials")
+        name = profile_arn.rsplit("/", 1)[1]
+        (role,) = self._client("iam").get_instance_profile(
+            InstanceProfileName=name)["InstanceProfile"]["Roles"]
+        c = self._client("sts").assume_role(RoleArn=role["Arn"], RoleSessionName=name,
+                                            DurationSeconds=43200)["Credentials"]
+        return (f"[default]\naws_access_key_id = {c['AccessKeyId']}\n"
+                f"aws_secret_access_key = {c['SecretAccessKey']}\n"
+                f"aws_session_token = {c['SessionToken']}\n")
+
+    def start_node(self, instance_id: str, ip: str, key_name: str | None,
+                   profile_arn: str | None = None) -> Node:
         self.check_route(ip)
         if ip == self.gateway:
             raise RuntimeError(f"moto gave {instance_id} the gateway's address {ip}")
@@ -399,15 +459,16 @@ class FakeCloud:
             (root / d).mkdir(parents=True, exist_ok=True)
         (home / ".ssh" / "authorized_keys").write_text(self.keys[key_name] + "\n")
         # The instance profile and the VPC's endpoints, as files on the image.
-        (home / ".aws" / "credentials").write_text(
-            "[default]\naws_access_key_id = testing\naws_secret_access_key = testing\n")
-        (home / ".aws" / "config").write_text(
-            f"[default]\nregion = {REGION}\nendpoint_url = {self.endpoint}\n")
+        creds = home / ".aws" / "credentials"
+        creds.write_text(self._credentials(profile_arn))
+        creds.chmod(0o600)
+        # No region: an instance has none but what its software is given (render's env), so
+        # a call without one goes to the SDKs' default, us-east-1, and finds nothing there.
+        (home / ".aws" / "config").write_text(f"[default]\nendpoint_url = {self.endpoint}\n")
         # EC2 through the capacity-fault proxy, everything else (S3) to moto directly.
         ec2 = self.capacity.endpoint if self.capacity else self.endpoint
         (home / ".ssh" / "environment").write_text(
-            f"AWS_ENDPOINT_URL={self.endpoint}\nAWS_ENDPOINT_URL_EC2={ec2}\n"
-            f"AWS_DEFAULT_REGION={REGION}\n")
+            f"AWS_ENDPOINT_URL={self.endpoint}\nAWS_ENDPOINT_URL_EC2={ec2}\n")
         (home / ".config" / "pip" / "pip.conf").write_text(
             f"[global]\nno-index = true\nfind-links = {self.wheelhouse}\n")
         hostname = "ip-" + ip.replace(".", "-")
@@ -547,13 +608,7 @@ class FakeCloud:
         return ca
 
     def _ec2(self):
-        import boto3
-        from botocore.config import Config
-
-        # Direct, whatever proxy variables the caller has (the fences).
-        return boto3.client("ec2", region_name=REGION, endpoint_url=self.endpoint,
-                            aws_access_key_id="testing", aws_secret_access_key="testing",
-                            config=Config(proxies={}))
+        return self._client("ec2")   # EC2 is not judged (motoserver.py)
 
     # ------------------------------------------------------------------ teardown
 

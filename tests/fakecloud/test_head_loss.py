@@ -48,7 +48,8 @@ from tests.conftest import (BIN, REPO, ensure_redis_server, free_port, ray_logge
 from tests.moto.pulumi_moto import cluster_instances
 from tests.tiers import unavailable
 
-from .cloud import REGION, Unavailable, operator_command, require_tools, stop_on_first_sigterm
+from .cloud import (REGION, Unavailable, operator_command, require_tools, stack_config,
+                    stop_on_first_sigterm)
 from .test_ray_up import (VPC, _http, _logged, _ok, _tags, _tunnel, caller_env, finish,
                           operator_env, operator_key, prepare)
 
@@ -167,10 +168,9 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
         with step("pulumi program -> moto, with rayfleet:headHa"):
             from tests.moto.pulumi_moto import build_stack
 
-            stack = build_stack(session, root, {"rayfleet:vpcCidr": VPC,
-                                                "rayfleet:headHa": True,
-                                                "rayfleet:minWorkers": 1,
-                                                "rayfleet:maxWorkers": 1})
+            stack = build_stack(session, root, stack_config(**{
+                "rayfleet:vpcCidr": VPC, "rayfleet:headHa": True, "rayfleet:minWorkers": 1,
+                "rayfleet:maxWorkers": 1}))
             operator_key(cloud, stack, op_home)
             bucket, cluster = stack.outputs["bucket"], stack.outputs["cluster_name"]
             ha = stack.outputs["head_ha"]
@@ -392,12 +392,15 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
             # The workers, then the head: as moto served the calls, not as auto-stop says.
             calls = cloud.terminated_in_order()
             assert [sorted(c) for c in calls] == [workers, [new_head.instance_id]], cloud.events
-            # Its reason, read back from the bucket with the head gone. (Not its last line,
-            # "terminated N instance(s)": the head writes it after asking EC2 to terminate
-            # itself, and here moto ends the node at once; one run lost it that way.)
+            # Its reason and each termination, read back from the bucket with the head gone:
+            # written before each call. (Not its last line, "terminated N instance(s)": the
+            # head writes it after asking EC2 to terminate itself, and here moto ends the node
+            # at once; one run lost it that way.)
             why = _ok(run([str(BIN / "rayfleet"), "logs", str(cluster_yaml), "--cluster",
                            cluster], env=env, timeout=60), "rayfleet logs --cluster")
             assert f"tearing {cluster} down: idle for" in why, why
+            assert f"terminating {len(workers)} worker(s): {' '.join(workers)}" in why, why
+            assert f"terminating the head: {new_head.instance_id}" in why, why
             assert len([ln for ln in said() if ln.startswith("paused Ray's autoscaler")]) == 2
             assert any(ln.startswith("terminating the head") for ln in said()), said()
             time.sleep(10)   # nothing launches after (the autoscaler went with the head)

@@ -45,6 +45,7 @@ A failed step names itself; everything is torn down whatever happens."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -68,7 +69,7 @@ from tests.moto.pulumi_moto import cluster_instances
 from tests.tiers import unavailable
 
 from .cloud import (BRIDGE_ENV, PROXY_VARS, REGION, FakeCloud, Unavailable, operator_command,
-                    require_tools, stop_on_first_sigterm, teardown, wheelhouse)
+                    require_tools, stack_config, stop_on_first_sigterm, teardown, wheelhouse)
 
 # The rehearsal took 6.6 min alone on 2 cores once it ended with `ray down` (2026-11-28; 13 min
 # with auto-stop's idle window and a second `ray up`, 18.6 min of it beside the session
@@ -86,7 +87,7 @@ VPC = "198.18.0.0/16"
 # The llm app's model id, and the prompt its greedy answer is checked on.
 LLM_MODEL = "cloud-hf-vllm"
 # The workers' second AZ (moto offers p4d and p4de there, as in the stack's own AZ).
-FALLBACK_AZ = "us-east-1c"
+FALLBACK_AZ = f"{REGION}c"
 PROMPT = "def main(self):"
 
 # Built in the background from the start of the session when this module is selected (see
@@ -290,6 +291,38 @@ def operator_env(cloud: FakeCloud, op_home: Path, env: dict[str, str], monkeypat
     return boto3.Session(region_name=REGION)
 
 
+def operator_session(keys: dict[str, str], monkeypatch):
+    """This process's AWS clients on the operator's ``keys`` from now on."""
+    import boto3
+
+    for k, v in keys.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+    return boto3.Session(region_name=REGION)
+
+
+# What a node's own role may do in the bucket, run on the head with its credentials: write and
+# list under the stack's prefix, and not outside it; ask about the bucket (HeadBucket), and be
+# told a key not written yet is missing (404), as pyarrow and Ray Train need (docs/security.md,
+# rule 17).
+ROLE_PROBE = """
+import boto3, botocore.exceptions as x, sys
+s3, bucket, prefix = boto3.client("s3"), sys.argv[1], sys.argv[2]
+def said(call):
+    try:
+        call()
+        return "allowed"
+    except x.ClientError as e:
+        return e.response["Error"]["Code"]
+print("ROLE", said(lambda: s3.put_object(Bucket=bucket, Key=prefix + "probe", Body=b"x")),
+      said(lambda: s3.put_object(Bucket=bucket, Key="outside/probe", Body=b"x")),
+      said(lambda: s3.list_objects_v2(Bucket=bucket, Prefix=prefix)),
+      said(lambda: s3.list_objects_v2(Bucket=bucket, Prefix="outside/")),
+      said(lambda: s3.head_bucket(Bucket=bucket)),
+      said(lambda: s3.head_object(Bucket=bucket, Key=prefix + "not-written-yet")))
+"""
+
+
 def operator_key(cloud: FakeCloud, stack, op_home: Path) -> None:
     """The stack's operator key pair in the operator's ~/.ssh (0600), and its public half in
     the fake cloud, which installs it on the instances launched with that key pair."""
@@ -333,12 +366,19 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             # every job here, and Ray's v1 autoscaler (which render selects) may otherwise start
             # a second one whose setup (a node's whole environment, vLLM's included) competes
             # with the rest of the suite for the machine's 2 cores (docs/operations.md).
-            stack = build_stack(session, root, {"rayfleet:vpcCidr": VPC,
-                                                "rayfleet:workerFallbackAzs": [FALLBACK_AZ],
-                                                "rayfleet:maxWorkers": 1})
+            stack = build_stack(session, root, stack_config(**{
+                "rayfleet:vpcCidr": VPC, "rayfleet:workerFallbackAzs": [FALLBACK_AZ],
+                "rayfleet:maxWorkers": 1}))
             operator_key(cloud, stack, op_home)
             cloud.watch(ec2)
             bucket, cluster = stack.outputs["bucket"], stack.outputs["cluster_name"]
+        with step("IAM on: S3 judged by each caller's policies, nodes on their roles' keys"):
+            # From here the operator is an account admin with keys of its own, and every node
+            # its instance role (tests/fakecloud/motoserver.py says what moto judges).
+            admin = cloud.enforce_iam()
+            env.update(admin)
+            session = operator_session(admin, monkeypatch)
+            s3 = session.client("s3")
 
         with step("rayfleet render"):
             # --vllm cpu: the fake A100 nodes have no GPUs, so the head and the A100 types get
@@ -385,6 +425,15 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             import ray
 
             assert f"NODE True {ray.__version__} True None True" in probe, probe[-2000:]   # rule 25
+            # The head's own role, judged: its prefix only.
+            prefix = facts["storage_uri"].removeprefix(f"s3://{bucket}/")
+            script = base64.b64encode(ROLE_PROBE.encode()).decode()
+            role = _ok(run(op([str(BIN / "ray"), "exec", str(cluster_yaml),
+                               f"echo {script} | base64 -d > /tmp/role_probe.py && "
+                               f"~/rayfleet-venv/bin/python /tmp/role_probe.py {bucket} {prefix}"]),
+                           env=env, timeout=120), "ray exec (the role's probe)")
+            assert "ROLE allowed AccessDenied allowed AccessDenied allowed 404" in role, \
+                role[-2000:]
 
         token = token_file.read_text().strip()
         with step("rayfleet env: background tunnels, the exports a shell evals"):
@@ -483,6 +532,17 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert local.returncode != 0, local.stdout[-2000:]
             assert "--storage-path: /tmp/runs-on-the-head is a folder on one node" in \
                 local.stdout, local.stdout[-2000:]
+        with step("a bucket path outside the roles' prefix: refused before any worker"):
+            # What the README's AWS steps once had users type: the bucket's root, which the
+            # node roles may not write (IAM on: moto would refuse it too, at the first write).
+            outside = _logged([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
+                               "python", "-m", "workloads.train", "--smoke-test",
+                               "--storage-path", f"s3://{bucket}/runs"], client,
+                              root / "train-outside.log", 240)
+            assert outside.returncode != 0, outside.stdout[-2000:]
+            assert f"--storage-path: s3://{bucket}/runs is outside {facts['storage_uri']}" in \
+                outside.stdout, outside.stdout[-2000:]
+            assert "Traceback" not in outside.stdout, outside.stdout[-3000:]
 
         with step("rayfleet status: the refused type's AWS reason, the fallback running"):
             lines = _ok(run([str(BIN / "rayfleet"), "status", str(cluster_yaml),
@@ -569,7 +629,9 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         background.append(fsdp)
 
         with step("serve deploy of lm and llm (vLLM's CPU build), their code from the bucket"):
-            # lm on the byte GPT's checkpoint; llm on the Hugging Face run, its Serve config
+            # lm as committed (`checkpoint: latest`: the newest finished run in the run store
+            # every node's environment names, resolved on the head); llm on the Hugging Face
+            # run, its Serve config
             # written by the kit's generator for the run folder in S3 (the export a cloud mirror
             # each replica downloads). One file with both apps: `serve deploy` replaces every
             # app with the file's, and the HTTP port is the cluster's. Deployed now, so vLLM
@@ -582,9 +644,10 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             _ok(run([str(BIN / "rayfleet"), "serve-config",
                      str(REPO / "cluster-configs" / "serve" / "lm.yaml"), "--package-to",
                      f"s3://{bucket}/rayfleet/packages", "-o", str(serve_yaml),
-                     "--working-dir", str(code),
-                     f"--arg=checkpoint={s['checkpoint']}"], env=client, timeout=120),
+                     "--working-dir", str(code)], env=client, timeout=120),
                 "rayfleet serve-config")
+            assert yaml.safe_load(serve_yaml.read_text())["applications"][0]["args"][
+                "checkpoint"] == "latest"
             # The env's RAY_ADDRESS is the Jobs API's (a tunnel, no GCS here): the generator
             # checks the export in S3 from here, and the builder on the head checks the
             # replica fits the node types.
@@ -660,6 +723,10 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             done = wait_until("lm to answer through the tunnel", answered, 240, 3,
                               detail=lambda: f"last: {lm_last.get('error')}")
             assert done.choices[0].text and done.usage.completion_tokens >= 1, done
+            # `latest`, resolved on the head: the Hugging Face run, finished before the deploy
+            # (served from its export), or the fsdp run, were it finished by then.
+            models = json.loads(_http(client["RAYFLEET_SERVE_URL"] + "/v1/models")[1])
+            assert models["data"][0]["checkpoint"] in (h["hf_export"], r["checkpoint"]), models
 
             # llm's greedy answer is what transformers' own generate gives for the export,
             # downloaded from the bucket here (float32, as the engine runs it).

@@ -772,7 +772,7 @@ def build_stack(session, directory: Path, overrides: dict[str, Any] | None = Non
     ec2.terminate_instances(InstanceIds=[builder])
     config = yaml.safe_load((ROOT / "Pulumi.dev.yaml").read_text())["config"]
     config.update(overrides or {})
-    mocks = MotoMocks(session)
+    mocks = MotoMocks(session, region=config["rayfleet:region"])
     exported = run_program(mocks, config, stack="dev")
     o = exported["rayfleet"]
     key_name = f"{o['cluster_name']}-operator"
