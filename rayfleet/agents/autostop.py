@@ -294,10 +294,8 @@ def restart(saved) -> None:
 def teardown(ec2, cluster: str, check=lambda step: None, wait_s: float = 300,
              poll_s: float = 5, say=log) -> list[str]:
     """As `ray down` does: the workers first, until none of the cluster's is left (one an
-    autoscaler launches meanwhile included), then the head. ``check(step)`` runs right before
-    each termination and raises Busy to abort; ``say(line)`` records each termination before
-    its call (the head's own is the last this process may live to write). Returns the
-    instance ids terminated."""
+    autoscaler launches meanwhile included), then the head. Before each termination call,
+    ``check(step)`` (raises Busy to abort), then ``say(line)``. Returns the ids terminated."""
     gone: list[str] = []
     deadline = time.monotonic() + wait_s
     while True:
@@ -491,7 +489,6 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:   # noqa: BLE001 (said, and the watch goes on)
                 cluster_log.write(f"teardown failed ({type(e).__name__}: {e}); watching again")
                 continue
-            # Written when this process outlives its own head's termination call, as it may.
             cluster_log.write(f"terminated {len(gone)} instance(s): {' '.join(gone)}")
             return 0
     except Stop:
