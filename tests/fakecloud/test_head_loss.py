@@ -25,7 +25,9 @@ reason back from the bucket -> `rayfleet sweep` finds nothing of the
 cluster left. (The rehearsal, tests/fakecloud/test_ray_up.py, ends with `ray down` instead.)
 
 The fake nodes have no GPUs and no vLLM (rendered with --vllm none): what is lost and brought
-back is the head, its GCS and Serve's controller."""
+back is the head, its GCS and Serve's controller. IAM is on, as in the rehearsal: every node
+runs on its instance role's own keys, so auto-stop's record and the logs go to the bucket on
+the roles (tests/fakecloud/motoserver.py says what moto judges)."""
 
 from __future__ import annotations
 
@@ -181,6 +183,9 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
                 SecretId=store["auth_secret_arn"])["SecretString"]
             cloud.redis(store["endpoint"], store["port"], secret)
             cloud.watch(ec2)
+        with step("IAM on: S3 judged by each caller's policies, nodes on their roles' keys"):
+            # As in the rehearsal: auto-stop's record and the log shipper write on the roles.
+            env.update(cloud.enforce_iam())
 
         with step("rayfleet render (headHa), ray up -y"):
             _ok(run([str(BIN / "rayfleet"), "render", str(stack.path), "-o", str(cluster_yaml),
