@@ -69,12 +69,6 @@ TOOLS = {"ip": "iproute2", "unshare": "util-linux", "sshd": "openssh-server",
 # Not us-east-1: an S3 or EC2 call that falls back to the SDKs' default region, instead of the
 # stack's, fails here as it would on AWS.
 REGION = "us-west-2"
-
-
-def stack_config(**overrides) -> dict:
-    """The example stack's config (Pulumi.dev.yaml) moved to the fake cloud's region, plus
-    ``overrides`` (keys as in that file)."""
-    return {"rayfleet:region": REGION, "rayfleet:workerAz": f"{REGION}b", **overrides}
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"   # Debian's (and Ubuntu's) system bundle
 # Where a proxy would take HTTP (boto3, urllib, requests, pip all read these): the fake cloud's
 # traffic goes to its own addresses, never through a proxy host.
@@ -91,6 +85,12 @@ STATE = Path("/run/rayfleet-fakecloud")
 
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # never a proxy
+
+
+def stack_config(**overrides) -> dict:
+    """The example stack's config (Pulumi.dev.yaml) moved to the fake cloud's region, plus
+    ``overrides`` (keys as in that file)."""
+    return {"rayfleet:region": REGION, "rayfleet:workerAz": f"{REGION}b", **overrides}
 
 
 def without_proxies(env) -> dict[str, str]:
