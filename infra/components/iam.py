@@ -105,13 +105,8 @@ def _storage_policy(args: IamArgs) -> pulumi.Output[str]:
             "Effect": "Allow",
             "Action": "s3:ListBucket",
             "Resource": args.bucket_arn,
-            # IfExists: a listing that names a prefix must name one under the key prefix; a
-            # request that names none passes. HeadBucket (pyarrow's and the SDKs' bucket check)
-            # is s3:ListBucket with no prefix, and so is S3's own check of whether a missing key
-            # may be said missing (404) rather than refused (403, which pyarrow and Ray Train
-            # take as an error): without it, a run's first look for a file it has not written
-            # yet fails. The cost: the nodes may list the names in the stack's own bucket;
-            # reading and writing stay under the prefix (ReadWriteClusterPrefix).
+            # IfExists: HeadBucket and S3's 404 for a missing key need a ListBucket that names
+            # no prefix (docs/security.md, rule 17, says why and what it costs).
             "Condition": {"StringLikeIfExists": {"s3:prefix": [f"{prefix}*",
                                                                prefix.rstrip("/")]}},
         },
