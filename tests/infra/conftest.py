@@ -43,6 +43,7 @@ MAXIMAL = {
     "rayfleet:abortMultipartDays": 2,
     "rayfleet:budgetMonthlyUsd": 50000,
     "rayfleet:budgetEmails": ["oncall@example.com", "finance@example.com"],
+    "rayfleet:vllm": "cpu",
 }
 
 

@@ -288,7 +288,7 @@ def test_instance_profiles_wrap_the_node_roles(stack):
 # ----------------------------------------------------------------------------- outputs
 
 def test_stack_output_schema(stack):
-    _, values, b = stack
+    name, values, b = stack
     c = config_of(values)
     assert set(b.outputs) == {"rayfleet"}
     out = b.outputs["rayfleet"]
@@ -301,6 +301,7 @@ def test_stack_output_schema(stack):
         "max_workers",
         "placement_group", "ami_id", "imds_hop_limit", "bucket", "bucket_arn",
         "storage_uri", "kms_key_arn", "ray_ports", "budget_name", "autostop_minutes",
+        "vllm",
         # Only with rayfleet:headHa: a stack without it exports exactly what it did before.
         *(["head_ha"] if c.head_ha else [])}
     assert (out["cluster_name"], out["region"]) == (c.cluster_name, c.region)
@@ -318,6 +319,7 @@ def test_stack_output_schema(stack):
     assert out["max_workers"] == c.nodes.max_workers
     assert (out["budget_name"] is not None) == c.budget.enabled
     assert out["autostop_minutes"] == c.autostop_minutes   # render's default for the stack
+    assert out["vllm"] == c.vllm == ("cpu" if name == "maximal" else "cuda")   # render's --vllm
     assert out["ray_ports"]["gcs"] == [6379, 6379]
     json.dumps(out)  # plain JSON: what `pulumi stack output --json` hands render
 

@@ -324,6 +324,7 @@ BAD = [
      "rayfleet:budgetEmails", ["not an email address"]),
     ({"rayfleet:budgetMonthlyUsd": -5}, "rayfleet:budgetMonthlyUsd", ["0 (no budget) or more"]),
     ({"rayfleet:autostopMinutes": -1}, "rayfleet:autostopMinutes", ["between 0 and 10080"]),
+    ({"rayfleet:vllm": "gpu"}, "rayfleet:vllm", ["allowed: cuda, cpu, none"]),
     ({"rayfleet:budgetMonthlyUsd": 1, "rayfleet:budgetEmails": [f"a{i}@x.io" for i in range(11)]},
      "rayfleet:budgetEmails", ["at most 10"]),
     ({"rayfleet:region": {"secure": "AAAbase64"}}, "rayfleet:region", ["not a secret"]),

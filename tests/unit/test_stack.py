@@ -94,6 +94,8 @@ def test_render_trusts_the_stacks_node_types(outputs):
      "node_types.workers[5]: p4d.24xlarge spot in us-east-1c appears twice"),
     (lambda o: o["node_types"].update(workers=[]), "lacks node_types.workers"),
     (lambda o: o.pop("max_workers"), "lacks max_workers"),
+    (lambda o: o.update(vllm="rocm"), "vllm: 'rocm' is not a vLLM build (rayfleet:vllm); "
+     "allowed: cuda, cpu, none"),
     # A schema-1 output (one worker type, two markets): refused in one line, what to do.
     (lambda o: o.update(schema_version=1), "schema_version 1 is older than 2"),
 ])
