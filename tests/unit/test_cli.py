@@ -11,7 +11,8 @@ from tests.conftest import REPO
 EXAMPLE = REPO / "cluster-configs" / "aws-a100.example.yaml"
 
 
-@pytest.mark.parametrize("command", ["lint", "cost", "preflight", "status", "logs", "sweep"])
+@pytest.mark.parametrize("command", ["lint", "cost", "preflight", "status", "logs", "sweep",
+                                     "keypair"])
 def test_every_command_that_reads_a_cluster_yaml_names_it_cluster_yaml(command, capsys):
     with pytest.raises(SystemExit) as done:
         cli.build_parser().parse_args([command, "--help"])
