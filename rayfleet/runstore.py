@@ -10,11 +10,20 @@ STORAGE_ENV = "RAYFLEET_STORAGE"
 PREFIX_ENV = "RAYFLEET_STORAGE_PREFIX"
 # The folder under the stack's storage the log shipper writes (rayfleet/agents/logship.py).
 RUNS = "runs"
+# Where `rayfleet serve-config --package-to` puts Serve apps' code on a cloud cluster (inside
+# the prefix, so every node's role may read it); `rayfleet env` exports it.
+PACKAGES_ENV = "RAYFLEET_PACKAGES"
+PACKAGES = "packages"
 
 
 def root(storage_uri: str) -> str:
     """The run store under the stack's storage: ``s3://B/P/`` -> ``s3://B/P/runs``."""
     return f"{storage_uri.rstrip('/')}/{RUNS}"
+
+
+def packages(storage_uri: str) -> str:
+    """Serve apps' code packages under the stack's storage: ``s3://B/P/packages``."""
+    return f"{storage_uri.rstrip('/')}/{PACKAGES}"
 
 
 def inside(uri: str, prefix: str) -> bool:

@@ -53,6 +53,7 @@ class Target:
     token_file: Path
     region: str | None
     storage: str | None         # the run store (RAYFLEET_STORAGE), None: render's facts lack it
+    packages: str | None        # Serve's code packages (RAYFLEET_PACKAGES), as storage
     remote: dict[str, int]      # role -> port on the head's loopback
 
 
@@ -106,7 +107,9 @@ def target(path: str, err=None) -> Target:
     return Target(cluster_yaml=Path(path).expanduser().absolute(), cluster=name,
                   folder=cluster_folder(name), token_file=token,
                   region=(facts.region if facts else None) or cfg["provider"].get("region"),
-                  storage=facts.run_store if facts else None, remote=remote)
+                  storage=facts.run_store if facts else None,
+                  packages=runstore.packages(facts.storage_uri) if facts else None,
+                  remote=remote)
 
 
 def _read_token(path: Path) -> str:
@@ -231,6 +234,8 @@ def client_env(t: Target, open_: dict[str, Tunnel]) -> dict[str, str]:
     }
     if t.storage:
         env[runstore.STORAGE_ENV] = t.storage
+    if t.packages:
+        env[runstore.PACKAGES_ENV] = t.packages
     if t.region:
         env["AWS_DEFAULT_REGION"] = t.region
     env[SERVE_URL_ENV] = open_[SERVE].url

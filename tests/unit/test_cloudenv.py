@@ -143,18 +143,19 @@ def test_the_exports_eval_in_sh_and_carry_no_token(cluster, capsys):
               '"$RAY_ADDRESS" "$RAY_API_SERVER_ADDRESS" "$RAY_DASHBOARD_ADDRESS" '
               '"$RAY_AUTH_MODE" "$RAY_AUTH_TOKEN_PATH" "${RAY_AUTH_TOKEN-unset}" '
               '"$RAYFLEET_STORAGE" "$AWS_DEFAULT_REGION" "$RAYFLEET_SERVE_URL" "$NO_PROXY" '
-              '"${RAYFLEET_METRICS_URL-none}"')
+              '"${RAYFLEET_METRICS_URL-none}" "$RAYFLEET_PACKAGES"')
     env = {**os.environ, "RAY_AUTH_TOKEN": "the-shells-own"}
     done = subprocess.run(["sh", "-c", script, sys.executable, str(yaml_path)], env=env,
                           cwd=REPO, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     (address, api, dash, mode, token_path, stray, storage, region, serve, no_proxy,
-     metrics) = done.stdout.splitlines()
+     metrics, packages) = done.stdout.splitlines()
     rec = _recorded()
     assert address == api == dash == f"http://127.0.0.1:{rec['dashboard'].local_port}"
     assert serve == f"http://127.0.0.1:{rec['serve'].local_port}" != address
     assert (mode, token_path, stray, metrics) == ("token", str(token_file), "unset", "none")
     assert storage == "s3://rayfleet-dev-20250601000000000000000001/rayfleet/runs"
+    assert packages == "s3://rayfleet-dev-20250601000000000000000001/rayfleet/packages"
     assert region == "us-east-1" and "127.0.0.1" in no_proxy.split(",")
     assert _version(address, token) == 200
     assert {r: (t.remote_port) for r, t in rec.items()} == {"dashboard": 8265, "serve": 8000}
