@@ -4,9 +4,13 @@ a marker,
     <!-- readme-test expect="REGEX" [expect="REGEX" ...] -->   run it; it must exit 0 and
                                                                  print every REGEX
     <!-- readme-test skip: why -->                              not runnable here, and why
+    <!-- readme-test fakecloud expect="REGEX" ... -->           run by the fake-cloud
+                                                                 rehearsal, not on the local
+                                                                 cluster
 
 read by tests/cluster/test_readme.py (which runs them all, in the order of PAGES, each page's
-in its own order) and by `make demo-hf` (which runs one section's):
+in its own order), by tests/fakecloud/test_ray_up.py (the `fakecloud` ones: README's AWS
+steps, against a cluster `ray up` launched) and by `make demo-hf` (which runs one section's):
 
     python scripts/readme_blocks.py "Your own Hugging Face model"   # that section's blocks
 """
@@ -31,12 +35,22 @@ EXPECT = re.compile(r'expect="((?:[^"\\]|\\.)*)"')
 FENCE = re.compile(r"^```bash$", re.M)
 
 
-def examples(text: str, page: str = "README") -> list[tuple[int, str, list[str] | None]]:
-    """(line, body, expected regexes or None for a skipped block) for each marked block."""
+FAKECLOUD = "fakecloud"
+
+
+def examples(text: str, page: str = "README", runner: str = "cluster"
+             ) -> list[tuple[int, str, list[str] | None]]:
+    """(line, body, expected regexes or None for a block this ``runner`` does not run) for
+    each marked block; with runner "fakecloud", only the blocks marked for it."""
     out = []
     for m in MARKER.finditer(text):
         line = text.count("\n", 0, m.start("body"))
         opts = m.group("opts").strip()
+        fake = opts.split(" ", 1)[0] == FAKECLOUD
+        if fake:
+            opts = opts[len(FAKECLOUD):].strip()
+        elif runner == FAKECLOUD:
+            continue
         if opts.startswith("skip:"):
             if not opts[len("skip:"):].strip():
                 raise ValueError(f"{page} line {line}: skip without a reason")
@@ -46,14 +60,17 @@ def examples(text: str, page: str = "README") -> list[tuple[int, str, list[str] 
             if not expects:
                 raise ValueError(f"{page} line {line}: a readme-test marker with nothing to "
                                  "expect")
-            out.append((line, m.group("body"), expects))
+            out.append((line, m.group("body"), expects if fake == (runner == FAKECLOUD)
+                        else None))
     return out
 
 
-def all_examples(root: Path = ROOT) -> list[tuple[str, str, list[str] | None]]:
-    """("<page> line N", body, expects) for every marked block of every page, in run order."""
+def all_examples(root: Path = ROOT, runner: str = "cluster"
+                 ) -> list[tuple[str, str, list[str] | None]]:
+    """("<page> line N", body, expects) for every marked block of every page, in run order
+    (``runner``: as examples())."""
     return [(f"{page} line {line}", body, expects) for page in PAGES
-            for line, body, expects in examples((root / page).read_text(), page)]
+            for line, body, expects in examples((root / page).read_text(), page, runner)]
 
 
 def section(text: str, heading: str) -> str:

@@ -23,15 +23,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from scripts.readme_blocks import FENCE, PAGES, all_examples, examples, find_section
+from tests.blockshell import PageShell, check_block
 from tests.conftest import BIN, CLOCK, REPO, copy_of_checkout, free_port, run
 from tests.workloads.conftest import post_json, serve_shutdown
 
@@ -45,62 +43,6 @@ def _split() -> int:
     the rest (a later `serve deploy` replaces it) run after those tests."""
     blocks = _runnable()
     return next(i for i, (_, body, _) in enumerate(blocks) if "serve/rag.yaml" in body) + 1
-
-
-TRACEBACK = "Traceback (most recent call last)"
-# Ray 2.60's own background-thread noise, printed by a job whose work finished: Ray Data's
-# file lister signals completion into a queue its executor already shut
-# (ray/data/_internal/dynamic_work_queue.py, _signal_completion -> InterruptedError). Only
-# that exact traceback is passed over; any other fails the block.
-RAY_NOISE = re.compile(r"(?:^.*Traceback \(most recent call last\):\n)(?:.*\n){1,12}?"
-                       r".*dynamic_work_queue\.py\", line \d+, in _signal_completion\n"
-                       r"(?:.*\n){1,4}?.*\bInterruptedError\n", re.M)
-
-
-class PageShell:
-    """One page's bash: its blocks run in it one after another, each as `set -e -o pipefail`
-    runs a script. A failing block ends the shell; the test fails there."""
-
-    def __init__(self, page: str, work: Path, env: dict, logs: Path):
-        self.page, self.logs, self.n = page, logs, 0
-        self.proc = subprocess.Popen(
-            ["bash", "--noprofile", "--norc", "-e", "-o", "pipefail"], cwd=work, env=env,
-            stdin=subprocess.PIPE, stdout=open(logs / f"{_slug(page)}.shell.log", "w"),
-            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-    def run(self, body: str, timeout: float) -> tuple[int, str]:
-        """(exit status, output) of one block."""
-        self.n += 1
-        stem = self.logs / f"{_slug(self.page)}-{self.n}"
-        script, out, rc = (stem.with_suffix(".sh"), stem.with_suffix(".out"),
-                           stem.with_suffix(".rc"))
-        script.write_text(body + "\n")
-        q = shlex.quote
-        # Its stdin is /dev/null: a command reading stdin must not eat the page's next block.
-        self.proc.stdin.write(f"source {q(str(script))} > {q(str(out))} 2>&1 < /dev/null\n"
-                              f"echo $? > {q(str(rc))}.new && mv {q(str(rc))}.new {q(str(rc))}\n")
-        self.proc.stdin.flush()
-        deadline = time.monotonic() + timeout
-        while not rc.exists() and self.proc.poll() is None:
-            if time.monotonic() > deadline:
-                self.close()
-                return 124, out.read_text() if out.exists() else ""
-            time.sleep(0.2)
-        status = int(rc.read_text()) if rc.exists() else self.proc.returncode
-        return status, out.read_text() if out.exists() else ""
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
-def _slug(page: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", page)
 
 
 def _reader_env(ray_cluster, home: Path) -> dict:
@@ -127,11 +69,7 @@ def _run_blocks(blocks, shells: dict, open_shell, port: int, outputs: list) -> N
         cpu = f", {c1 - c0:.1f} CPU-s" if c0 is not None and c1 is not None else ""
         print(f"readme: {where}: {time.monotonic() - t0:.1f} s{cpu}", flush=True)
         outputs.append((where, body, out))
-        where = f"{where}: exit {status}\n{out[-4000:]}"
-        assert status == 0, where
-        for pattern in expects:
-            assert re.search(pattern, out), f"{where}\nexpected: {pattern}"
-        assert TRACEBACK not in RAY_NOISE.sub("", out), f"{where}\na traceback in its output"
+        check_block(where, status, out, expects)
 
 
 @pytest.fixture(scope="module")

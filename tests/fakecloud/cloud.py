@@ -441,14 +441,28 @@ class FakeCloud:
                 f"aws_secret_access_key = {c['SecretAccessKey']}\n"
                 f"aws_session_token = {c['SessionToken']}\n")
 
+    def public_key(self, instance_id: str, key_name: str | None) -> str:
+        """What the image's first boot puts in authorized_keys: the public half of the key pair
+        the instance was launched with, as EC2 holds it (made by CreateKeyPair or
+        ImportKeyPair), or one this fake cloud was handed directly (``keys``)."""
+        if key_name in self.keys:
+            return self.keys[key_name]
+        import botocore.exceptions
+
+        try:
+            (pair,) = self._client("ec2").describe_key_pairs(
+                KeyNames=[key_name or ""], IncludePublicKey=True)["KeyPairs"]
+            return pair["PublicKey"].strip()
+        except (botocore.exceptions.ClientError, KeyError, ValueError) as e:
+            raise RuntimeError(f"{instance_id} was launched with key pair {key_name!r}, "
+                               f"which EC2 does not hold ({e})") from None
+
     def start_node(self, instance_id: str, ip: str, key_name: str | None,
                    profile_arn: str | None = None) -> Node:
         self.check_route(ip)
         if ip == self.gateway:
             raise RuntimeError(f"moto gave {instance_id} the gateway's address {ip}")
-        if key_name not in self.keys:
-            raise RuntimeError(f"{instance_id} was launched with key pair {key_name!r}, "
-                               "which the fake cloud does not hold")
+        public_key = self.public_key(instance_id, key_name)
         with self._lock:
             self._counter += 1
             n = self._counter
@@ -457,7 +471,7 @@ class FakeCloud:
         home = root / "home"
         for d in ("home/.ssh", "home/.aws", "home/.config/pip", "tmp", "etc"):
             (root / d).mkdir(parents=True, exist_ok=True)
-        (home / ".ssh" / "authorized_keys").write_text(self.keys[key_name] + "\n")
+        (home / ".ssh" / "authorized_keys").write_text(public_key + "\n")
         # The instance profile and the VPC's endpoints, as files on the image.
         creds = home / ".aws" / "credentials"
         creds.write_text(self._credentials(profile_arn))

@@ -173,7 +173,7 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
             stack = build_stack(session, root, stack_config(**{
                 "rayfleet:vpcCidr": VPC, "rayfleet:headHa": True, "rayfleet:minWorkers": 1,
                 "rayfleet:maxWorkers": 1}))
-            operator_key(cloud, stack, op_home)
+            operator_key(stack, op_home)
             bucket, cluster = stack.outputs["bucket"], stack.outputs["cluster_name"]
             ha = stack.outputs["head_ha"]
             fixed_ip = ha["head_address"]["private_ip"]

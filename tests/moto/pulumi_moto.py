@@ -756,6 +756,17 @@ def infra_stack(moto_account, tmp_path) -> InfraStack:
     return build_stack(moto_account, tmp_path)
 
 
+def register_dlami(ec2) -> str:
+    """The Deep Learning AMI the program looks up by name and architecture (get_ami), as AWS
+    publishes it in every region: its id. moto's RegisterImage drops Architecture and
+    RootDeviceName; an image baked from an instance has both, as the real one does."""
+    builder = ec2.run_instances(ImageId="ami-0123456789abcdef0", MinCount=1,
+                                MaxCount=1)["Instances"][0]["InstanceId"]
+    ami = ec2.create_image(InstanceId=builder, Name=DLAMI_STANDIN)["ImageId"]
+    ec2.terminate_instances(InstanceIds=[builder])
+    return ami
+
+
 def build_stack(session, directory: Path, overrides: dict[str, Any] | None = None
                 ) -> InfraStack:
     """infra/__main__.py under :class:`MotoMocks` with Pulumi.dev.yaml's config (plus
@@ -763,13 +774,7 @@ def build_stack(session, directory: Path, overrides: dict[str, Any] | None = Non
     output in ``directory``/outputs.json. Plus what the README has the user do by hand: the
     operator key pair (its private key in ``key_material``)."""
     ec2 = session.client("ec2")
-    # The Deep Learning AMI the program looks up by name and architecture (get_ami). moto's
-    # RegisterImage drops Architecture and RootDeviceName; an image baked from an instance
-    # has both, as the real one does.
-    builder = ec2.run_instances(ImageId="ami-0123456789abcdef0", MinCount=1,
-                                MaxCount=1)["Instances"][0]["InstanceId"]
-    ami = ec2.create_image(InstanceId=builder, Name=DLAMI_STANDIN)["ImageId"]
-    ec2.terminate_instances(InstanceIds=[builder])
+    ami = register_dlami(ec2)
     config = yaml.safe_load((ROOT / "Pulumi.dev.yaml").read_text())["config"]
     config.update(overrides or {})
     mocks = MotoMocks(session, region=config["rayfleet:region"])
