@@ -122,3 +122,26 @@ def run_main(fn: Callable[[list[str] | None], int | None], argv: list[str] | Non
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         return 130
+    except Exception as err:
+        said = aws_setup_error(err)
+        if said is None:
+            raise   # a bug keeps its traceback
+        _stop_ray_forwarding()
+        print(f"{prog}: error: AWS: {said}", file=sys.stderr, flush=True)
+        return 2
+
+
+# botocore's errors about the caller's own AWS set-up (a profile, credentials, SSO, the region,
+# an endpoint): bad input, said in one line, whichever command met it.
+AWS_SETUP_ERRORS = ("ProfileNotFound", "NoCredentialsError", "PartialCredentialsError",
+                    "NoRegionError", "EndpointConnectionError", "ConnectTimeoutError",
+                    "TokenRetrievalError", "SSOTokenLoadError", "UnauthorizedSSOTokenError",
+                    "InvalidConfigError")
+
+
+def aws_setup_error(err: BaseException) -> str | None:
+    """What ``err`` says when it is one of AWS_SETUP_ERRORS, else None. botocore is not
+    imported for this: an error of its can only come where it was."""
+    exc = sys.modules.get("botocore.exceptions")
+    kinds = tuple(getattr(exc, n) for n in AWS_SETUP_ERRORS if hasattr(exc, n)) if exc else ()
+    return str(err) if kinds and isinstance(err, kinds) else None

@@ -80,3 +80,24 @@ def test_render_errors_name_the_new_spelling(tmp_path, capsys):
                      str(tmp_path / "t")]) == 2
     assert capsys.readouterr().err == (f"rayfleet: error: --output {tmp_path}: is a folder; "
                                        "name the YAML file to write\n")
+
+
+@pytest.mark.parametrize("argv", [["sweep"], ["preflight"], ["logs", "a-run"], ["keypair"]])
+def test_an_aws_profile_that_does_not_exist_is_one_line(argv, tmp_path, monkeypatch, capsys):
+    """Bad input in the caller's AWS set-up (here AWS_PROFILE) is one line and exit 2, never
+    botocore's traceback, in every command that calls AWS."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    import boto3
+
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+    cluster = tmp_path / "dev.yaml"
+    assert cli.main(["render", str(REPO / "cluster-configs" / "examples" / "dev-outputs.json"),
+                     "-o", str(cluster)]) == 0
+    capsys.readouterr()
+    assert cli.main([argv[0], str(cluster), *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rayfleet: error: ") and len(err.strip().splitlines()) == 1, err
+    assert "no-such-profile" in err and "Traceback" not in err, err
