@@ -14,20 +14,15 @@ import sys
 from pathlib import Path
 
 from rayfleet.clusteryaml import ClusterYaml, load
-from rayfleet.commands.sweep import check_region
+from rayfleet.commands.sweep import aws_region
 from rayfleet.errors import ConfigError, RayfleetError
 
 
 def target(path: str) -> tuple[str, str, Path]:
     """(key name, region, private key file) of a cluster YAML, each checked."""
     cfg, _ = load(path)
-    provider = cfg["provider"]
-    if provider.get("type") != "aws":
-        raise RayfleetError(f"{path}: keypair creates an EC2 key pair (provider.type: aws), "
-                            f"not for {provider.get('type')!r}")
-    if "region" not in provider:
-        raise ConfigError("provider.region", f"{path} has none; the key pair is made there")
-    region = check_region(provider["region"], "provider.region")
+    region = aws_region(cfg, path, "keypair creates an EC2 key pair",
+                        "the key pair is made there")
     types = ClusterYaml(cfg).node_types()
     lacking = [t.name for t in types if not t.node_config.get("KeyName")]
     names = sorted({str(t.node_config["KeyName"]) for t in types if t.node_config.get("KeyName")})

