@@ -80,6 +80,7 @@ from tests.conftest import (BIN, CLOCK, REPO, SFT_MAX_LENGTH, copy_of_checkout, 
 from tests.moto.pulumi_moto import cluster_instances
 from tests.tiers import unavailable
 
+from . import llm_checks
 from .cloud import (BRIDGE_ENV, PROXY_VARS, REGION, FakeCloud, Unavailable, operator_command,
                     require_tools, stack_config, stop_on_first_sigterm, teardown, wheelhouse)
 
@@ -100,7 +101,7 @@ VPC = "198.18.0.0/16"
 LLM_MODEL = "cloud-hf-vllm"
 # The workers' second AZ (moto offers p4d and p4de there, as in the stack's own AZ).
 FALLBACK_AZ = f"{REGION}c"
-PROMPT = "def main(self):"
+PROMPT = llm_checks.PROMPT
 
 # Built in the background from the start of the session when this module is selected (see
 # tests/conftest.py): a minute of pip download that needs no cluster.
@@ -618,6 +619,9 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                      f"s3://{bucket}/rayfleet/models/tiny-llama", "--dataset",
                      f"s3://{bucket}/rayfleet/sft", "--max-steps", "4", "--checkpoint-every",
                      "4", "--batch-size", "8", "--lr", "3e-3", "--name", "cloud-hf",
+                     # The 0.56 MB model in several safetensors files and their index, as a
+                     # big model's export is: what vLLM loads below.
+                     "--hf-shard-size", "200KB",
                      "--storage-path", runs, "--resources-per-worker",
                      '{"accelerator_type:A100": 0.5}'],
                     env=client, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True,
@@ -650,9 +654,10 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert h["hf_export"] == h["checkpoint"] + "/hf", h
             assert h["hf_export"].startswith(f"{runs}/cloud-hf/checkpoint_"), h
             export = h["hf_export"].removeprefix(f"s3://{bucket}/")
-            assert {f"{export}/{name}" for name in ("config.json", "model.safetensors",
-                                                    "tokenizer.json")} <= set(
-                _keys(s3, bucket, export + "/"))
+            exported = set(_keys(s3, bucket, export + "/"))
+            assert {f"{export}/{name}" for name in ("config.json", "tokenizer.json",
+                                                    "model.safetensors.index.json")} <= exported
+            assert len([k for k in exported if k.endswith(".safetensors")]) >= 3, exported
 
         # The FSDP job trains while the Serve configs are made here and deployed: the client-side
         # steps alone can outlast the test's auto-stop window on a loaded machine,
@@ -683,10 +688,17 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             # The env's RAY_ADDRESS is the Jobs API's (a tunnel, no GCS here): the generator
             # checks the export in S3 from here, and the builder on the head checks the
             # replica fits the node types.
+            # Two LoRA adapters of the export (llm_checks.py), in the bucket under the prefix
+            # the llm app's lora_config names: its replica fetches each when first asked.
+            export_dir = llm_checks.download(s3, bucket, export, root / "export")
+            adapters = llm_checks.make_adapters(export_dir, root / "adapters")
+            llm_checks.upload(s3, bucket, "rayfleet/adapters", adapters)
             llm_src, llm_yaml = op_home / "llm.yaml", op_home / "serve-llm.yaml"
             _ok(run([str(BIN / "python"), "-m", "workloads.serve.llm_config", "--device", "cpu",
                      "--model-id", LLM_MODEL, "--model-source", h["run_path"],
                      "--max-model-len", "256", "--engine-kwarg", "dtype=float32",
+                     "--lora-path", f"s3://{bucket}/rayfleet/adapters",
+                     "--max-lora-rank", str(llm_checks.LORA_RANK),
                      # No inductor compile at the replica's start: on 2 busy cores it is
                      # minutes of CPU (BENCHMARKS.md, vLLM's start-up rows).
                      "--engine-kwarg", "enforce_eager=true",
@@ -760,24 +772,6 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             models = json.loads(_http(client["RAYFLEET_SERVE_URL"] + "/v1/models")[1])
             assert models["data"][0]["checkpoint"] in (h["hf_export"], r["checkpoint"]), models
 
-            # llm's greedy answer is what transformers' own generate gives for the export,
-            # downloaded from the bucket here (float32, as the engine runs it).
-            import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            export_dir = root / "export"
-            export_dir.mkdir()
-            for key in _keys(s3, bucket, export + "/"):
-                if not key.endswith("/"):   # pyarrow's folder markers
-                    s3.download_file(bucket, key, str(export_dir / key.rsplit("/", 1)[1]))
-            tok = AutoTokenizer.from_pretrained(str(export_dir))
-            ids = tok(PROMPT).input_ids
-            ref = AutoModelForCausalLM.from_pretrained(str(export_dir), dtype=torch.float32)
-            new = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(
-                1, len(ids), dtype=torch.long), max_new_tokens=16, do_sample=False)[0, len(ids):]
-            expected = tok.decode(new.tolist(), skip_special_tokens=True,
-                                  clean_up_tokenization_spaces=False)
-
             vllm = OpenAI(base_url=client["RAYFLEET_SERVE_URL"] + "/llm/v1", api_key="unused",
                           max_retries=0, timeout=60)
 
@@ -800,15 +794,16 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                            detail=lambda: f"last: {llm_last.get('error')}\n" + run(
                                [str(BIN / "serve"), "status", "--address",
                                                address], env=client, timeout=60).stdout[-3000:])
-            assert [m.id for m in vllm.models.list().data] == [LLM_MODEL]
-            assert r.choices[0].text == expected, (r.choices[0].text, expected)
-            assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(new))
-            chunks = [c.choices[0].text for c in vllm.completions.create(
-                model=LLM_MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True)
-                if c.choices]
-            # Streamed token by token, joining to the same text.
-            assert "".join(chunks) == expected, chunks
-            assert len([c for c in chunks if c]) > 1 or len(new) < 3, chunks
+            # The base model and each adapter the bucket holds under the app's lora_config.
+            assert sorted(m.id for m in vllm.models.list().data) == sorted(
+                [LLM_MODEL, *(f"{LLM_MODEL}:{name}" for name in adapters)])
+            # Each answer as transformers' (and PEFT's) own generate gives it on the export,
+            # downloaded from the bucket here (float32, as the engine runs it).
+            ref = llm_checks.Reference(export_dir)
+            llm_checks.check_completions(vllm, LLM_MODEL, ref)
+            llm_checks.check_chat(vllm, LLM_MODEL, ref)
+            llm_checks.check_errors(vllm, LLM_MODEL, 256)
+            llm_checks.check_adapters(vllm, LLM_MODEL, ref, adapters)
 
         with step("rayfleet env --close: the tunnels stop answering at once"):
             closing = op([*env_cmd, "--close"])

@@ -1,7 +1,8 @@
 """The `llm` app's Serve config (vLLM via ray.serve.llm): generated from options, validated
 offline by Serve's deploy schema and Ray's LLMConfig, and checked against the A100 capacity
 of a rendered cluster YAML; the CPU form and the placement rule. The GPU form is never run here
-(no CUDA); tests/workloads/test_serve_hf.py deploys the CPU form for real."""
+(no CUDA); the fake-cloud rehearsal deploys the CPU form for real
+(tests/fakecloud/llm_checks.py)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ PEFT's own), `llm`'s generator writes Ray's lora_config. Bad input (LoRA on the 
 on fresh weights, targets that match no module, an adapter whose base differs from the served
 model, for `lm` and `llm`) is tests/faults/test_bad_input.py's. The slow tier runs FSDP2
 (stopped and resumed), ZeRO-3, and ZeRO-2 with activation checkpointing, two ranks each under
-torchrun; a killed Ray Train worker and vLLM's LoRA are tests/workloads/test_serve_hf.py's;
-`lm` deployed with an adapter by `serve deploy` is tests/cluster/test_readme.py's."""
+torchrun; a killed Ray Train worker is tests/workloads/test_serve_hf.py's, vLLM's LoRA the
+rehearsal's; `lm` deployed with an adapter by `serve deploy` is tests/cluster/test_readme.py's."""
 
 from __future__ import annotations
 

@@ -1,43 +1,39 @@
-"""The `lm` app and the `llm` app (real vLLM, its CPU build) serving a Hugging Face run's export
-from S3 (the moto server) on the session's real Ray cluster, through the real `openai` client:
-a few DDP steps of the tiny Llama write their checkpoints and the hf/ export to S3; lm serves
-that run's checkpoint, llm the config `workloads.serve.llm_config --device cpu` writes for the
-run folder (a cloud mirror each vLLM replica downloads); greedy completions of both equal what
-transformers' own `generate` gives for the downloaded export, usage counts the tokenizer's
-tokens (also as the last streamed chunk when `stream_options.include_usage` asks), chat goes
-through the tokenizer's chat template, streaming joins to the same text, concurrent prompts of
-different lengths decode in one batch with the same answers, and unknown models and too-long
-prompts are OpenAI errors.
+"""The `lm` app serving a Hugging Face run's export from S3 (the moto server) on the session's
+real Ray cluster, through the real `openai` client: a few DDP steps of the tiny Llama write
+their checkpoints and the hf/ export (in shards, with their index) to S3; lm serves that run's
+checkpoint; its greedy completions equal what transformers' own `generate` gives for the
+downloaded export, usage counts the tokenizer's tokens (also as the last streamed chunk when
+`stream_options.include_usage` asks), chat goes through the tokenizer's chat template,
+streaming joins to the same text, concurrent prompts of different lengths decode in one batch
+with the same answers, and unknown models and too-long prompts are OpenAI errors. The `llm`
+app's config generator refuses a context longer than the S3 export's.
 
 LoRA: the export fine-tuned further with LoRA adapters by 2 DDP workers under Ray Train, one of
 them SIGKILLed after the first registered checkpoint (FailureConfig restarts the group, which
-resumes from it: the adapter and its optimizer state); the final adapter/ and a second adapter
-of the same base are served by the same llm app through Ray's lora_config (fetched from S3),
-each client picking one by model id, with the greedy answers PEFT gives for each."""
+resumes from it: the adapter and its optimizer state), and learned.
+
+The same API through the `llm` app (real vLLM, its CPU build, several LoRA adapters of one
+base) is asked the same questions on the fake cloud, where its replica downloads the export
+and the adapters from the bucket (tests/fakecloud/llm_checks.py); docs/workloads.md's
+Hugging Face line serves this kind of run with vLLM on the session's cluster
+(tests/cluster/test_readme.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import shutil
 import signal
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN, REPO, run, summary_of, wait_until
-from tests.workloads.conftest import deploy_lm, post_json, serve_shutdown
+from tests.conftest import BIN, REPO, run, summary_of
+from tests.workloads.conftest import deploy_lm, serve_shutdown
 
 pytestmark = pytest.mark.ray
 MODEL = "tiny-llama"
-LLM_MODEL = "tiny-llama-vllm"
 PROMPT = "def main(self):"
-# Where lm's Serve config was written: the llm app is deployed beside it, in the same config
-# (`serve deploy` replaces every app with the file's, and the HTTP port is the cluster's).
-DEPLOYED: dict = {}
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +61,6 @@ def trained(ray_cluster, aws_env, hf_model_dir, sft_data, checkpoint_bucket, s3_
 
 
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
-LORA_CACHE = Path("/tmp/ray/llm/lora/cache")   # Ray LLM's LoraModelLoader default lora_root
-ADAPTERS = "hf-adapters"          # the llm app's lora_config path, under the bucket
 
 
 @pytest.fixture(scope="module")
@@ -134,43 +128,6 @@ def lora_trained(ray_cluster, aws_env, trained, sft_data, checkpoint_bucket, s3_
 
 
 @pytest.fixture(scope="module")
-def adapters(lora_trained, checkpoint_bucket, s3_client, tmp_path_factory) -> dict:
-    """The run's adapter/ and a second adapter of the same base (its B matrices negated), each
-    downloaded and copied under the llm app's lora_config path: {name: local folder}."""
-    from safetensors.torch import load_file, save_file
-
-    local = tmp_path_factory.mktemp("adapters")
-    bucket, _, prefix = lora_trained["adapter_export"][len("s3://"):].partition("/")
-    keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket,
-                                                        Prefix=prefix + "/")["Contents"]]
-    sft, neg = local / "sft", local / "neg"
-    for d in (sft, neg):
-        d.mkdir()
-    for key in (k for k in keys if not k.endswith("/")):
-        s3_client.download_file(bucket, key, str(sft / key.rsplit("/", 1)[1]))
-        s3_client.download_file(bucket, key, str(neg / key.rsplit("/", 1)[1]))
-    weights = load_file(str(neg / "adapter_model.safetensors"))
-    save_file({k: -v if ".lora_B." in k else v for k, v in weights.items()},
-              str(neg / "adapter_model.safetensors"))
-    for d in (sft, neg):
-        for f in d.iterdir():
-            s3_client.upload_file(str(f), checkpoint_bucket, f"{ADAPTERS}/{d.name}/{f.name}")
-    # Ray's LoRA loader caches each adapter a replica downloads in a fixed folder under /tmp
-    # (ray/llm/_internal/serve/utils/lora_serve_utils.py), not TMPDIR: what this module's
-    # adapters add there goes when it is done, and nothing that was there before.
-    made = [p for p in (LORA_CACHE, *LORA_CACHE.parents[:3]) if not p.exists()]
-    before = {e.name for e in LORA_CACHE.iterdir()} if LORA_CACHE.is_dir() else set()
-    yield {"sft": sft, "neg": neg}
-    for entry in (f"{n}{suffix}" for n in ("sft", "neg") for suffix in ("", ".lock")):
-        path = LORA_CACHE / entry
-        if entry not in before and path.exists() and not path.is_symlink():
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    for folder in made:   # deepest first; only when nothing else was put there meanwhile
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-
-
-@pytest.fixture(scope="module")
 def hf_uri(trained) -> str:
     return trained["hf_export"]
 
@@ -178,55 +135,10 @@ def hf_uri(trained) -> str:
 @pytest.fixture(scope="module")
 def lm_url(ray_cluster, aws_env, trained, tmp_path_factory):
     # The run's checkpoint, as README's serve-config example gives it: served from its hf/.
-    DEPLOYED["dir"] = tmp_path_factory.mktemp("serve-hf")
-    url = deploy_lm(ray_cluster, trained["checkpoint"], DEPLOYED["dir"],
+    url = deploy_lm(ray_cluster, trained["checkpoint"], tmp_path_factory.mktemp("serve-hf"),
                     env_vars=aws_env, model_name=MODEL, batch_wait_timeout_s=0.3)
     yield url
     serve_shutdown(ray_cluster)
-
-
-@pytest.fixture(scope="module")
-def llm_url(ray_cluster, aws_env, trained, lm_url, adapters, checkpoint_bucket):
-    """The llm app as a user makes it: the generator run against the live cluster (it checks
-    the replica fits there) on the run folder in S3, with the LoRA adapters under a prefix of
-    the bucket, then `serve deploy` of that app beside lm under /llm. Ready when vLLM answers a
-    completion."""
-    import yaml
-
-    out = DEPLOYED["dir"] / "llm.yaml"
-    gen = run([str(BIN / "python"), "-m", "workloads.serve.llm_config", "--device", "cpu",
-               "--model-id", LLM_MODEL, "--model-source", trained["run_path"],
-               "--max-model-len", "256", "--engine-kwarg", "dtype=float32",
-               "--lora-path", f"s3://{checkpoint_bucket}/{ADAPTERS}", "--max-lora-rank", "8",
-               "--max-replicas", "1", "--output", str(out)],
-              env={**ray_cluster["env"], **aws_env}, timeout=180)
-    assert gen.returncode == 0, gen.stderr[-2000:]
-    assert f"wrote {out}: {LLM_MODEL}, 1 CPUs per replica" in gen.stdout
-    assert f"LoRA adapters from s3://{checkpoint_bucket}/{ADAPTERS}" in gen.stdout
-    app = yaml.safe_load(out.read_text())["applications"][0]
-    assert app["args"]["llm_configs"][0]["model_loading_config"]["model_source"] == {
-        "bucket_uri": trained["hf_export"]}
-    config = yaml.safe_load((DEPLOYED["dir"] / "lm.yaml").read_text())
-    config["applications"].append({**app, "route_prefix": "/llm",
-                                   "runtime_env": {"env_vars": dict(aws_env)}})
-    both = DEPLOYED["dir"] / "lm-and-llm.yaml"
-    both.write_text(yaml.safe_dump(config))
-    run([str(BIN / "serve"), "deploy", str(both)], env=ray_cluster["env"], check=True,
-        timeout=120)
-    url = lm_url + "/llm"
-
-    def answers():
-        try:
-            status, _ = post_json(url + "/v1/completions",
-                                  {"model": LLM_MODEL, "prompt": "x", "max_tokens": 1})
-            return status == 200
-        except OSError:
-            return False
-
-    wait_until("the llm app's first vLLM completion", answers, timeout=300, interval=2,
-               detail=lambda: run([str(BIN / "serve"), "status"],
-                                  env=ray_cluster["env"]).stdout[-3000:])
-    return url
 
 
 @pytest.fixture(scope="module")
@@ -244,20 +156,11 @@ def export_dir(hf_uri, s3_client, checkpoint_bucket, tmp_path_factory):
     return out
 
 
-def _client(url: str):
-    import openai
-
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 @pytest.fixture(scope="module")
 def client(lm_url):
-    return _client(lm_url)
+    import openai
 
-
-@pytest.fixture(scope="module")
-def llm_client(llm_url):
-    return _client(llm_url)
+    return openai.OpenAI(base_url=lm_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -304,12 +207,10 @@ def test_llm_config_refuses_a_context_longer_than_the_s3_exports(trained, aws_en
                         f"({trained['hf_export']})") and len(err.splitlines()) == 1, err
 
 
-@pytest.fixture(scope="module", params=["lm", "llm"])
-def api(request, local):
-    """Each app with the model name clients give it: the same tests hold for both."""
-    if request.param == "lm":
-        return request.getfixturevalue("client"), MODEL
-    return request.getfixturevalue("llm_client"), LLM_MODEL
+@pytest.fixture(scope="module")
+def api(client):
+    """The app's client, with the model name clients give it."""
+    return client, MODEL
 
 
 def test_greedy_completion_is_what_transformers_generates(api, local):
@@ -370,9 +271,7 @@ def test_an_unknown_model_and_too_long_a_prompt_are_openai_errors(api):
     assert "no-such-model" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="word " * 400, max_tokens=2)
-    assert "256" in e.value.message
-    if model == MODEL:   # lm's own words; vLLM's differ
-        assert e.value.code == "context_length_exceeded" and "256 tokens" in e.value.message
+    assert e.value.code == "context_length_exceeded" and "256 tokens" in e.value.message
 
 
 def test_concurrent_prompts_of_different_lengths_batch_with_the_same_answers(client, local):
@@ -425,36 +324,3 @@ def test_lora_run_resumed_after_a_killed_worker_and_learned(lora_trained, traine
     # It started from the SFT export's loss and went on down, through the restart.
     assert lora_trained["first_loss"] < trained["first_loss"]
     assert lora_trained["final_loss"] < lora_trained["first_loss"] - 0.3, lora_trained
-
-
-def test_llm_serves_each_adapter_by_model_id_as_peft_answers(llm_client, adapters, export_dir):
-    """Several adapters on one base in one vLLM replica: `<model>:<adapter>` picks one, the
-    base model id none; each answers what PEFT's generate gives for that adapter."""
-    import openai
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(export_dir))
-    ids = tok(PROMPT).input_ids
-    answers = {}
-    for name, folder in [("", None), *adapters.items()]:
-        model = AutoModelForCausalLM.from_pretrained(str(export_dir), dtype=torch.float32)
-        if folder is not None:
-            model = PeftModel.from_pretrained(model, str(folder))
-        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(
-            1, len(ids), dtype=torch.long), max_new_tokens=12, do_sample=False)
-        want = tok.decode(out[0, len(ids):], skip_special_tokens=True,
-                          clean_up_tokenization_spaces=False)
-        model_id = f"{LLM_MODEL}:{name}" if name else LLM_MODEL
-        r = llm_client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12,
-                                          temperature=0)
-        assert r.choices[0].text == want, model_id
-        answers[name] = want
-    assert len(set(answers.values())) == 3, answers    # three models, three answers
-    # An adapter the bucket does not hold: an OpenAI 404 (Ray's LoRA loader finds no
-    # adapter_config.json there; its body names nothing), not a crash, a timeout or a dropped
-    # connection.
-    with pytest.raises(openai.NotFoundError):
-        llm_client.completions.create(model=f"{LLM_MODEL}:no-such-adapter", prompt=PROMPT,
-                                      max_tokens=2)
