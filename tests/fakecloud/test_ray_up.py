@@ -24,7 +24,9 @@ run in S3 -> step 5, `rayfleet serve-config` + `serve deploy` of the committed `
 (`checkpoint: latest`) answering through the env's Serve URL; then `llm` beside it (real vLLM,
 through the kit's builder) on the Hugging Face run, its config written by
 `workloads.serve.llm_config --device cpu` for the run folder in S3 -> the FSDP and data-again
-jobs while vLLM starts -> both apps answer the `openai` client -> `rayfleet env --close` ->
+jobs while vLLM starts -> both apps answer the `openai` client, llm as transformers' and
+PEFT's generate do on the export (completions, chat, usage, errors, two LoRA adapters by model
+id: llm_checks.py) -> `rayfleet env --close` ->
 step 6, `ray down -y` of the live cluster (`ray stop` on the head, then the worker and the head
 terminated), `rayfleet logs` reading the run's driver log back from the bucket, `rayfleet
 sweep` finding nothing -> the fake cloud is gone, even after a hung `ray down` or a second
