@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -87,6 +88,27 @@ def _create(ec2, name: str, region: str, path: Path) -> None:
                             f"created in {region} was deleted again, nothing changed") from None
 
 
+def _check_pair(path: Path, ec2_public: str, name: str, region: str) -> None:
+    """The file is the private half of EC2's key pair: its public key (as `ssh-keygen -y`
+    derives it) is the one EC2 holds. A stale file of the same name would pass here and fail
+    at `ray up`'s first ssh."""
+    try:
+        derived = subprocess.run(["ssh-keygen", "-y", "-P", "", "-f", str(path)],
+                                 capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RayfleetError(f"cannot check {path} against EC2's key pair {name}: ssh-keygen "
+                            f"({e}); `ray up` needs OpenSSH on this machine") from None
+    if derived.returncode != 0:
+        raise RayfleetError(f"{path} is not a private key ssh can read without a passphrase "
+                            f"({derived.stderr.strip() or 'ssh-keygen -y failed'})")
+    if derived.stdout.split()[:2] != ec2_public.split()[:2]:
+        raise RayfleetError(f"{path} is not the private key of EC2's key pair {name} in "
+                            f"{region} (their public keys differ): put that pair's .pem "
+                            f"there, or move the file away, delete the key pair (`aws ec2 "
+                            f"delete-key-pair --region {region} --key-name {name}`) and run "
+                            "again")
+
+
 def main(cluster_yaml: str, out=None, session=None) -> int:
     out = out or sys.stdout
     name, region, path = target(cluster_yaml)
@@ -102,13 +124,15 @@ def main(cluster_yaml: str, out=None, session=None) -> int:
                                 "or an instance role): set them (e.g. `export AWS_PROFILE=...`), "
                                 "then run keypair again")
         ec2 = session.client("ec2", region_name=region)
-        in_ec2 = bool(ec2.describe_key_pairs(
-            Filters=[{"Name": "key-name", "Values": [name]}])["KeyPairs"])
+        pairs = ec2.describe_key_pairs(Filters=[{"Name": "key-name", "Values": [name]}],
+                                       IncludePublicKey=True)["KeyPairs"]
+        in_ec2 = bool(pairs)
         if have_file and in_ec2:
             mode = stat.S_IMODE(path.stat().st_mode)
             if mode & 0o077:
                 raise RayfleetError(f"{path} has mode {mode:04o}: ssh refuses a private key "
                                     f"others can read; `chmod 600 {path}`")
+            _check_pair(path, pairs[0].get("PublicKey", ""), name, region)
             print(f"key pair {name} in {region} and {path} already exist", file=out)
             return 0
         if have_file:

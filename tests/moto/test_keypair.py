@@ -74,6 +74,18 @@ def test_creates_the_key_pair_and_its_0600_key_once(yaml_path, pem, ec2, capsys)
     assert pem.read_bytes() == key and _names(ec2) == [NAME]
 
 
+def test_a_file_that_is_not_the_pairs_key_is_refused_and_left_as_it_was(yaml_path, pem, ec2,
+                                                                         capsys):
+    assert _run(yaml_path, capsys)[0] == 0
+    pem.unlink()
+    subprocess.run(["ssh-keygen", "-q", "-t", "rsa", "-N", "", "-f", str(pem)], check=True)
+    key = pem.read_bytes()
+    rc, out, err = _run(yaml_path, capsys)
+    assert rc == 2 and out == ""
+    assert "is not the private key of EC2's key pair" in _one_line(err), err
+    assert pem.read_bytes() == key and _names(ec2) == [NAME]
+
+
 def test_an_existing_file_is_never_overwritten(yaml_path, pem, ec2, capsys):
     pem.parent.mkdir(parents=True)
     pem.write_text("someone's key\n")
