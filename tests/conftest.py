@@ -191,6 +191,7 @@ def pytest_report_header(config):
 
 
 _OUTCOME: dict = {}
+_SHM_BEFORE: set[str] = set()   # /dev/shm's names at the start (the controller's)
 # Each test's CPU (tests/cpuclock.py): this process's clock, its last reading, and the CPU and
 # wall seconds per test of the reports this process logged (the workers' too, in the controller).
 CLOCK = cpuclock.Clock()
@@ -220,6 +221,22 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         f"CPU per test: not measured ({CLOCK.why or 'no worker could make a cgroup'})"]
     for line in lines:
         terminalreporter.write_line(line)
+    if _SHM_BEFORE:   # the controller, once every worker and its clusters are done
+        from tests.machine import leftover_segments
+
+        gone, size = [], 0
+        for p in leftover_segments(_SHM_BEFORE):
+            try:
+                size += p.stat().st_size
+                p.unlink()
+            except OSError:   # its owner's own cleanup came first
+                continue
+            gone.append(p)
+        if gone:
+            terminalreporter.write_line(
+                f"removed {len(gone)} shared memory segment(s) this run's killed processes "
+                f"left in /dev/shm ({size / 2**20:.0f} MiB; vLLM's engine makes them): "
+                f"{', '.join(p.name for p in gone[:4])}{'…' if len(gone) > 4 else ''}")
     _OUTCOME["passed"] = exitstatus == 0
     if not _OUTCOME["passed"] and scratch.made_here(SCRATCH):
         terminalreporter.write_line(scratch.leave(SCRATCH, passed=False))
@@ -242,6 +259,12 @@ def pytest_configure(config):
         config.option.basetemp = str(SCRATCH / "p")
 
     required()   # an unknown tier in RAYFLEET_REQUIRE stops the run before any test
+    if not os.environ.get("PYTEST_XDIST_WORKER"):   # the controller, or the one process
+        from tests.machine import SHM
+
+        if SHM.is_dir():
+            _SHM_BEFORE.update(p.name for p in SHM.iterdir())
+        _SHM_BEFORE.add("")   # taken: the run's end removes only what appeared after this
     # The processes that run tests count their CPU; xdist's controller runs none.
     if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses",
                                                              None):

@@ -5,12 +5,19 @@ fault tests fail), Ray/moto/HAProxy/Redis processes an earlier run left, or a lo
 high, is slower and can fail for reasons that are not the code's: the line points a slow or
 failed run at its cause. It only reports; it never signals what it finds (the kit did not start
 those in this run).
+
+Shared memory is the one thing a run cleans after itself here: vLLM's engine makes two
+segments in /dev/shm (Python's shared_memory, 160 and 240 MiB, for its message queues) and
+named semaphores, and a replica Serve kills leaves them there. At its end the run removes those
+of its own (:func:`leftover_segments`): made during the run, by this user, and held by no live
+process.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +29,9 @@ SERVERS = ("raylet", "gcs_server", "haproxy", "redis-server", "moto_server")
 # Where `ip netns add` leaves a name: the fake cloud's hosts, gone when it tears down.
 NETNS = Path("/run/netns")
 ROOTS = ("/", "/tmp", "/var/tmp")
+SHM = Path("/dev/shm")
+# What Python's multiprocessing names its shared memory segments and semaphores there.
+SHM_PREFIXES = ("psm_", "sem.mp-")
 
 
 @dataclass(frozen=True)
@@ -31,9 +41,11 @@ class Machine:
     cores: int
     strays: dict[str, list[int]]          # server name -> pids
     netns: tuple[str, ...] = ()           # network namespaces left
+    shm: tuple[str, ...] = ()             # /dev/shm segments no live process holds
 
 
-def observe(proc: Path = Path("/proc"), me: int | None = None, netns: Path = NETNS) -> Machine:
+def observe(proc: Path = Path("/proc"), me: int | None = None, netns: Path = NETNS,
+            shm: Path = SHM) -> Machine:
     me = os.getpid() if me is None else me
     strays: dict[str, list[int]] = {}
     for d in proc.iterdir():
@@ -54,7 +66,53 @@ def observe(proc: Path = Path("/proc"), me: int | None = None, netns: Path = NET
         except OSError:
             pass
     left = tuple(sorted(p.name for p in netns.iterdir())) if netns.is_dir() else ()
-    return Machine(free, os.getloadavg()[0], os.cpu_count() or 1, strays, left)
+    orphans = tuple(p.name for p in orphan_segments(shm, proc))
+    return Machine(free, os.getloadavg()[0], os.cpu_count() or 1, strays, left, orphans)
+
+
+def held(proc: Path = Path("/proc"), shm: Path = SHM) -> set[str]:
+    """The names in ``shm`` that a live process maps or holds open."""
+    names: set[str] = set()
+    where = f"{shm}/"
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            for line in (d / "maps").read_text().splitlines():
+                if where in line:
+                    names.add(line.split(where, 1)[1].split()[0])
+            for fd in (d / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith(where):
+                    names.add(target[len(where):].split()[0])
+        except OSError:   # gone meanwhile, or not ours to read
+            continue
+    return names
+
+
+def orphan_segments(shm: Path = SHM, proc: Path = Path("/proc")) -> list[Path]:
+    """This user's shared memory segments and semaphores (SHM_PREFIXES) in ``shm`` that no
+    live process holds: what a killed owner left."""
+    if not shm.is_dir():
+        return []
+    live, uid, out = held(proc, shm), os.getuid(), []
+    for p in shm.iterdir():
+        if not p.name.startswith(SHM_PREFIXES) or p.name in live:
+            continue
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+            out.append(p)
+    return sorted(out)
+
+
+def leftover_segments(before: set[str], shm: Path = SHM, proc: Path = Path("/proc")
+                      ) -> list[Path]:
+    """The orphan segments that were not there when the run started (``before``: every name
+    in ``shm`` then): the run's own, to remove."""
+    return [p for p in orphan_segments(shm, proc) if p.name not in before]
 
 
 def report(m: Machine) -> str:
@@ -75,6 +133,9 @@ def report(m: Machine) -> str:
     if m.netns:
         findings.append(f"{len(m.netns)} network namespaces left ({', '.join(m.netns[:3])}"
                         f"{'…' if len(m.netns) > 3 else ''})")
+    if m.shm:
+        findings.append(f"{len(m.shm)} shared memory segments no process holds in {SHM} "
+                        f"({', '.join(m.shm[:3])}{'…' if len(m.shm) > 3 else ''})")
     least = min(m.free_gib.values(), default=0.0)
     if findings:
         return "machine NOT clean, expect a slower run: " + "; ".join(findings)
