@@ -12,7 +12,7 @@ import sys
 from rayfleet.commands import (cliargs, cloudenv, cost, keypair, lint, local, logs, preflight,
                                render, serve_config, status, sweep)
 from rayfleet.entrypoint import ArgumentParser, UsageError, at_least, bounded, run_main, tcp_port
-from rayfleet.facts import loopback_port, port
+from rayfleet.facts import VLLM_BUILDS, loopback_port, port
 from rayfleet.ingress import DEFAULT_INGRESS, INGRESS_CHOICES
 
 
@@ -113,7 +113,7 @@ def _render(sub: argparse._SubParsersAction) -> None:
                    help="run Prometheus on the head's loopback, scraping Ray's metrics "
                         "(reach it with `rayfleet env <yaml>`: $RAYFLEET_METRICS_URL, a "
                         f"tunnel to the head's {loopback_port('prometheus')})")
-    p.add_argument("--vllm", choices=["cuda", "cpu", "none"], default=None,
+    p.add_argument("--vllm", choices=VLLM_BUILDS, default=None,
                    help="the vLLM the head and the GPU workers get, for the llm Serve app: "
                         "cuda (pyproject.toml's llm extra), cpu (its llm-cpu extra, "
                         "vLLM's CPU build, for nodes without GPUs), none (nodes set up faster, "
