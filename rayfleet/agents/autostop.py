@@ -199,19 +199,24 @@ class Proc:
     another process is never signalled."""
 
     def __init__(self, pid: int):
-        self.pid, self.start = pid, self.started(pid)
+        self.pid, self.start = pid, self.stat(pid)[19]   # field 22: start time in ticks
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             self.argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
 
     @staticmethod
-    def started(pid: int) -> str:
+    def stat(pid: int) -> list[str]:   # /proc/PID/stat from field 3, its state
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]   # field 22: start time in ticks
+            return f.read().rsplit(")", 1)[1].split()
 
     def alive(self) -> bool:
+        """This process, not exited: a zombie (state Z: not reaped yet; a shipper this agent
+        restarted is its own child, reaped here) has ended."""
         try:
-            return self.started(self.pid) == self.start
-        except OSError:
+            state, *_, start = self.stat(self.pid)[:20]
+            if state == "Z" and start == self.start:
+                os.waitpid(self.pid, os.WNOHANG)
+            return state != "Z" and start == self.start
+        except OSError:   # gone, or a zombie another process reaps
             return False
 
     def signal(self, sig: int) -> bool:

@@ -4,10 +4,12 @@ cluster: tests/cluster/test_autostop.py; the teardown against moto: tests/moto/t
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -161,3 +163,20 @@ def test_bad_settings_are_one_line_and_exit_2(argv, message):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == f"autostop.py: error: {message}", \
         proc.stderr
+
+
+def test_a_stopped_shipper_not_yet_reaped_counts_as_gone(autostop, tmp_path):
+    """stop_first waits for the log shipper to exit. One that exited but is not reaped yet (a
+    zombie: the shipper auto-stop restarted is its own child) is gone: no wait for the timeout
+    (each such teardown once waited its full 60 s)."""
+    marker = f"shipper-{tmp_path.name}"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker])
+    try:
+        t0 = time.monotonic()
+        saved = autostop.stop_first(marker, timeout_s=30)
+        assert time.monotonic() - t0 < 10
+        assert [argv[-1] for argv, *_ in saved] == [marker]
+        with pytest.raises(ChildProcessError):   # reaped by stop_first
+            os.waitpid(child.pid, os.WNOHANG)
+    finally:
+        child.kill()
