@@ -81,8 +81,6 @@ def log(message: str) -> None:
     print(f"{stamp} autostop: {message}", flush=True)
 
 
-# --------------------------------------------------------------------------- Ray's state
-
 class Dashboard:
     """The head's dashboard HTTP API, with the cluster's token."""
 
@@ -141,8 +139,6 @@ def busy_reasons(ray: Dashboard, now_s: float, window_s: float) -> list[str]:
     return reasons
 
 
-# --------------------------------------------------------------------------- the log
-
 class ClusterLog:
     """``<storage>/clusters/<cluster>/autostop.log`` in the bucket: one line per decision,
     appended (S3 objects are rewritten whole; the log is a few lines)."""
@@ -169,8 +165,6 @@ class ClusterLog:
         except Exception as e:   # noqa: BLE001 (the log must never stop the teardown)
             log(f"could not write s3://{self.bucket}/{self.key}: {type(e).__name__}: {e}")
 
-
-# --------------------------------------------------------------------------- the teardown
 
 def cluster_instances(ec2, cluster: str) -> list[dict]:
     """This cluster's instances that are not gone yet."""
@@ -338,8 +332,6 @@ def still_idle(ray: "Dashboard", window_s: float):
             raise Busy(f"before {step}: {'; '.join(reasons[:3])}")
     return check
 
-
-# --------------------------------------------------------------------------- the watcher
 
 class Unreadable(Exception):
     """Ray's state could not be read for --unreadable-limit-minutes: auto-stop disarms."""
