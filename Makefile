@@ -55,12 +55,10 @@ demo: $(STAMP)
 demo-hf: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/demo_hf.sh
 
-# Everything but `gpu` and `aws_live` (the pytest markers in pyproject.toml), on three
-# pytest-xdist workers: the fake cloud's tests on one, the session's Ray cluster's on another,
-# the rest on the third (tests/conftest.py groups them). Three on two cores: the fake cloud's
-# and the clusters' tests spend minutes waiting (auto-stop's idle windows, a head's rejoin),
-# which a third worker's tests fill. XDIST= runs them in one process.
-XDIST ?= -n 3 --dist loadscope --no-loadscope-reorder
+# Everything but `gpu` and `aws_live` (the pytest markers in pyproject.toml), on two
+# pytest-xdist workers: the fake-cloud rehearsal on one while the other runs the tests of the
+# session's Ray cluster (tests/conftest.py groups them). XDIST= runs them in one process.
+XDIST ?= -n 2 --dist loadscope --no-loadscope-reorder
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 

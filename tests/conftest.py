@@ -128,7 +128,7 @@ def pytest_collection_finish(session):
         test_ray_up.start_prebuild()
 
 
-# `make test` runs three pytest-xdist workers (`-n 3 --dist loadscope`) with the scheduler below:
+# `make test` runs two pytest-xdist workers (`-n 2 --dist loadscope`) with the scheduler below:
 # each group runs whole on one worker, and groups are handed out in this order.
 FIRST_GROUPS = ("fakecloud", "cluster", "tests/cluster/test_ansible.py")
 GROUPS_ENV = "RAYFLEET_XDIST_GROUPS"  # where workers write {node id: group} for the scheduler

@@ -1,4 +1,4 @@
-"""`make test`'s pytest-xdist workers: which tests share a worker (tests/conftest.py)."""
+"""`make test`'s two pytest-xdist workers: which tests share a worker (tests/conftest.py)."""
 
 import json
 from types import SimpleNamespace
