@@ -399,7 +399,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="disarm (tear nothing down, say so, exit 1) once Ray's state has been "
                         "unreadable this long; until then that counts as busy")
     p.add_argument("--region", default=None, help="AWS region (default: the node's)")
-    p.add_argument("--poll-s", type=float, default=30.0, help="seconds between looks")
+    p.add_argument("--poll-s", type=float, default=None, help="seconds between looks "
+                   "(default: a sixth of the idle window, at most 30)")
     p.add_argument("--stop-first", default=None, metavar="PATTERN",
                    help="SIGTERM this user's processes whose command line holds PATTERN and "
                         "wait for them before the teardown (the log shipper's last copy); "
@@ -407,6 +408,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="decide and log, but terminate nothing (then exit 0)")
     args = p.parse_args(argv)
+    args.poll_s = min(30.0, args.minutes * 10) if args.poll_s is None else args.poll_s
     problems = [f"{flag}: must be more than 0, got {value:g}" for flag, value in (
         ("--minutes", args.minutes), ("--poll-s", args.poll_s),
         ("--unreadable-limit-minutes", args.unreadable_limit_minutes)) if not value > 0]

