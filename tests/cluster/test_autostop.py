@@ -67,10 +67,12 @@ time.sleep(float(sys.argv[1]))   # this job alone, running, for longer than the 
 """
 
 
-@pytest.fixture
-def small_cluster(tmp_path):
+@pytest.fixture(scope="module")
+def small_cluster(tmp_path_factory):
+    """One single-node cluster for both tests (each leaves it idle: its actors killed, its
+    app deleted, the autoscaler running again), started once: a start is about 20 CPU-s."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["RAYFLEET_HOME"] = str(tmp_path / "home")
+    env["RAYFLEET_HOME"] = str(tmp_path_factory.mktemp("autostop-cluster") / "home")
     up = run([str(BIN / "rayfleet"), "local", "up", "--num-cpus", "1", "--object-store-memory",
               "200MB", "--port", str(free_port()), "--dashboard-port", str(free_port())],
              env=env, timeout=180)

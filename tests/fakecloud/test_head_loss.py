@@ -55,7 +55,7 @@ from workloads.common import runs
 from .cloud import (REGION, Unavailable, operator_command, require_tools, stack_config,
                     stop_on_first_sigterm)
 from .test_ray_up import (VPC, _http, _logged, _ok, _tags, _tunnel, caller_env, finish,
-                          operator_env, operator_key, prepare)
+                          operator_env, operator_key, operator_session, prepare)
 
 # 474 s alone on 2 cores with its auto-stop steps (2026-11-28), 580-607 s in fresh clones'
 # .ci/run beside the session cluster's tests: the limit, about twice what a loaded run takes,
@@ -187,7 +187,8 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
             cloud.watch(ec2)
         with step("IAM on: S3 judged by each caller's policies, nodes on their roles' keys"):
             # As in the rehearsal: auto-stop's record and the log shipper write on the roles.
-            env.update(cloud.enforce_iam())
+            admin = cloud.enforce_iam()
+            env.update(admin)
 
         with step("rayfleet render (headHa), ray up -y"):
             _ok(run([str(BIN / "rayfleet"), "render", str(stack.path), "-o", str(cluster_yaml),
@@ -226,7 +227,7 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
                 "the checkpoint under torchrun")
             local = runs.local_checkpoints(made)[-1]
             checkpoint = f"s3://{bucket}/rayfleet/runs/before-head-loss/{local.name}"
-            s3 = session.client("s3")
+            s3 = operator_session(admin, monkeypatch).client("s3")
             for f in sorted(p for p in local.iterdir() if p.is_file()):
                 s3.upload_file(str(f), bucket, f"rayfleet/runs/before-head-loss/{local.name}/"
                                f"{f.name}")
