@@ -450,20 +450,13 @@ def clean_dir(tmp_path):
 
 @pytest.fixture(scope="session")
 def lm_checkpoint(ray_cluster, tmp_path_factory) -> str:
-    """A finished checkpoint of the kit's loop (tiny model, 10 steps), trained once: under plain
-    torchrun, which writes Ray Train's layout (workloads/common/runs.py) in 5 CPU-s where a Ray
-    Train start costs about 25; training under Ray Train is proven by README's examples."""
-    from workloads.common import runs
-
+    """A finished workloads.train checkpoint (tiny model, 10 steps), trained once."""
     storage = tmp_path_factory.mktemp("lm-runs")
-    proc = run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "1", "-m",
-                "workloads.train.torchrun", "--smoke-test", "--max-steps", "10",
-                "--checkpoint-every", "10", "--output", str(storage)],
-               env=ray_cluster["env"], timeout=400)
+    proc = run([str(BIN / "python"), "-m", "workloads.train", "--smoke-test", "--max-steps",
+                "10", "--checkpoint-every", "10", "--name", "lm-fixture",
+                "--storage-path", str(storage)], env=ray_cluster["env"], timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    last = runs.local_checkpoints(storage)[-1]
-    assert runs.validate(last)["final"], last
-    return str(last)
+    return summary_of(proc.stdout)["checkpoint"]
 
 
 @pytest.fixture

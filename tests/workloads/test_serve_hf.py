@@ -1,12 +1,12 @@
 """The `lm` app serving a Hugging Face run's export from S3 (the moto server) on the session's
-real Ray cluster, through the real `openai` client: a few steps of the tiny Llama (the kit's
-loop under torchrun) write a checkpoint and its hf/ export (in shards, with their index), put
-in S3; lm serves that checkpoint; its greedy completions equal what transformers' own
-`generate` gives for the downloaded export, usage counts the tokenizer's tokens (also as the
-last streamed chunk when `stream_options.include_usage` asks), chat goes through the
-tokenizer's chat template, streaming joins to the same text, concurrent prompts of different
-lengths decode in one batch with the same answers, and unknown models and too-long prompts are
-OpenAI errors. The `llm` app's config generator refuses a context longer than the S3 export's.
+real Ray cluster, through the real `openai` client: a few DDP steps of the tiny Llama write
+their checkpoints and the hf/ export (in shards, with their index) to S3; lm serves that run's
+checkpoint; its greedy completions equal what transformers' own `generate` gives for the
+downloaded export, usage counts the tokenizer's tokens (also as the last streamed chunk when
+`stream_options.include_usage` asks), chat goes through the tokenizer's chat template,
+streaming joins to the same text, concurrent prompts of different lengths decode in one batch
+with the same answers, and unknown models and too-long prompts are OpenAI errors. The `llm`
+app's config generator refuses a context longer than the S3 export's.
 
 LoRA: the export fine-tuned further with LoRA adapters by 2 DDP workers under Ray Train, one of
 them SIGKILLed after the first registered checkpoint (FailureConfig restarts the group, which
@@ -37,33 +37,27 @@ PROMPT = "def main(self):"
 
 
 @pytest.fixture(scope="module")
-def trained(hf_model_dir, sft_data, checkpoint_bucket, s3_client, tmp_path_factory) -> dict:
-    """A few steps of the tiny Llama on the instruction rows under plain torchrun (the kit's
-    loop, Ray Train's checkpoint layout, in seconds: a Ray Train run writing its export to S3
-    is the fake-cloud rehearsal's), its final checkpoint put in S3 (moto): the hf/ export in it
-    is what the app serves."""
-    from workloads.common import runs
-
-    out = tmp_path_factory.mktemp("serve-hf-run")
-    proc = run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "1", "-m",
-                "workloads.train.torchrun", "--model", str(hf_model_dir), "--dataset",
-                str(sft_data), "--max-steps", "4", "--checkpoint-every", "4", "--batch-size",
-                "8", "--lr", "3e-3", "--output", str(out),
+def trained(ray_cluster, aws_env, hf_model_dir, sft_data, checkpoint_bucket, s3_client) -> dict:
+    """A few DDP steps of the tiny Llama on the instruction rows, checkpoints in S3 (moto): the
+    final checkpoint's hf/ export is what the app serves."""
+    proc = run([str(BIN / "python"), "-m", "workloads.train", "--model", str(hf_model_dir),
+                "--dataset", str(sft_data), "--max-steps", "4", "--checkpoint-every", "4",
+                "--batch-size", "8", "--lr", "3e-3", "--name", "serve-hf",
+                "--storage-path", f"s3://{checkpoint_bucket}/hf-runs",
                 # The 0.56 MB model in several safetensors files and their index, as a big
-                # model's export is: what lm loads below.
-                "--hf-shard-size", "200KB"], timeout=400)
+                # model's export is: what lm and vLLM load below.
+                "--hf-shard-size", "200KB"],
+               env={**ray_cluster["env"], **aws_env}, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    last = runs.local_checkpoints(out)[-1]
-    assert runs.validate(last)["final"]
-    prefix = f"hf-runs/serve-hf/{last.name}"
-    for f in sorted(f for f in last.rglob("*") if f.is_file()):
-        s3_client.upload_file(str(f), checkpoint_bucket, f"{prefix}/{f.relative_to(last)}")
-    shards = [f.name for f in (last / "hf").iterdir() if f.suffix == ".safetensors"]
-    assert (last / "hf" / "model.safetensors.index.json").is_file() and len(shards) >= 3
-    checkpoint = f"s3://{checkpoint_bucket}/{prefix}"
-    history = summary_of(proc.stdout)["history"]
-    return {"checkpoint": checkpoint, "hf_export": f"{checkpoint}/hf",
-            "first_loss": history[0]["loss"]}
+    summary = summary_of(proc.stdout)
+    assert summary["hf_export"] == summary["checkpoint"] + "/hf"
+    assert summary["hf_export"].startswith(f"s3://{checkpoint_bucket}/hf-runs/serve-hf/")
+    prefix = summary["hf_export"].removeprefix(f"s3://{checkpoint_bucket}/") + "/"
+    keys = [o["Key"].removeprefix(prefix) for o in s3_client.list_objects_v2(
+        Bucket=checkpoint_bucket, Prefix=prefix)["Contents"]]
+    shards = [k for k in keys if k.endswith(".safetensors")]
+    assert "model.safetensors.index.json" in keys and len(shards) >= 3, keys
+    return summary
 
 
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
@@ -207,7 +201,7 @@ def test_llm_config_refuses_a_context_longer_than_the_s3_exports(trained, aws_en
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert llm_config.main(["--device", "cpu", "--model-id", "serve-hf", "--model-source",
-                            trained["hf_export"], "--max-model-len", "4096"]) == 2
+                            trained["run_path"], "--max-model-len", "4096"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("is more than the model's max_position_embeddings 256 "
                         f"({trained['hf_export']})") and len(err.splitlines()) == 1, err
