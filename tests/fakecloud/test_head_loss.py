@@ -120,13 +120,16 @@ def _replicas(app: dict) -> list[dict]:
     return [r for d in app.get("deployments", {}).values() for r in d.get("replicas", [])]
 
 
-def _nodes(client: dict, address: str) -> dict[str, dict]:
-    """ALIVE nodes by node id, as `ray list nodes` gives them."""
-    out = run([str(BIN / "ray"), "list", "nodes", "--format", "json", "--address", address],
-              env=client, timeout=60)
-    if out.returncode != 0:
+def _nodes(address: str, token: str) -> dict[str, dict]:
+    """ALIVE nodes by node id, as `ray list nodes` gives them: the same state API (the
+    dashboard's /api/v0/nodes), asked in one request here. The waits poll it, and the CLI costs
+    about 3 CPU-s a call on 2 busy cores."""
+    code, body = _http(address + "/api/v0/nodes?limit=1000&detail=false&timeout=30", token,
+                       timeout=40)
+    if code != 200 or not (answer := json.loads(body)).get("result"):
         return {}
-    return {n["node_id"]: n for n in json.loads(out.stdout) if n["state"] == "ALIVE"}
+    return {n["node_id"]: n for n in answer["data"]["result"]["result"]
+            if n["state"] == "ALIVE"}
 
 
 def _pids(node, name: str) -> list[int]:
@@ -232,7 +235,7 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
                 s3.upload_file(str(f), bucket, f"rayfleet/runs/before-head-loss/{local.name}/"
                                f"{f.name}")
             wait_until("the A100 worker alive beside the head", lambda: len(
-                _nodes(client, address)) == 2, 480, 2)
+                _nodes(address, token)) == 2, 480, 2)
             (worker,) = [i for i in cluster_instances(ec2, cluster)
                          if _tags(i).get("ray-node-type") == "worker"]
             wnode = cloud.nodes[worker["InstanceId"]]
@@ -258,7 +261,7 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
                 else None), 300, 2)
             (replica,) = _replicas(app)
             assert replica["node_ip"] == wnode.ip, replica
-            nodes = _nodes(client, address)
+            nodes = _nodes(address, token)
             (worker_id,) = [i for i, n in nodes.items() if n["node_ip"] == wnode.ip]
             raylet = _pids(wnode, "raylet")
             assert len(raylet) == 1, raylet
@@ -291,7 +294,7 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
             # Its pids are the node's (its own PID namespace); the host's is gcs.
             assert restart["exit"] == "signal 9", restart
             wait_until("both nodes alive through the restarted GCS", lambda: (
-                n := _nodes(client, address)) and len(n) == 2 and worker_id in n, 120, 1)
+                n := _nodes(address, token)) and len(n) == 2 and worker_id in n, 120, 1)
             measured["gcs_back_s"] = round(time.time() - killed, 1)
             back = wait_until("the worker's raylet to re-subscribe to the restarted GCS",
                               lambda: _resubscribed_after(wnode, killed), 120, 1)
@@ -337,7 +340,7 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
             measured["rejoin_s"] = round(rejoined - lost, 1)
             assert _pids(wnode, "raylet") == raylet, (raylet, _pids(wnode, "raylet"))
             wait_until("the worker alive under its node id beside the new head", lambda: (
-                worker_id in (n := _nodes(client, address))
+                worker_id in (n := _nodes(address, token))
                 and any(v["is_head_node"] for v in n.values())), 300, 2)
             app = wait_until("lm RUNNING again", lambda: (
                 a if (a := _serve_app(address, token, "lm")).get("status") == "RUNNING"

@@ -25,11 +25,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
 from rayfleet import gcsft, raystart
 from rayfleet.commands import localredis, localstate
 from tests.conftest import BIN, ensure_redis_server, free_port, ray_logged_at, run, wait_until
+from tests.workloads.conftest import serve_app
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray]
 
@@ -192,9 +192,6 @@ class Load:
             t.join(60)
 
 
-def _serve_app(env: dict) -> dict:
-    out = run([str(BIN / "serve"), "status"], env=env, timeout=60).stdout
-    return (yaml.safe_load(out) or {}).get("applications", {}).get("echo", {})
 
 
 @pytest.mark.slow
@@ -284,7 +281,8 @@ def test_gcs_killed_under_serve_load(ha_cluster, tmp_path):
     assert during, "no request was sent while the GCS was down"
     assert replicas == {(first["replica"], first["pid"])}, replicas
     app_status = wait_until("`serve status` healthy", lambda: (
-        s := _serve_app(env)).get("status") == "RUNNING" and s, timeout=60)
+        s := serve_app(c["dashboard"], token, "echo")).get("status") == "RUNNING" and s,
+        timeout=60)
     dep = app_status["deployments"]["Echo"]
     assert dep["status"] == "HEALTHY" and dep["replica_states"] == {"RUNNING": 1}, app_status
     assert _try(worker_url)["replica"] == first["replica"]

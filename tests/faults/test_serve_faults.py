@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.conftest import BIN, run, wait_until
-from tests.workloads.conftest import deploy_lm, serve_shutdown
+from tests.workloads.conftest import cluster_serve_app, deploy_lm, serve_shutdown
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray]
 
@@ -60,8 +60,7 @@ def _samples(url: str, n: int) -> list[dict]:
 
 
 def _running_replicas(ray_cluster) -> int:
-    out = run([str(BIN / "serve"), "status"], env=ray_cluster["env"], timeout=60).stdout
-    app = (yaml.safe_load(out) or {}).get("applications", {}).get("lm", {})
+    app = cluster_serve_app(ray_cluster, "lm")
     dep = app.get("deployments", {}).get("LMServer", {})
     if app.get("status") != "RUNNING" or dep.get("status") != "HEALTHY":
         return 0
