@@ -4,13 +4,15 @@ EC2 frees a terminated instance's private address (a new instance may take it, a
 head of a rayfleet:headHa stack does, at its fixed address). moto 5.2 keeps it until the
 Instance object is garbage-collected, which never happens while DescribeInstances lists the
 terminated instance, so RunInstances with that PrivateIpAddress fails with "IP already in
-use". Here TerminateInstances releases the addresses as EC2 does, but not into moto's pool of
-addresses to hand out again first: moto gives the last one freed to the next instance launched
-without an address (last in, first out). Once an instance launched in the seconds after the
-head's termination (never set up: the dying head's autoscaler is the only launcher left) took
-the head's fixed address that way, and the replaced head's `ray up` failed with "IP already in
-use" (a 500). EC2 picks a free address of the subnet
-instead, where a just-freed one is as unlikely as any other.
+use". Here TerminateInstances releases the addresses as EC2 does: not at once, but once the
+instance has shut down (HOLD_S; EC2 holds them through `shutting-down`, tens of seconds), and
+not into moto's pool of addresses to hand out again first: moto gives the last one freed to the
+next instance launched without an address (last in, first out), where EC2 picks a free address
+of the subnet, a just-freed one as unlikely as any other. Both once let an instance launched in
+the seconds after the head's termination take the head's fixed address (the dying head's
+autoscaler, the only launcher left, saw its own instance gone and launched again, the head's
+launch template naming that address), so that the replaced head's `ray up` failed. A launch at
+an address in use is EC2's error (InvalidIPAddress.InUse, a 400), not moto's 500.
 
 moto's backends are not thread-safe either (getmoto/moto#5881): one request is served at a
 time (the server keeps its threads; the backends see one caller).
@@ -42,6 +44,7 @@ Run as moto_server is: ``python motoserver.py -H HOST -p PORT``."""
 from __future__ import annotations
 
 import fnmatch
+import os
 import sys
 import threading
 import urllib.parse
@@ -49,13 +52,19 @@ import urllib.parse
 import xmltodict
 
 from moto.core.authorization import ActionAuthenticatorMixin
+from moto.ec2.exceptions import EC2ClientError
 from moto.ec2.models.instances import Instance
+from moto.ec2.models.subnets import Subnet
 from moto.iam.access_control import IAMPolicyStatement, IAMRequestBase, PermissionResult
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication
 from moto.s3.responses import S3Response
 from moto.server import main
 
+# Seconds a terminated instance keeps its addresses (its shutdown): past the moment the fake
+# cloud stops the node's processes, and well inside fault 10's outage before its `ray up`.
+HOLD_S = float(os.environ.get("RAYFLEET_FAKECLOUD_ADDRESS_HOLD_S", "10"))
 _terminate = Instance.terminate
+_request_ip = Subnet.request_ip
 
 
 def _terminate_and_release(self):
@@ -65,14 +74,29 @@ def _terminate_and_release(self):
     except Exception:   # noqa: BLE001  (an instance outside any subnet holds none)
         subnet = None
     if subnet is not None:
-        for ip in self._private_ips:
-            subnet.del_subnet_ip(ip)
-            subnet._unused_ips.discard(ip)   # free, but not first in line (above)
+        held = list(self._private_ips)
         self._private_ips.clear()
+
+        def release():
+            with _one_at_a_time:
+                for ip in held:
+                    subnet.del_subnet_ip(ip)
+                    subnet._unused_ips.discard(ip)   # free, but not first in line (above)
+
+        timer = threading.Timer(HOLD_S, release)
+        timer.daemon = True
+        timer.start()
     return state
 
 
+def _request_ip_as_ec2(self, ip: str, instance) -> None:
+    if ip in self._subnet_ips:
+        raise EC2ClientError("InvalidIPAddress.InUse", f"Address {ip} is in use.")
+    return _request_ip(self, ip, instance)
+
+
 Instance.terminate = _terminate_and_release
+Subnet.request_ip = _request_ip_as_ec2
 
 _dispatch = DomainDispatcherApplication.__call__
 _one_at_a_time = threading.Lock()
