@@ -192,8 +192,6 @@ class Load:
             t.join(60)
 
 
-
-
 @pytest.mark.slow
 def test_gcs_killed_under_serve_load(ha_cluster, tmp_path):
     c = ha_cluster
