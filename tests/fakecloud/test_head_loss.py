@@ -50,6 +50,7 @@ from tests.conftest import (BIN, REPO, ensure_redis_server, free_port, ray_logge
                             wait_until)
 from tests.moto.pulumi_moto import cluster_instances
 from tests.tiers import unavailable
+from tests.workloads.conftest import serve_app
 from workloads.common import runs
 
 from .cloud import (REGION, Unavailable, operator_command, require_tools, stack_config,
@@ -109,11 +110,6 @@ print(client.submit_job(entrypoint="python -c 'import time; time.sleep(3)'",
 def _job(address: str, token: str, submission_id: str) -> dict:
     code, body = _http(address + f"/api/jobs/{submission_id}", token, timeout=30)
     return json.loads(body) if code == 200 else {}
-
-
-def _serve_app(address: str, token: str, app: str) -> dict:
-    code, body = _http(address + "/api/serve/applications/", token, timeout=30)
-    return json.loads(body).get("applications", {}).get(app, {}) if code == 200 else {}
 
 
 def _replicas(app: dict) -> list[dict]:
@@ -257,7 +253,7 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
             _ok(run([str(BIN / "serve"), "deploy", "--address", address, str(serve_yaml)],
                     env=client, timeout=120), "serve deploy")
             app = wait_until("lm RUNNING", lambda: (
-                a if (a := _serve_app(address, token, "lm")).get("status") == "RUNNING"
+                a if (a := serve_app(address, token, "lm")).get("status") == "RUNNING"
                 else None), 300, 2)
             (replica,) = _replicas(app)
             assert replica["node_ip"] == wnode.ip, replica
@@ -343,7 +339,7 @@ def test_head_instance_lost_on_the_fake_cloud(monkeypatch):
                 worker_id in (n := _nodes(address, token))
                 and any(v["is_head_node"] for v in n.values())), 300, 2)
             app = wait_until("lm RUNNING again", lambda: (
-                a if (a := _serve_app(address, token, "lm")).get("status") == "RUNNING"
+                a if (a := serve_app(address, token, "lm")).get("status") == "RUNNING"
                 else None), 300, 2)
             assert [r["replica_id"] for r in _replicas(app)] == [replica["replica_id"]], app
             code, body = _http(address + "/api/jobs/", token, timeout=30)

@@ -54,20 +54,23 @@ def wait_healthy(ray_cluster, url: str, app: str, timeout: float = 180) -> str:
 
 
 def serve_app(dashboard_url: str, token: str, app: str) -> dict:
-    """Serve's view of ``app`` as `serve status` prints it (its status, each deployment's status
-    and ``replica_states``), read from the dashboard's REST API in one request: the waits poll
-    it, and each `serve status` costs about 2 CPU-s of start-up on 2 busy cores."""
+    """Serve's details of ``app`` from the dashboard's REST API in one request (each deployment
+    with its replicas, and their ``replica_states`` counted as `serve status` prints them), {}
+    while there is none or the dashboard does not answer: the waits poll it, and each `serve
+    status` costs about 2 CPU-s of start-up on 2 busy cores."""
     req = urllib.request.Request(f"{dashboard_url}/api/serve/applications/",
                                  headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        found = json.loads(r.read()).get("applications", {}).get(app) or {}
-    deployments = {}
-    for name, dep in (found.get("deployments") or {}).items():
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            found = json.loads(r.read()).get("applications", {}).get(app) or {}
+    except OSError:   # the dashboard (or its tunnel) not answering yet
+        return {}
+    for dep in (found.get("deployments") or {}).values():
         states: dict[str, int] = {}
         for replica in dep.get("replicas") or []:
             states[replica["state"]] = states.get(replica["state"], 0) + 1
-        deployments[name] = {"status": dep.get("status"), "replica_states": states}
-    return {"status": found.get("status"), "deployments": deployments} if found else {}
+        dep["replica_states"] = states
+    return found
 
 
 def cluster_serve_app(ray_cluster, app: str) -> dict:
