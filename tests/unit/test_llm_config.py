@@ -68,6 +68,9 @@ def test_generated_config_passes_serves_schema_and_llmconfig(tmp_path):
     (["--cluster-config", "nowhere.yaml"], "nowhere.yaml does not exist"),
     (["--engine-kwarg", "no-equals"], "--engine-kwarg expects KEY=VALUE"),
     (["--tensor-parallel-size", "two"], "invalid int value"),
+    (["--stream-batching-ms", "10"], "--stream-batching-ms: batches Ray's OpenAI ingress's"),
+    (["--api", "vllm", "--stream-batching-ms", "0"], "with --api vllm, vLLM's server sends"),
+    (["--api", "openai"], "invalid choice: 'openai'"),
 ])
 def test_bad_options_are_one_line_and_write_nothing(tmp_path, capsys, monkeypatch, args,
                                                     expected):
@@ -141,3 +144,64 @@ def test_a_replica_that_no_node_set_can_hold_is_refused():
     with pytest.raises(ConfigError, match="KV cache is 8.0 GiB; the largest node of x "
                                                      "has 4.0 GiB for Ray: lower --kv-cache-gib"):
         check_placement([cpu], [{"CPU": 4, "memory": 4 << 30}], "x")
+
+
+def test_api_vllm_by_default_and_ray_with_its_stream_batching(tmp_path):
+    """The generator writes api vllm (the engine's replica is the ingress) with no stream
+    batching, which only Ray's OpenAI ingress does; --api ray writes the kit's interval."""
+    from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+
+    rc, cfg = _generate(tmp_path, "--model-id", "m", "--model-source", "m")
+    args = cfg["applications"][0]["args"]
+    assert rc == 0 and args["api"] == "vllm" and "experimental_configs" not in \
+        args["llm_configs"][0]
+    for given, want in [((), llm_config.STREAM_BATCHING_MS), (("--stream-batching-ms", "10"), 10)]:
+        rc, cfg = _generate(tmp_path, "--model-id", "m", "--model-source", "m", "--api", "ray",
+                            *given)
+        args = cfg["applications"][0]["args"]
+        assert rc == 0 and args["api"] == "ray"
+        assert LLMConfig(**args["llm_configs"][0]).experimental_configs == {
+            "stream_batching_interval_ms": want}
+
+
+def _llm_args(**changes) -> dict:
+    args = yaml.safe_load(COMMITTED.read_text())["applications"][0]["args"]
+    args["llm_configs"][0]["model_loading_config"]["model_source"] = "org/model"
+    return {**args, **changes}
+
+
+@pytest.mark.parametrize("change,expected", [
+    (lambda a: a.update(api="openai"), "args.api: not a way the llm app serves; allowed: vllm, "
+                                       "ray"),
+    (lambda a: a["llm_configs"].append({**a["llm_configs"][0], "model_loading_config": {
+        "model_id": "second", "model_source": "org/other"}}),
+     "args.llm_configs: 2 models, but api vllm serves one per app"),
+    (lambda a: a.update(ingress_cls_config={"ingress_cls": "x:Y"}),
+     "args.ingress_cls_config: configures Ray's OpenAI ingress (api: ray)"),
+    (lambda a: a["llm_configs"][0].update(experimental_configs={
+        "stream_batching_interval_ms": 50}),
+     "experimental_configs.stream_batching_interval_ms: batches Ray's OpenAI ingress's"),
+    (lambda a: a["llm_configs"][0]["deployment_config"].update(request_router_config={
+        "request_router_class":
+            "ray.serve.experimental.round_robin_router:RoundRobinRouter"}),
+     "deployment_config.request_router_config: with api vllm the engine's deployment is"),
+])
+def test_crafted_llm_args_the_api_rules_out_are_refused(change, expected):
+    """What `rayfleet serve-config` and the app builder refuse in a Serve config's llm args
+    (check_args): each one line; Ray's own args (no api) keep Ray's shape and its rules."""
+    args = _llm_args()
+    change(args)
+    with pytest.raises(ConfigError) as e:
+        llm_config.check_args(args)
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value), e.value
+    # The same models, ingress and batching under api ray, or Ray's own shape: not ours to
+    # refuse (Ray's builder judges them).
+    for api in ("ray", None):
+        args = _llm_args()
+        change(args)
+        if args.get("api") == "openai":
+            continue
+        args["api"] = api
+        if api is None:
+            del args["api"]
+        assert llm_config.check_args(args).get("api") == api

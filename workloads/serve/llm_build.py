@@ -18,6 +18,14 @@ from workloads.serve.llm_source import model_source
 # or the cluster cannot place a replica (workloads/serve/llm.py).
 IMPORT_PATH = "workloads.serve.llm:app_builder"
 
+# How clients reach the engine (workloads/serve/llm.py): vLLM's own server in the engine's
+# replica, or Ray's OpenAI ingress deployment in front of it. The first is the default:
+# BENCHMARKS.md section 6.
+APIS = ("vllm", "ray")
+# api ray: Ray 2.60's default (MODEL_RESPONSE_BATCH_TIMEOUT_MS) is 50 ms: a streamed first
+# token waits up to that long to be batched with the next (ray issue 59681).
+STREAM_BATCHING_MS = 0
+
 
 def accelerators() -> tuple[str, ...]:
     """The GPUs of the kit's catalog, by Ray accelerator type (`accelerator_type:X`)."""
@@ -45,7 +53,7 @@ def build(args) -> dict:
         # Loopback: clients come through the SSM/SSH tunnel (rule 22).
         "http_options": {"host": "127.0.0.1", "port": args.port},
         "applications": [{"name": "llm", "route_prefix": "/", "import_path": IMPORT_PATH,
-                          "args": {"llm_configs": [llm]}}],
+                          "args": {"api": args.api, "llm_configs": [llm]}}],
     }
 
 
@@ -60,6 +68,10 @@ def _check_flags(args) -> None:
     for flag in ("cpus_per_worker", "kv_cache_gib"):
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')}", "must be more than 0")
+    if args.stream_batching_ms is not None and args.api != "ray":
+        raise ConfigError("--stream-batching-ms", f"batches Ray's OpenAI ingress's stream "
+                          f"(--api ray); with --api {args.api}, vLLM's server sends each "
+                          "chunk as it comes")
     if args.min_replicas > args.max_replicas:
         raise ConfigError("--min-replicas", f"{args.min_replicas} is more than --max-replicas "
                           f"{args.max_replicas}")
@@ -121,7 +133,10 @@ def _llm_config(args, source: str | dict, engine: dict, lora: dict | None) -> di
         "placement_group_config": {
             "bundle_per_worker": ({"CPU": args.cpus_per_worker} if cpu else {"GPU": 1, "CPU": 1}),
             "strategy": "STRICT_PACK" if args.pipeline_parallel_size == 1 else "PACK"},
-        "experimental_configs": {"stream_batching_interval_ms": args.stream_batching_ms},
+        **({"experimental_configs": {"stream_batching_interval_ms": STREAM_BATCHING_MS
+                                      if args.stream_batching_ms is None
+                                      else args.stream_batching_ms}}
+           if args.api == "ray" else {}),
         "deployment_config": {
             **({"ray_actor_options": {"num_cpus": 0}} if cpu else {}),
             "autoscaling_config": {

@@ -44,7 +44,8 @@ import yaml
 from rayfleet import facts
 from rayfleet.errors import ConfigError
 from rayfleet.entrypoint import ArgumentParser, at_least, run_main
-from workloads.serve.llm_build import IMPORT_PATH, accelerators, build, validate
+from workloads.serve.llm_build import APIS, IMPORT_PATH, STREAM_BATCHING_MS, accelerators, \
+    build, validate
 from workloads.serve.llm_lora import LORA_RANKS, check_lora
 from workloads.serve.llm_placement import check_placement, device_of
 from workloads.serve.llm_source import model_source
@@ -53,9 +54,6 @@ PROG = "workloads.serve.llm_config"
 DEVICES = ("gpu", "cpu")
 # A tiny model's KV cache fits in far less; a 7B model's 8k context needs ~4 GiB (fp16).
 CPU_KV_CACHE_GIB = 0.5
-# Ray 2.60's default (MODEL_RESPONSE_BATCH_TIMEOUT_MS) is 50 ms: a streamed first token waits
-# up to that long to be batched with the next (ray issue 59681). Chosen in BENCHMARKS.md.
-STREAM_BATCHING_MS = 0
 EXAMPLE = ["--model-id", "qwen2.5-72b-instruct", "--model-source", "Qwen/Qwen2.5-72B-Instruct",
            "--tensor-parallel-size", "8", "--max-model-len", "8192"]
 
@@ -86,9 +84,14 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--kv-cache-gib", type=float, default=CPU_KV_CACHE_GIB,
                    help="--device cpu: KV cache size per worker in GiB (on CPU vLLM otherwise "
                         "reserves gpu_memory_utilization of the host's RAM)")
-    p.add_argument("--stream-batching-ms", type=at_least(0, float), default=STREAM_BATCHING_MS,
-                   help="how long Serve LLM gathers streamed tokens before sending them "
-                        "(Ray's default 50 ms adds to time to first token; BENCHMARKS.md)")
+    p.add_argument("--api", choices=APIS, default=APIS[0],
+                   help="vllm: the engine's replica serves vLLM's own OpenAI server (one hop); "
+                        "ray: Ray Serve LLM's OpenAI ingress deployment in front of it (a "
+                        "handle call per streamed chunk; BENCHMARKS.md section 6)")
+    p.add_argument("--stream-batching-ms", type=at_least(0, float), default=None,
+                   help=f"--api ray: how long Ray's ingress gathers streamed tokens before "
+                        f"sending them (default {STREAM_BATCHING_MS:g}; Ray's own 50 ms adds "
+                        "to time to first token)")
     p.add_argument("--accelerator-type", default="A100", help=", ".join(accelerators()))
     p.add_argument("--gpus-per-node", type=at_least(1), default=8,
                    help="GPUs of one worker node (p4d/p4de: 8), when no --cluster-config")
@@ -125,6 +128,7 @@ def check_args(args: dict | None, nodes: list[dict] | None = None,
             isinstance(c, dict) for c in configs):
         raise ConfigError("args.llm_configs", "give a list of LLMConfig mappings (python -m "
                                               f"{PROG} writes one)")
+    check_api(args)
     out = []
     for llm in configs:
         loading = dict(llm.get("model_loading_config") or {})
@@ -155,6 +159,37 @@ def check_args(args: dict | None, nodes: list[dict] | None = None,
     if nodes is not None:
         check_placement(out, nodes, where)
     return args
+
+
+def check_api(args: dict) -> str | None:
+    """The args' `api`, and what api vllm rules out: there the one engine deployment is the
+    app's ingress, so one model, and no ingress of Ray's to configure. No `api` is Ray's own
+    shape (`build_openai_app`'s args, which refuse any other key), as before the kit had
+    one."""
+    api = args.get("api")
+    if api is not None and api not in APIS:
+        raise ConfigError("args.api", "not a way the llm app serves", APIS, api)
+    if api != "vllm":
+        return api
+    configs = args["llm_configs"]
+    if len(configs) > 1:
+        raise ConfigError("args.llm_configs", f"{len(configs)} models, but api vllm serves "
+                          "one per app (vLLM's server in the engine's replica); give each "
+                          "model an app of its own, or set api: ray")
+    for key in ("ingress_cls_config", "ingress_deployment_config"):
+        if args.get(key):
+            raise ConfigError(f"args.{key}", "configures Ray's OpenAI ingress (api: ray); "
+                              "api vllm has none")
+    if "stream_batching_interval_ms" in (configs[0].get("experimental_configs") or {}):
+        raise ConfigError("experimental_configs.stream_batching_interval_ms",
+                          "batches Ray's OpenAI ingress's stream (api: ray); with api vllm, "
+                          "vLLM's server sends each chunk as it comes")
+    if "request_router_config" in (configs[0].get("deployment_config") or {}):
+        raise ConfigError("deployment_config.request_router_config",
+                          "with api vllm the engine's deployment is the ingress, where "
+                          "HAProxy (the kit's Serve ingress) allows only Serve's default "
+                          "router; set api: ray for a router of your own")
+    return api
 
 
 def render(config: dict, argv: list[str], device: str = "gpu") -> str:
