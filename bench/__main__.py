@@ -26,7 +26,7 @@ from bench import (
     gpu,
     hf_memory,
     ingress,
-    llm_serve,
+    llm_report,
     machine,
     serve_latency,
     spot_notice,
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     # `python -m bench.hf_memory --write`: all kept as they are.
     md = REPO / "BENCHMARKS.md"
     old = md.read_text() if md.exists() else ""
-    llm, ing = llm_serve.section_of(old), ingress.section_of(old)
+    llm, ing = llm_report.section_of(old), ingress.section_of(old)
     hfm = hf_memory.section_of(old)
     text = (text.rstrip("\n") + "\n\n" + gpu.gpu_section_of(old) + "\n\n"
             + spot_notice.section(sp, sp["notice_at"], sp["kill_at"],

@@ -6,21 +6,25 @@ true` to `/v1/completions`, `max_tokens` 32, greedy, `ignore_eos`): time to firs
 first SSE event carrying text) p50/p99 at concurrency 1, and TTFT, requests/s and tokens/s at
 concurrency 8 and 32.
 
-    python -m bench.llm_serve [--rounds 2] [--stream-ms 0,10,50] [--startup-rounds 1] [--write]
+    python -m bench.llm_serve [--rounds 2] [--stream-ms 0] [--startup-rounds 1] [--write]
     python -m bench.llm_serve --render run.json --write    # the section from a run's JSON line
 
-The Serve side runs once per Serve LLM `experimental_configs.stream_batching_interval_ms`
-(--stream-ms, one app each on one cluster): 0 (what the kit's generator writes), 50 (Ray
-2.60's default) and 10 between them, so the table says what that setting costs and buys.
-CPU time of each side's processes is counted per request. Then, unless
-`--startup-rounds 0`, the replica's start-up: seconds from `serve deploy` to the first answer
-with vLLM's default (torch inductor compiles the model) against `enforce_eager: true`, each
-with an empty compile cache, and the default again with the cache the previous deploy wrote.
+The `llm` app runs as the kit ships it (`api: vllm`: the engine's replica is the ingress,
+serving vLLM's own OpenAI server on the replica's event loop), the same with Serve's own
+thread for the replica's code (Ray's default), and, on the same cluster, with `--api ray`
+(Ray Serve LLM's OpenAI ingress deployment in front of the engine's, what the kit shipped
+before) once per `stream_batching_interval_ms` in --stream-ms (none: `--stream-ms ""`), so the
+table shows what each shape costs. CPU time of each side's processes is counted per request.
+Then, unless `--startup-rounds 0`, the replica's start-up: seconds from `serve deploy` to the
+first answer with vLLM's default (torch inductor compiles the model) against `enforce_eager:
+true`, each with an empty compile cache, and the default again with the cache the previous
+deploy wrote.
 
 The model is the tiny Llama of `workloads.common.tiny_hf` (`--hidden`/`--layers` for a bigger
 one): its forward pass costs little, so the numbers are serving overhead (HTTP, Serve's proxy
 and router, the replica, vLLM's API server and detokenizer), which is what the goals are
-about. vLLM, Ray and the load generator share the machine's cores.
+about. vLLM, Ray and the load generator share the machine's cores. The section:
+bench/llm_report.py.
 """
 
 from __future__ import annotations
@@ -38,55 +42,24 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench import ArgumentParser, at_least, command, goal, machine
+from bench import ArgumentParser, at_least, command
 from bench.cluster import cluster_env
+from bench.llm_report import CONCURRENCY, KIT, STARTUP, THREAD, app_of, ray_side, section, \
+    sides_of, write_section
+from bench.procs import cpu_seconds, home_of, machine_busy_seconds, own_processes, processes
 from bench.serve_latency import percentile
 from rayfleet.commands.host import free_port
 from workloads.common.tiny_hf import make_hf_model_dir
-from workloads.serve.llm_config import STREAM_BATCHING_MS
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-BENCH_MD = REPO / "BENCHMARKS.md"
-BEGIN, END = "<!-- llm-section -->", "<!-- /llm-section -->"
 MODEL_ID = "tiny"
 PROMPT = "def main(argv):\n"
 MAX_MODEL_LEN = 256
-STREAM_MS = (0, 10, 50)         # stream_batching_interval_ms of the llm apps (--stream-ms)
-CONCURRENCY = (1, 8, 32)
-TTFT_GOAL_MS = 5                # goal: Serve's TTFT over bare's at c=1, at most this (ms)
-BARE_LABEL = "bare vLLM"
-LM_LABEL = "`lm` (transformers)"
-
-
-# Serve's ingress of the run's cluster, as the section names it (a run recorded before HAProxy
-# became the kit's default names none: it went through Serve's Python proxy).
-INGRESS_WORDS = {"python": "Serve's Python proxy",
-                 "haproxy": "HAProxy, the kit's Serve ingress"}
-
-
-def llm_side(ms: float) -> str:
-    """The side (and route /s<ms>) of the llm app with that stream_batching_interval_ms."""
-    return f"llm{ms:g}"
-
-
-def sides_of(stream_ms) -> tuple[str, ...]:
-    return ("bare", *(llm_side(ms) for ms in stream_ms), "lm")
-
-
-def label(side: str) -> str:
-    if side == "bare":
-        return BARE_LABEL
-    if side == "lm":
-        return LM_LABEL
-    ms = float(side[3:])
-    return f"`llm`, {ms:g} ms" + (" (Ray's default)" if ms == 50 else "")
-
-
-STARTUP = (("eager", "`enforce_eager: true`, empty cache"),
-           ("compiled", "default (inductor), empty compile cache"),
-           ("compiled-warm", "default (inductor), the cache the row above wrote"))
+STREAM_MS = (0,)                # stream_batching_interval_ms of the api ray apps (--stream-ms)
 READY_S = 900
+
+
 def request_body(max_tokens: int) -> dict:
     """Streaming, greedy, exactly max_tokens tokens (vLLM's ignore_eos; lm ignores the field
     and its tiny random model rarely meets EOS: the tokens column counts what came back)."""
@@ -211,30 +184,37 @@ def wait_answering(url: str, timeout: float, why=None) -> float:
 
 # --------------------------------------------------------------------------- the sides
 
-def llm_app(model: Path, port: int, stream_ms: float, extra: list[str] = ()) -> dict:
+def llm_app(model: Path, port: int, api: str = "vllm", stream_ms: float | None = None,
+            extra: list[str] = ()) -> dict:
     """The `llm` app as the kit generates it (workloads.serve.llm_config --device cpu)."""
     import yaml
 
+    batching = [] if stream_ms is None else ["--stream-batching-ms", str(stream_ms)]
     with tempfile.NamedTemporaryFile(suffix=".yaml") as f:
         subprocess.run([str(BIN / "python"), "-m", "workloads.serve.llm_config", "--device",
                         "cpu", "--model-id", MODEL_ID, "--model-source", str(model),
                         "--max-model-len", str(MAX_MODEL_LEN), "--engine-kwarg",
                         "dtype=float32", "--max-replicas", "1", "--port", str(port),
-                        "--stream-batching-ms", str(stream_ms), *extra, "--output", f.name],
+                        "--api", api, *batching, *extra, "--output", f.name],
                        cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
         return yaml.safe_load(Path(f.name).read_text())["applications"][0]
 
 
 def serve_config(model: Path, port: int, cache: Path, stream_ms=STREAM_MS) -> dict:
-    """Apps on one Serve proxy: llm once per stream batching interval (at /s<ms>), lm on the
-    same folder at /lm (cluster-configs/serve/lm.yaml, one replica); vLLM's compile cache in
-    the run's temporary folder (shared with the bare server)."""
+    """Apps on one Serve proxy, each at /<app>: llm as shipped, llm with --api ray once per
+    stream batching interval, lm on the same folder (cluster-configs/serve/lm.yaml, one
+    replica); vLLM's compile cache in the run's temporary folder (shared with the bare
+    server)."""
     import yaml
 
     apps = []
-    for ms in stream_ms:
-        app = llm_app(model, port, ms)
-        app.update(name=f"llm-{ms:g}ms", route_prefix=f"/s{ms:g}",
+    for side, api, ms in [(KIT, "vllm", None), (THREAD, "vllm", None),
+                          *((ray_side(ms), "ray", ms) for ms in stream_ms)]:
+        app = llm_app(model, port, api, ms)
+        if side == THREAD:   # Serve's default, which the kit's builder turns off (llm.py)
+            app["args"]["llm_configs"][0]["runtime_env"] = {
+                "env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}}
+        app.update(name=app_of(side), route_prefix=f"/{app_of(side)}",
                    runtime_env={"env_vars": cache_env(cache)})
         apps.append(app)
     lm = yaml.safe_load((REPO / "cluster-configs" / "serve" / "lm.yaml").read_text())
@@ -318,7 +298,7 @@ def measure_startup(env: dict, model: Path, tmp: Path, rounds: int) -> dict:
         for variant, _ in STARTUP:
             port = free_port()
             extra = ["--engine-kwarg", "enforce_eager=true"] if variant == "eager" else []
-            app = llm_app(model, port, 0, extra)
+            app = llm_app(model, port, extra=extra)
             # eager gets its own empty cache; compiled-warm reuses compiled's.
             app["runtime_env"] = {"env_vars": cache_env(
                 tmp / f"startup-eager-{r}" if variant == "eager" else cache)}
@@ -336,22 +316,6 @@ def measure_startup(env: dict, model: Path, tmp: Path, rounds: int) -> dict:
 
 # --------------------------------------------------------------------------- CPU per side
 
-def _processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every process this user can read."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-                errors="replace").strip()
-        except OSError:
-            continue
-        out[int(entry)] = (int(stat[1]), cmd)
-    return out
-
-
 def side_processes(side: str, bare_pid: int, home: str | None,
                    procs: dict[int, tuple[int, str]] | None = None) -> dict[str, list[int]]:
     """The processes that serve one side, split into "serving" (HTTP, Serve's proxy and
@@ -360,14 +324,13 @@ def side_processes(side: str, bare_pid: int, home: str | None,
     a cell is that side's. lm decodes inside its replica: all of it counts as serving. Only
     the processes of the cluster whose RAYFLEET_HOME is `home` (tests may run clusters with
     their own proxies and `lm` replicas on the same machine)."""
-    procs = _processes() if procs is None else procs
+    procs = processes() if procs is None else procs
     if side == "bare":
         roots = [bare_pid]
     else:
-        app = "lm" if side == "lm" else f"llm-{float(side[3:]):g}ms"
         roots = [pid for pid, (_, cmd) in procs.items()
-                 if cmd.startswith(("ray::ProxyActor", f"ray::ServeReplica:{app}:"))
-                 and (home is None or _home_of(pid) == home)]
+                 if cmd.startswith(("ray::ProxyActor", f"ray::ServeReplica:{app_of(side)}:"))
+                 and (home is None or home_of(pid) == home)]
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in procs.items():
         children.setdefault(ppid, []).append(pid)
@@ -379,50 +342,6 @@ def side_processes(side: str, bare_pid: int, home: str | None,
             out["engine" if procs[pid][1].startswith("VLLM::") else "serving"].append(pid)
         todo += children.get(pid, [])
     return out
-
-
-def _home_of(pid: int) -> str | None:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for var in env:
-        if var.startswith(b"RAYFLEET_HOME="):
-            return var.split(b"=", 1)[1].decode(errors="replace")
-    return None
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds the whole machine has spent busy since boot (/proc/stat: all but idle and
-    iowait), summed over cores."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def own_processes(home: str | None, bare_pid: int) -> list[int]:
-    """This run's processes: the benchmark (and load generator) itself, the bare server's
-    process group, and the throwaway cluster's (its RAYFLEET_HOME in their environment)."""
-    out = []
-    for pid in _processes():
-        try:
-            group = os.getpgid(pid)
-        except OSError:
-            continue
-        if pid == os.getpid() or group == bare_pid or (home and _home_of(pid) == home):
-            out.append(pid)
-    return out
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of these processes (their own threads, not their children)."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for pid in pids:
-        try:
-            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(f[11]) + int(f[12])) / tick
-    return total
 
 
 @contextlib.contextmanager
@@ -448,14 +367,14 @@ def cluster(env: dict | None, num_cpus: int, ingress: str | None = None):
 # --------------------------------------------------------------------------- main
 
 def stream_list(text: str) -> tuple[float, ...]:
-    """--stream-ms: comma-separated intervals in ms, each 0 or more, 0 first if given."""
+    """--stream-ms: comma-separated intervals in ms, each 0 or more, sorted ("": none)."""
     import argparse
 
     try:
         values = tuple(sorted({float(v) for v in text.split(",") if v.strip()}))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected numbers like 0,50, got {text!r}") from None
-    if not values or any(not v >= 0 for v in values):
+    if any(not v >= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected intervals of 0 ms or more, got {text!r}")
     return values
 
@@ -470,7 +389,8 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
                     help="requests per concurrent client per cell at concurrency 8 and 32")
     ap.add_argument("--max-tokens", type=at_least(2), default=32)
     ap.add_argument("--stream-ms", type=stream_list, default=STREAM_MS, metavar="MS[,MS...]",
-                    help="stream_batching_interval_ms values, one llm app each (default 0,10,50)")
+                    help="stream_batching_interval_ms values, one `--api ray` llm app each "
+                         "(default 0; \"\": none)")
     ap.add_argument("--hidden", type=at_least(64), default=64,
                     help="the tiny Llama's hidden size (2 heads: head size hidden/2, one "
                          "vLLM's CPU attention supports: 64, 128, 256, ...)")
@@ -493,9 +413,6 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
         return out
 
     sides = sides_of(args.stream_ms)
-    kit_side = llm_side(STREAM_BATCHING_MS)
-    if kit_side not in sides:
-        ap.error(f"--stream-ms must include {STREAM_BATCHING_MS:g}, what the kit ships")
     body = request_body(args.max_tokens)
     # per side and concurrency: samples, cell wall times, CPU seconds (serving, engine)
     raw: dict = {s: {c: {"samples": [], "walls": [], "cpu": [0.0, 0.0]} for c in CONCURRENCY}
@@ -514,9 +431,8 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
                                 env={**os.environ, **cache_env(cache)}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         urls = {"bare": f"http://127.0.0.1:{bare_port}",
-                "lm": f"http://127.0.0.1:{serve_port}/lm",
-                **{llm_side(ms): f"http://127.0.0.1:{serve_port}/s{ms:g}"
-                   for ms in args.stream_ms}}
+                **{side: f"http://127.0.0.1:{serve_port}/{app_of(side)}"
+                   for side in sides if side != "bare"}}
         try:
             # Bare first, alone: it writes the compile cache the Serve replicas then read.
             ready = {"bare": wait_answering(urls["bare"], READY_S,
@@ -566,7 +482,7 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
             log.close()
     results = {s: {c: cell_stats(raw[s][c]["samples"], raw[s][c]["walls"], raw[s][c]["cpu"])
                    for c in CONCURRENCY} for s in sides}
-    cmp = compare(results, kit_side)
+    cmp = compare(results, KIT)
     given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--write"]
     out = {"command": " ".join(["python -m bench.llm_serve", *given]),
            "date": time.strftime("%Y-%m-%d"), "results": results,
@@ -577,162 +493,13 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
            "rounds": args.rounds, "ttft_requests": args.ttft_requests,
            "requests_per_worker": args.requests_per_worker, "max_tokens": args.max_tokens,
            "model": {"hidden": args.hidden, "layers": args.layers}, "engine_kwargs": engine,
-           "kit_stream_batching_ms": STREAM_BATCHING_MS, "load_before": load_before,
+           "load_before": load_before,
            "load_avg": load_avg, "others_cpu_pct": round(100 * max(0.0, others), 1),
            "minutes": round((time.perf_counter() - t_start) / 60, 1)}
     print(json.dumps(out))
     if args.write:
         write_section(out)
     return out
-
-
-# --------------------------------------------------------------------------- BENCHMARKS.md
-
-def _ms(v) -> str:
-    return "-" if v is None else f"{v:g} ms"
-
-
-def _signed(v) -> str:
-    return "-" if v is None else f"{v:+g} ms"
-
-
-def _cpu(r: dict) -> str:
-    if "cpu_serving_ms_per_req" not in r:
-        return "-"
-    return f"{r['cpu_serving_ms_per_req']:g} + {r['cpu_engine_ms_per_req']:g}"
-
-
-def _rounds(r: dict) -> str:
-    return f" ({', '.join(f'{v:g}' for v in r['rps_rounds'])})" if r.get("rps_rounds") else ""
-
-
-def table(out: dict) -> str:
-    res = out["results"]
-    rows = ["| side | c | TTFT p50 / p99 | request p50 | req/s (each round) | tokens/s | CPU ms "
-            "per request: serving + engine | vs bare: TTFT p50, req/s |",
-            "|---|---|---|---|---|---|---|---|"]
-    for c in CONCURRENCY:
-        for side in res:
-            r = res[side].get(c) or res[side].get(str(c))
-            if not r:
-                continue
-            key = f"{side}/c{c}"
-            vs = "-" if side == "bare" else (
-                f"{_signed(out['ttft_p50_over_bare_ms'].get(key))}, "
-                f"{out['rps_vs_bare'].get(key, '-')}x")
-            rows.append(f"| {label(side)} | {c} | {_ms(r['ttft_p50_ms'])} / "
-                        f"{_ms(r['ttft_p99_ms'])} | {_ms(r['latency_p50_ms'])} | {r['rps']}"
-                        f"{_rounds(r)} | {r['tok_s']} | {_cpu(r)} | {vs} |")
-    return "\n".join(rows)
-
-
-def stream_table(out: dict) -> str:
-    over, p99, vs = out["ttft_p50_over_bare_ms"], out["ttft_p99_over_bare_ms"], out["rps_vs_bare"]
-    rows = ["| `stream_batching_interval_ms` | TTFT p50 / p99 over bare, c=1 | TTFT p50 over "
-            "bare, c=8 / c=32 | req/s vs bare, c=8 / c=32 |", "|---|---|---|---|"]
-    for ms in out["stream_ms"]:
-        k = llm_side(ms)
-        rows.append(f"| {ms:g} | {_signed(over.get(f'{k}/c1'))} / {_signed(p99.get(f'{k}/c1'))} "
-                    f"| {_signed(over.get(f'{k}/c8'))} / {_signed(over.get(f'{k}/c32'))} | "
-                    f"{vs.get(f'{k}/c8', '-')}x / {vs.get(f'{k}/c32', '-')}x |")
-    return "\n".join(rows)
-
-
-def startup_table(startup: dict) -> str:
-    if not startup:
-        return "(Start-up not measured in this run: `--startup-rounds 0`.)"
-    rows = ["| replica start-up | `serve deploy` -> first answer (median) | runs |",
-            "|---|---|---|"]
-    for variant, text in STARTUP:
-        s = startup.get(variant)
-        if s:
-            rows.append(f"| {text} | {s['median_s']} s | "
-                        f"{', '.join(f'{t} s' for t in s['runs_s'])} |")
-    return "\n".join(rows)
-
-
-def section(out: dict, when: str, machine: str) -> str:
-    over, p99, vs = out["ttft_p50_over_bare_ms"], out["ttft_p99_over_bare_ms"], out["rps_vs_bare"]
-    kit_ms = out["kit_stream_batching_ms"]
-    kit = llm_side(kit_ms)
-    o1, r32 = over.get(f"{kit}/c1"), vs.get(f"{kit}/c32")
-    lm, m = out["lm_vs_llm"], out["model"]
-    others = out.get("others_cpu_pct")
-
-    def verdict(ok: bool) -> str:
-        """bench's met/missed; flagged when other work took a tenth of the CPU or more (the
-        load average would flag every run: it counts this run's own busy processes)."""
-        busy = others is not None and others >= 10
-        return goal(ok) + (f" (with other work taking {others}% of the CPU, which says "
-                           "little: re-run on an idle machine)" if busy else "")
-
-    flags = " ".join(f"{k}={v}" for k, v in out["engine_kwargs"].items())
-    ms_list = [f"{ms:g}" for ms in out["stream_ms"]]
-    intervals = ", ".join(ms_list[:-1]) + " and " + ms_list[-1] if len(ms_list) > 1 else \
-        ms_list[0]
-    return f"""{BEGIN}
-## 6. Serve LLM (`llm`, vLLM) vs bare vLLM's OpenAI server, and `lm` on the same export
-
-`{out['command']}`, {when}, on {machine} (no GPU; vLLM's
-CPU build); one-minute load average {out['load_before']} before the measured rounds,
-{out['load_avg']} after (which counts this run's own busy processes); other work on the
-machine took {out.get('others_cpu_pct', '?')}% of its CPU time during the rounds.
-One model folder, `workloads.common.tiny_hf`'s tiny Llama (hidden
-{m['hidden']}, {m['layers']} layers, fp32), served at once by: bare vLLM (`python -m
-vllm.entrypoints.openai.api_server` with the engine arguments of the generated config:
-`{flags}`); the `llm` app from `python -m workloads.serve.llm_config --device cpu` (one
-replica, through {INGRESS_WORDS[out.get('ingress', 'python')]}),
-once per `stream_batching_interval_ms` ({intervals});
-and `lm` (cluster-configs/serve/lm.yaml, one replica) on the same folder. Every request
-streams `/v1/completions` (`max_tokens` {out['max_tokens']}, greedy, `ignore_eos`); TTFT =
-time to the first SSE event carrying text. c=1: {out['ttft_requests']} sequential requests per
-side per round; c=8 and 32: an aiohttp client keeping that many in flight,
-{out['requests_per_worker']} requests each. {out['rounds']} rounds, the sides interleaved cell
-by cell, the order rotated each round. CPU per request: user + system time of the side's
-processes during its cells (serving: Serve's proxy and replicas, or vLLM's API server;
-engine: vLLM's engine core and worker). The model's forward pass is tiny, so this measures
-serving overhead, not vLLM's kernels; vLLM, Ray and the load generator share the
-{os.cpu_count()} cores.
-
-{table(out)}
-
-Goals, with the stream batching the kit ships ({kit_ms:g} ms): Serve's TTFT
-overhead <= {TTFT_GOAL_MS} ms at c=1 —
-{verdict(o1 is not None and o1 <= TTFT_GOAL_MS)} ({_signed(o1)} p50,
-{_signed(p99.get(f'{kit}/c1'))} p99); throughput >= 0.9 of bare at c=32 —
-{verdict((r32 or 0) >= 0.9)} ({r32}x). The public anchor (GPU, Ray 2.56):
-64.8 vs 16.9 ms TTFT at c=1, -12% throughput at c=32.
-
-Serve LLM's stream batching, side by side:
-
-{stream_table(out)}
-
-The kit ships {kit_ms:g} ms (`STREAM_BATCHING_MS` in workloads/serve/llm_config.py).
-
-`lm` vs `llm` ({kit_ms:g} ms), both through Serve, on the same export: requests/s
-{', '.join(f"{k}: {v['rps']}x" for k, v in lm.items())}; TTFT p50
-{', '.join(f"{k}: {_signed(v['ttft_p50_ms'])}" for k, v in lm.items())}.
-
-{startup_table(out.get('startup') or {})}
-
-What these numbers mean, read with the other runs of the same day, and why the kit ships
-its stream batching interval: [docs/benchmarks.md](docs/benchmarks.md).
-{END}"""
-
-
-def section_of(text: str) -> str:
-    """The llm section of an existing BENCHMARKS.md ("" when there is none)."""
-    if BEGIN in text and END in text:
-        return text[text.index(BEGIN):text.index(END) + len(END)]
-    return ""
-
-
-def write_section(out: dict) -> None:
-    text = section(out, out.get("date") or time.strftime("%Y-%m-%d"), machine())
-    old = BENCH_MD.read_text() if BENCH_MD.exists() else ""
-    new = old.replace(section_of(old), text) if section_of(old) else \
-        old.rstrip("\n") + "\n\n" + text + "\n"
-    BENCH_MD.write_text(new)
 
 
 if __name__ == "__main__":
