@@ -13,7 +13,6 @@ BENCH_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 BEGIN, END = "<!-- llm-section -->", "<!-- /llm-section -->"
 CONCURRENCY = (1, 8, 32)
 KIT = "llm"                     # the side of the llm app as the kit ships it (api vllm)
-THREAD = "thread"               # api vllm with Serve's user-code thread (Ray's default)
 BARE_LABEL = "bare vLLM"
 LM_LABEL = "`lm` (transformers)"
 # Goals (issue 45), against bare vLLM: Serve's serving CPU per request at c=32 at most this
@@ -35,13 +34,11 @@ def ray_side(ms: float) -> str:
 
 
 def sides_of(stream_ms) -> tuple[str, ...]:
-    return ("bare", KIT, THREAD, *(ray_side(ms) for ms in stream_ms), "lm")
+    return ("bare", KIT, *(ray_side(ms) for ms in stream_ms), "lm")
 
 
 def app_of(side: str) -> str:
     """The Serve app (and route /<app>) of a Serve side."""
-    if side == THREAD:
-        return "llm-thread"
     return side if side in (KIT, "lm") else f"llm-ray-{float(side[3:]):g}ms"
 
 
@@ -52,8 +49,6 @@ def label(side: str) -> str:
         return LM_LABEL
     if side == KIT:
         return "`llm` as shipped (`api: vllm`)"
-    if side == THREAD:
-        return "`llm`, `api: vllm`, Serve's user-code thread"
     ms = float(side[3:])
     return f"`llm`, `api: ray`, {ms:g} ms" + (" (Ray's default)" if ms == 50 else "")
 
@@ -168,6 +163,8 @@ def section(out: dict, when: str, machine_words: str) -> str:
     ms_list = [f"{ms:g}" for ms in out["stream_ms"]]
     intervals = ", ".join(ms_list[:-1]) + " and " + ms_list[-1] if len(ms_list) > 1 else \
         "".join(ms_list)
+    gap = (f", each cell {out['idle_gap_s']:g} s after the previous one (vLLM's workers "
+           "busy-wait 1 s after their last step)" if out.get("idle_gap_s") else "")
     ray = (f"and with `--api ray` (Ray Serve LLM's OpenAI ingress deployment in front of the "
            f"engine's, what the kit shipped before), once per `stream_batching_interval_ms` "
            f"({intervals}); " if ms_list else "")
@@ -183,15 +180,13 @@ One model folder, `workloads.common.tiny_hf`'s tiny Llama (hidden
 vllm.entrypoints.openai.api_server` with the engine arguments of the generated config:
 `{flags}`); the `llm` app from `python -m workloads.serve.llm_config --device cpu` (one
 replica, through {INGRESS_WORDS[out.get('ingress', 'python')]}) as the kit ships it (`api:
-vllm`: the engine's replica is the ingress and serves vLLM's own OpenAI server, on the
-replica's main event loop), the same with Serve's default of a separate thread for the
-replica's code (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1`), {ray}and
+vllm`: the engine's replica is the ingress and serves vLLM's own OpenAI server), {ray}and
 `lm` (cluster-configs/serve/lm.yaml, one replica) on the same folder. Every request streams
 `/v1/completions` (`max_tokens` {out['max_tokens']}, greedy, `ignore_eos`); TTFT = time to the
 first SSE event carrying text. c=1: {out['ttft_requests']} sequential requests per side per
 round; c=8 and 32: an aiohttp client keeping that many in flight,
 {out['requests_per_worker']} requests each. {out['rounds']} rounds, the sides interleaved cell
-by cell, the order rotated each round. CPU per request: user + system time of the side's
+by cell, the order rotated each round{gap}. CPU per request: user + system time of the side's
 processes during its cells (serving: Serve's proxy and replicas, or vLLM's API server;
 engine: vLLM's engine core and worker). The model's forward pass is tiny, so this measures
 serving overhead, not vLLM's kernels; vLLM, Ray and the load generator share the

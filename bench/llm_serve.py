@@ -10,11 +10,10 @@ concurrency 8 and 32.
     python -m bench.llm_serve --render run.json --write    # the section from a run's JSON line
 
 The `llm` app runs as the kit ships it (`api: vllm`: the engine's replica is the ingress,
-serving vLLM's own OpenAI server on the replica's event loop), the same with Serve's own
-thread for the replica's code (Ray's default), and, on the same cluster, with `--api ray`
-(Ray Serve LLM's OpenAI ingress deployment in front of the engine's, what the kit shipped
-before) once per `stream_batching_interval_ms` in --stream-ms (none: `--stream-ms ""`), so the
-table shows what each shape costs. CPU time of each side's processes is counted per request.
+serving vLLM's own OpenAI server) and, on the same cluster, with `--api ray` (Ray Serve LLM's
+OpenAI ingress deployment in front of the engine's, what the kit shipped before) once per
+`stream_batching_interval_ms` in --stream-ms (none: `--stream-ms ""`), so the table shows what
+each shape costs. CPU time of each side's processes is counted per request.
 Then, unless `--startup-rounds 0`, the replica's start-up: seconds from `serve deploy` to the
 first answer with vLLM's default (torch inductor compiles the model) against `enforce_eager:
 true`, each with an empty compile cache, and the default again with the cache the previous
@@ -44,8 +43,8 @@ from pathlib import Path
 
 from bench import ArgumentParser, at_least, command
 from bench.cluster import cluster_env
-from bench.llm_report import CONCURRENCY, KIT, STARTUP, THREAD, app_of, ray_side, section, \
-    sides_of, write_section
+from bench.llm_report import CONCURRENCY, KIT, STARTUP, app_of, ray_side, section, sides_of, \
+    write_section
 from bench.procs import cpu_seconds, home_of, machine_busy_seconds, own_processes, processes
 from bench.serve_latency import percentile
 from rayfleet.commands.host import free_port
@@ -58,6 +57,11 @@ PROMPT = "def main(argv):\n"
 MAX_MODEL_LEN = 256
 STREAM_MS = (0,)                # stream_batching_interval_ms of the api ray apps (--stream-ms)
 READY_S = 900
+# vLLM's workers busy-wait (sched_yield) for 1 s after each step before they sleep
+# (SpinCondition's busy_loop_s in vllm/distributed/device_communicators/shm_broadcast.py):
+# each cell starts after the previous side's engine has gone quiet, or it would share the
+# cores with that spin (a c=8 cell lasts about a second).
+IDLE_GAP_S = 1.5
 
 
 def request_body(max_tokens: int) -> dict:
@@ -208,12 +212,8 @@ def serve_config(model: Path, port: int, cache: Path, stream_ms=STREAM_MS) -> di
     import yaml
 
     apps = []
-    for side, api, ms in [(KIT, "vllm", None), (THREAD, "vllm", None),
-                          *((ray_side(ms), "ray", ms) for ms in stream_ms)]:
+    for side, api, ms in [(KIT, "vllm", None), *((ray_side(ms), "ray", ms) for ms in stream_ms)]:
         app = llm_app(model, port, api, ms)
-        if side == THREAD:   # Serve's default, which the kit's builder turns off (llm.py)
-            app["args"]["llm_configs"][0]["runtime_env"] = {
-                "env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}}
         app.update(name=app_of(side), route_prefix=f"/{app_of(side)}",
                    runtime_env={"env_vars": cache_env(cache)})
         apps.append(app)
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
                     help="interleaved rounds (every side, every concurrency, per round)")
     ap.add_argument("--ttft-requests", type=at_least(10), default=50,
                     help="sequential requests per side per round at concurrency 1")
-    ap.add_argument("--requests-per-worker", type=at_least(1), default=4,
+    ap.add_argument("--requests-per-worker", type=at_least(1), default=8,
                     help="requests per concurrent client per cell at concurrency 8 and 32")
     ap.add_argument("--max-tokens", type=at_least(2), default=32)
     ap.add_argument("--stream-ms", type=stream_list, default=STREAM_MS, metavar="MS[,MS...]",
@@ -446,8 +446,11 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
                     ready["serve"] = time.perf_counter() - t0
                     procs = {s: side_processes(s, bare.pid, cenv.get("RAYFLEET_HOME"))
                              for s in sides}
-                    for side in sides:  # warm-up: first requests pay lazy set-up
-                        stream_load(f"{urls[side]}/v1/completions", body, 8, 16)
+                    # Warm-up at each concurrency: the first batches of a size pay lazy
+                    # set-up (a first round's c=32 cell once ran at a third of the others').
+                    for side in sides:
+                        for c in CONCURRENCY[1:]:
+                            stream_load(f"{urls[side]}/v1/completions", body, c, 2 * c)
                     load_before = round(os.getloadavg()[0], 2)
                     own = own_processes(cenv.get("RAYFLEET_HOME"), bare.pid)
                     busy0, own0, wall0 = machine_busy_seconds(), cpu_seconds(own), time.time()
@@ -457,6 +460,7 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
                             total = args.ttft_requests if c == 1 else c * args.requests_per_worker
                             for side in order:
                                 cell = raw[side][c]
+                                time.sleep(IDLE_GAP_S)
                                 before = [cpu_seconds(p) for p in procs[side].values()]
                                 samples, wall = stream_load(f"{urls[side]}/v1/completions",
                                                             body, c, total)
@@ -490,7 +494,7 @@ def main(argv: list[str] | None = None, env: dict | None = None) -> dict:
            "stream_ms": list(args.stream_ms), "startup": startup,
            "ingress": args.ingress or "haproxy",
            "ready_s": {k: round(v, 1) for k, v in ready.items()},
-           "rounds": args.rounds, "ttft_requests": args.ttft_requests,
+           "rounds": args.rounds, "ttft_requests": args.ttft_requests, "idle_gap_s": IDLE_GAP_S,
            "requests_per_worker": args.requests_per_worker, "max_tokens": args.max_tokens,
            "model": {"hidden": args.hidden, "layers": args.layers}, "engine_kwargs": engine,
            "load_before": load_before,

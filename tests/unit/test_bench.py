@@ -282,7 +282,7 @@ def test_llm_serve_ratios_and_its_section():
     assert cell["rps"] == 5.0 and cell["tok_s"] == 144.0 and cell["tokens_per_request"] == 28.8
     assert cell["rps_rounds"] == [3.3, 10.0]
     assert cell["cpu_serving_ms_per_req"] == 50.0 and cell["cpu_engine_ms_per_req"] == 100.0
-    assert llm_report.sides_of((0, 50)) == ("bare", "llm", "thread", "ray0", "ray50", "lm")
+    assert llm_report.sides_of((0, 50)) == ("bare", "llm", "ray0", "ray50", "lm")
     results = {"bare": {1: r(20.0, 25.0, stream=80.0), 32: r(100.0, 200.0, serving=2.0)},
                "llm": {1: r(23.0, 20.0, stream=95.0), 32: r(110.0, 190.0, serving=3.9)},
                "ray0": {1: r(26.0, 21.0), 32: r(300.0, 100.0, serving=20.0)},
@@ -408,3 +408,21 @@ def test_hf_memory_measures_the_kits_loading_and_export_on_a_tiny_model(tmp_path
     assert "rank 0 <= 1.2x — met" in text and "the other rank(s) <= 0.65x — **missed**" in text
     assert "export, every rank <= 1.2x — met" in text
     assert hf_memory.section_of(f"# B\n\n{text}\n## 9. next\n") == text.rstrip("\n")
+
+
+def test_llm_profile_reads_py_spys_raw_stacks():
+    """bench.llm_profile's summary of py-spy's raw output: shares per thread, per library
+    nearest the leaf (walking up past asyncio and threading), and per leaf."""
+    from bench import llm_profile
+
+    raw = "\n".join([
+        "process 1:\"x\";thread (0x1): MainThread;main_loop (ray/_private/worker.py:847) 30",
+        "thread (0x2): AsyncIO;run (threading.py:1);send (uvicorn/protocols/http/h.py:5) 50",
+        "thread (0x2): AsyncIO;serve (vllm/entrypoints/x.py:3);_run (asyncio/events.py:9) 20",
+        "not a sample line"])
+    got = llm_profile.summarize(raw)
+    assert got["samples"] == 100
+    assert got["threads"] == [("thread (0x2): AsyncIO", 70.0), ("thread (0x1): MainThread", 30.0)]
+    assert got["libraries"] == [("uvicorn/starlette/fastapi", 50.0), ("ray core", 30.0),
+                                ("vllm", 20.0)]
+    assert got["leaves"][0] == ("send (uvicorn/protocols/http/h.py:5)", 50.0)

@@ -54,17 +54,9 @@ def app_builder(args: dict):
     return build_openai_app(checked)
 
 
-# Serve runs a replica's code on an event loop thread of its own by default; vLLM's server and
-# engine client on the replica's main loop instead spend half the CPU per streamed request and
-# serve about twice the requests/s here (no hop between the two loops per chunk: BENCHMARKS.md
-# section 6 measures both). A config's own value for it wins.
-SAME_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
-
-
 def engine_app(config: dict):
     """The one engine deployment, its replica the ingress (Ray's direct streaming builder,
     without the Lua request router Ray attaches to it)."""
-    import ray
     from ray.llm._internal.serve.core.ingress.builder import \
         _build_direct_streaming_llm_deployment
     from ray.serve.config import RequestRouterConfig
@@ -72,15 +64,8 @@ def engine_app(config: dict):
 
     from workloads.serve.llm_server import EngineIngress
 
-    # Ray puts an LLMConfig's runtime_env over the app's key by key: env_vars given there
-    # would drop the app's, so the app's are carried into it.
-    runtime_env = dict(config.get("runtime_env") or {})
-    runtime_env["env_vars"] = {**SAME_LOOP,
-                               **(ray.get_runtime_context().runtime_env.get("env_vars") or {}),
-                               **(runtime_env.get("env_vars") or {})}
     # Serve's default request router: behind HAProxy (the kit's ingress) Serve refuses any
     # other on an ingress deployment, and Ray's builder would pick its RoundRobinRouter.
     return _build_direct_streaming_llm_deployment(
-        LLMConfig.model_validate({**config, "runtime_env": runtime_env}),
-        deployment_cls=EngineIngress,
+        LLMConfig.model_validate(config), deployment_cls=EngineIngress,
         override_serve_options={"request_router_config": RequestRouterConfig()})
