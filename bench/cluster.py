@@ -1,5 +1,5 @@
 """A throwaway `rayfleet local` cluster for benchmarks: its own state folder and free ports,
-so it never touches the user's cluster."""
+so it never touches the user's cluster; and Serve's CLI against a cluster's environment."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from rayfleet.commands.host import free_port
@@ -51,3 +52,34 @@ def cluster_env(env: dict | None, num_cpus: int = 4, extra_env: dict | None = No
         return
     with local_cluster(num_cpus, extra_env, ingress) as fresh:
         yield fresh
+
+
+def serve_cmd(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`serve ARGS` with the cluster's environment (its address and token)."""
+    return subprocess.run([str(BIN / "serve"), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def serve_status(env: dict):
+    """serve status's tail, for a timeout's message."""
+    return lambda: serve_cmd(env, "status", timeout=60).stdout[-3000:]
+
+
+def deploy(env: dict, config: dict, folder: Path, name: str) -> None:
+    """`serve deploy` of a Serve config (written to folder/name.yaml), retried while a fresh
+    cluster's dashboard is not up yet."""
+    import yaml
+
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    deadline = time.time() + 180
+    while True:
+        proc = serve_cmd(env, "deploy", str(path))
+        # A fresh cluster's dashboard (which `serve deploy` talks to) can lag its `ray start`
+        # on a busy machine: connection refused for a while.
+        if proc.returncode == 0 or "Failed to connect to Ray" not in proc.stderr \
+                or time.time() > deadline:
+            break
+        time.sleep(3)
+    if proc.returncode != 0:
+        raise RuntimeError(f"serve deploy {name}: {(proc.stderr or proc.stdout)[-2000:]}")

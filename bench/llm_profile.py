@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 from bench import ArgumentParser, at_least, command
-from bench.cluster import local_cluster
-from bench.llm_serve import cache_env, deploy, llm_app, request_body, serve_status, \
-    stream_load, wait_answering
+from bench.cluster import deploy, local_cluster, serve_status
+from bench.llm_serve import cache_env, llm_app, request_body, stream_load, wait_answering
 from bench.procs import cpu_seconds, home_of, processes
 from rayfleet.commands.host import free_port
 from workloads.common.tiny_hf import make_hf_model_dir

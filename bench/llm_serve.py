@@ -42,7 +42,7 @@ import urllib.request
 from pathlib import Path
 
 from bench import ArgumentParser, at_least, command
-from bench.cluster import cluster_env
+from bench.cluster import cluster_env, deploy, serve_cmd, serve_status
 from bench.llm_report import CONCURRENCY, KIT, STARTUP, app_of, ray_side, section, sides_of, \
     write_section
 from bench.procs import cpu_seconds, home_of, machine_busy_seconds, own_processes, processes
@@ -260,33 +260,6 @@ def stop_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
-
-
-def serve_cmd(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "serve"), *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def serve_status(env: dict):
-    return lambda: serve_cmd(env, "status", timeout=60).stdout[-3000:]
-
-
-def deploy(env: dict, config: dict, folder: Path, name: str) -> None:
-    import yaml
-
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    deadline = time.time() + 180
-    while True:
-        proc = serve_cmd(env, "deploy", str(path))
-        # A fresh cluster's dashboard (which `serve deploy` talks to) can lag its `ray start`
-        # on a busy machine: connection refused for a while.
-        if proc.returncode == 0 or "Failed to connect to Ray" not in proc.stderr \
-                or time.time() > deadline:
-            break
-        time.sleep(3)
-    if proc.returncode != 0:
-        raise RuntimeError(f"serve deploy {name}: {(proc.stderr or proc.stdout)[-2000:]}")
 
 
 def measure_startup(env: dict, model: Path, tmp: Path, rounds: int) -> dict:
