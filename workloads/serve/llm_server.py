@@ -62,13 +62,15 @@ class AdapterByModelId:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        body, more = b"", True
-        while more and len(body) <= MAX_PEEK_BYTES:
+        chunks, size, more = [], 0, True
+        while more and size <= MAX_PEEK_BYTES:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
-            body += message.get("body", b"")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
             more = message.get("more_body", False)
+        body = b"".join(chunks)   # joined once: a large body arrives in many small messages
         model = _model_of(body)
         if model and model.startswith(self.prefix):
             try:
