@@ -177,13 +177,15 @@ def _checks(sub: argparse._SubParsersAction) -> None:
 def _serve_config(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve-config", help="a Serve config checked (and, for a remote "
                                             "cluster, its code packaged) before serve deploy")
-    p.add_argument("config", help="Serve config, e.g. cluster-configs/serve/lm.yaml")
+    p.add_argument("config", nargs="+", help="Serve config, e.g. cluster-configs/serve/lm.yaml; "
+                   "several: one file with all their apps")
     p.add_argument("--package-to", default=None, metavar="URI",
                    help="remote cluster: s3://BUCKET/PREFIX every node can read (the stack's "
                         "bucket), or file:///PATH on storage the nodes share; without it, "
                         "for a cluster on this machine: the args are checked here instead")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="set an application arg, e.g. checkpoint=s3://... (repeatable)")
+                   help="set an application arg, e.g. checkpoint=s3://... (repeatable); "
+                   "APP.KEY=VALUE for one app of several")
     p.add_argument("--working-dir", default=".", help="the code to package (default .)")
     cliargs.output(p, "where to write (default cluster-configs/generated/serve-<name>.yaml)")
 
@@ -223,7 +225,7 @@ def _run_keypair(args: argparse.Namespace) -> int:
 
 
 def _run_serve_config(args: argparse.Namespace) -> int:
-    out = cliargs.output_of(args, f"rayfleet serve-config {args.config}")
+    out = cliargs.output_of(args, f"rayfleet serve-config {' '.join(args.config)}")
     if args.package_to is None:
         path = serve_config.checked_config(args.config, arg_pairs=args.arg, out=out)
     else:

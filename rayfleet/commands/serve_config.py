@@ -22,6 +22,15 @@ app's args, through the app module's own `check_args` (checkpoints whole, embedd
 
     rayfleet serve-config cluster-configs/serve/lm.yaml --arg checkpoint=/abs/run/checkpoint_x
     serve deploy cluster-configs/generated/serve-lm.yaml
+
+Given several configs it writes one holding all their apps (`serve deploy` replaces every app
+on the cluster with one file's, so apps that run together are deployed from one file): names
+and route prefixes must differ, the other settings agree, and `--arg APP.KEY=VALUE` names the
+app an argument is for. An app whose module has `check_apps` is checked against the whole
+file too (rag over vLLM: its generator app must be in it):
+
+    rayfleet serve-config cluster-configs/generated/llm-sft-cpu.yaml \
+        cluster-configs/serve/rag-llm.yaml -o cluster-configs/generated/rag-llm.yaml
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -72,6 +82,72 @@ def load_config(path: str) -> dict[str, Any]:
     return cfg
 
 
+def load_configs(paths: list[str]) -> dict[str, Any]:
+    """One Serve config holding every app of `paths`' configs."""
+    merged: dict[str, Any] = {}
+    apps: list[dict[str, Any]] = []
+    for path in paths:
+        cfg = load_config(path)
+        for key, value in cfg.items():
+            if key == "http_options" and isinstance(value, dict):
+                value = _same_port(merged.get(key), value, path, paths[0])
+            if key != "applications" and merged.setdefault(key, value) != value:
+                raise RayfleetError(f"{path}: its {key} differs from {paths[0]}'s (one Serve "
+                                    f"config has one {key})")
+        for app in cfg["applications"]:
+            for key, default in (("name", "default"), ("route_prefix", "/")):
+                taken = [a for a in apps if a.get(key, default) == app.get(key, default)]
+                if taken:
+                    raise RayfleetError(f"{path}: app {app.get('name', default)!r} has the "
+                                        f"{key} {app.get(key, default)!r} of an app listed "
+                                        "before it; each app needs its own")
+            apps.append(app)
+    return {**merged, "applications": apps}
+
+
+def _same_port(first: dict | None, value: dict, path: str, first_path: str) -> dict:
+    """value with the first config's port: Serve keeps the port it started with whatever a
+    later deploy says, so only a note; any other http option must agree (the host decides
+    who can connect)."""
+    if first is None or first.get("port") == value.get("port"):
+        return value
+    print(f"[rayfleet] note: {path}: http_options.port {value.get('port')} left for "
+          f"{first_path}'s {first.get('port')}", file=sys.stderr, flush=True)
+    return {**value, "port": first.get("port")}
+
+
+def args_of(app: dict[str, Any], overrides: dict[str, Any], apps: list[dict]) -> dict:
+    """The app's args with the --arg values for it: `APP.KEY` for one app, a plain `KEY` for
+    every app of a one-app config."""
+    names = [a.get("name", "default") for a in apps]
+    args = dict(app.get("args") or {})
+    for key, value in overrides.items():
+        target, dot, rest = key.partition(".")
+        if dot and target in names:
+            if target == app.get("name", "default"):
+                args[rest] = value
+        elif len(apps) > 1:
+            raise ConfigError("--arg", f"{key}=...: this config has the apps "
+                              f"{', '.join(names)}; name one, e.g. {names[-1]}.{key}=...")
+        else:
+            args[key] = value
+    return args
+
+
+def check_apps(apps: list[dict[str, Any]], source: str) -> None:
+    """Each app whose module has `check_apps(args, apps)`, checked against the whole file."""
+    import importlib
+
+    for app in apps:
+        name = app["import_path"].partition(":")[0]
+        cross = getattr(importlib.import_module(CHECKERS.get(name, name)), "check_apps", None)
+        if cross is not None:
+            try:
+                cross(app.get("args") or {}, apps)
+            except RayfleetError as e:
+                raise RayfleetError(f"{source}: app {app.get('name', 'app')}: {e}") from None
+
+
 def _looks_relative(value: Any) -> bool:
     """A path relative to the operator's folder: on a node it would resolve inside the
     unpacked package, where git-ignored run folders never are."""
@@ -83,7 +159,7 @@ def with_package(cfg: dict[str, Any], uri: str, overrides: dict[str, Any],
                  source: str) -> dict[str, Any]:
     apps = []
     for app in cfg["applications"]:
-        args = {**(app.get("args") or {}), **overrides}
+        args = args_of(app, overrides, cfg["applications"])
         for key, value in args.items():
             if _looks_relative(value):
                 raise ConfigError(
@@ -92,6 +168,7 @@ def with_package(cfg: dict[str, Any], uri: str, overrides: dict[str, Any],
                     f"URI or an absolute path every node has (--arg {key}=...)")
         runtime_env = {**(app.get("runtime_env") or {}), "working_dir": uri}
         apps.append({**app, "args": args, "runtime_env": runtime_env})
+    check_apps(apps, source)
     return {**cfg, "http_options": remote_http_options(cfg.get("http_options")),
             "applications": apps}
 
@@ -173,16 +250,24 @@ def _write(dest: Path, header: str, cfg: dict[str, Any]) -> Path:
     return dest
 
 
-def checked_config(config: str, arg_pairs: list[str] | None = None,
+def _names(configs: list[str]) -> tuple[str, str]:
+    """(what the header says ran, the default output's name) for these configs."""
+    return (" ".join(configs),
+            "serve-" + "-".join(Path(c).stem for c in configs) + ".yaml")
+
+
+def checked_config(configs: list[str], arg_pairs: list[str] | None = None,
                    out: str | None = None) -> Path:
     """Each app's args checked by the app module's `check_args` and written resolved."""
     import importlib
 
-    cfg = load_config(config)
+    configs = [configs] if isinstance(configs, str) else list(configs)
+    source, default = _names(configs)
+    cfg = load_configs(configs)
     overrides = parse_args_overrides(arg_pairs)
     apps = []
     for app in cfg["applications"]:
-        args = {**(app.get("args") or {}), **overrides}
+        args = args_of(app, overrides, cfg["applications"])
         name = app["import_path"].partition(":")[0]
         module = importlib.import_module(CHECKERS.get(name, name))
         check = getattr(module, "check_args", None)
@@ -190,14 +275,15 @@ def checked_config(config: str, arg_pairs: list[str] | None = None,
             try:
                 args = check(args)
             except RayfleetError as e:
-                raise RayfleetError(f"{config}: app {app.get('name', 'app')}: {e}") from None
+                raise RayfleetError(f"{source}: app {app.get('name', 'app')}: {e}") from None
         apps.append({**app, "args": args})
-    dest = Path(out) if out else GENERATED / f"serve-{Path(config).stem}.yaml"
-    return _write(dest, f"# Written by `rayfleet serve-config {config}`: args checked.\n",
+    check_apps(apps, source)
+    dest = Path(out) if out else GENERATED / default
+    return _write(dest, f"# Written by `rayfleet serve-config {source}`: args checked.\n",
                   {**cfg, "applications": apps})
 
 
-def serve_config(config: str, package_to: str, working_dir: str = ".",
+def serve_config(configs: list[str], package_to: str, working_dir: str = ".",
                  arg_pairs: list[str] | None = None, out: str | None = None) -> Path:
     """Check everything, then package, upload and write; returns the written config."""
 
@@ -207,16 +293,18 @@ def serve_config(config: str, package_to: str, working_dir: str = ".",
     wd = Path(working_dir).expanduser().resolve()
     if not wd.is_dir():
         raise ConfigError("--working-dir", f"{working_dir} is not a folder")
-    cfg = load_config(config)
+    configs = [configs] if isinstance(configs, str) else list(configs)
+    source, default = _names(configs)
+    cfg = load_configs(configs)
     overrides = parse_args_overrides(arg_pairs)
     # The whole config is checked (with a placeholder URI) before anything is uploaded.
-    with_package(cfg, package_to, overrides, config)
-    dest = Path(out) if out else GENERATED / f"serve-{Path(config).stem}.yaml"
+    with_package(cfg, package_to, overrides, source)
+    dest = Path(out) if out else GENERATED / default
     zip_path = package(wd)
     try:
         uri = upload(zip_path, package_to)
     finally:
         shutil.rmtree(zip_path.parent, ignore_errors=True)
-    result = with_package(cfg, uri, overrides, config)
-    return _write(dest, f"# Written by `rayfleet serve-config {config}`: its code is {uri}.\n",
+    result = with_package(cfg, uri, overrides, source)
+    return _write(dest, f"# Written by `rayfleet serve-config {source}`: its code is {uri}.\n",
                   result)
