@@ -49,3 +49,38 @@ def encode(encoder, texts: list[str], batch_size: int):
     vecs = encoder.encode(texts, batch_size=batch_size, normalize_embeddings=True,
                           convert_to_numpy=True, show_progress_bar=False)
     return np.asarray(vecs, dtype=np.float32)
+
+
+# sentence-transformers' Pooling modes, each adding word_embedding_dimension to the output.
+_POOLING_MODES = ("pooling_mode_cls_token", "pooling_mode_mean_tokens",
+                  "pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+                  "pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken")
+
+
+def encoder_dim(path: str) -> int | None:
+    """The dimension of the vectors the model folder makes, read from its module configs
+    (Pooling, then any Dense after it; else the transformer's hidden_size) without loading
+    it; None when the folder does not say."""
+    import json
+
+    root = Path(path)
+
+    def read(rel: str, kind: type = dict):
+        try:
+            value = json.loads((root / rel).read_text())
+        except (OSError, ValueError):
+            return kind()
+        return value if isinstance(value, kind) else kind()
+
+    dim = read("config.json").get("hidden_size")
+    for module in read("modules.json", list):
+        if not isinstance(module, dict):
+            continue
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        config = read(f"{module.get('path', '')}/config.json")
+        if kind == "Pooling" and config.get("word_embedding_dimension"):
+            modes = sum(bool(config.get(m)) for m in _POOLING_MODES) or 1
+            dim = config["word_embedding_dimension"] * modes
+        elif kind == "Dense" and config.get("out_features"):
+            dim = config["out_features"]
+    return int(dim) if isinstance(dim, int) else None

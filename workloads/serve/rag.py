@@ -13,7 +13,11 @@ Routes: GET /v1/models, POST /v1/chat/completions (the last user message is the 
 the answer carries `rayfleet.sources`: id, score and text of each retrieved document),
 POST /v1/retrieve ({"query", "k"} -> documents), GET /health. The kit's generator is a small
 byte-level model with a short context: the question and as much of the best documents as fit
-go into its prompt. On GPU clusters point the same retriever at the `llm` app instead.
+go into its prompt.
+
+`generator: llm` puts vLLM in LMGenerator's place: the answer is written by the engine of the
+cluster's `llm` app (`generator_app`), called through Serve's handle (workloads/serve/
+rag_llm.py), streamed as vLLM streams it; the GPU clusters' choice.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the request models as classes, and
@@ -23,12 +27,14 @@ import os
 import time
 from typing import ClassVar
 
+from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from rayfleet.errors import CheckpointError
-from workloads.common.encoder import encode, load_encoder, model_path
+from rayfleet.errors import CheckpointError, ConfigError, RayfleetError
+from workloads.common.encoder import encode, encoder_dim, load_encoder, model_path
 from workloads.common.shards import MANIFEST
 from workloads.common.storage import default_root, resolve
 from workloads.serve.app_args import LATEST, AppArgs, app_path, builder_errors, resolve_checkpoint
@@ -42,6 +48,17 @@ from workloads.serve.openai_api import (
     check_model,
     openai_app,
     usage,
+)
+from workloads.serve.rag_llm import (
+    GENERATORS,
+    TEMPLATE_RESERVE,
+    VLLMGenerator,
+    as_answer,
+    as_stream,
+    check_generator_deployed,
+    check_generator_in,
+    pack_sources,
+    rag_messages,
 )
 
 DEFAULT_MODEL_NAME = "rayfleet-rag"
@@ -68,7 +85,23 @@ def check_index(uri: str):
         if i.type == pafs.FileType.File and i.base_name.endswith(".parquet"))
     if not files:
         raise CheckpointError(f"embeddings {uri}: no Parquet files next to {MANIFEST}")
+    check_encoder(uri, manifest)
     return storage, manifest, files
+
+
+def check_encoder(uri: str, manifest: dict) -> None:
+    """The questions are encoded by the model the index names: it must be here, and make
+    vectors of the index's dimension."""
+    try:
+        path = model_path(str(manifest.get("model")))
+    except RayfleetError as e:
+        raise CheckpointError(f"embeddings {uri}: its encoder {manifest.get('model')!r} cannot "
+                              f"be loaded here ({e})") from None
+    dim = encoder_dim(path)
+    if dim is not None and dim != manifest.get("dim"):
+        raise CheckpointError(f"embeddings {uri}: made with {manifest.get('dim')}-dim vectors, "
+                              f"but its encoder {manifest.get('model')} makes {dim}-dim ones "
+                              "(the model folder changed since: embed again)")
 
 
 def load_index(uri: str):
@@ -144,16 +177,7 @@ def rag_prompt(question: str, sources: list[dict], budget: int) -> str:
     tail = f"# question: {question}\n# answer:".encode("utf-8")
     if len(tail) >= budget:
         return tail[-budget:].decode("utf-8", errors="ignore")
-    room = budget - len(tail)
-    head = b""
-    for s in sources:
-        line = f"# {s['id']}: {' '.join(s['text'].split())}\n".encode("utf-8")
-        if room - len(head) < len(s["id"]) + 16:
-            break
-        if len(line) > room - len(head):
-            line = line[:room - len(head) - 1].rstrip() + b"\n"
-        head += line
-    return head.decode("utf-8", errors="ignore") + tail.decode("utf-8")
+    return pack_sources(sources, budget - len(tail)) + tail.decode("utf-8")
 
 
 api = openai_app("rayfleet rag")
@@ -162,9 +186,11 @@ api = openai_app("rayfleet rag")
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
 @serve.ingress(api)
 class RAGServer:
-    def __init__(self, retriever: DeploymentHandle, generator: DeploymentHandle,
-                 model_name: str = DEFAULT_MODEL_NAME):
+    def __init__(self, retriever: DeploymentHandle, generator: DeploymentHandle | None,
+                 model_name: str = DEFAULT_MODEL_NAME, generator_app: str = ""):
         self.retriever, self.generator = retriever, generator
+        # generator None: the `llm` app named generator_app writes the answers.
+        self.vllm = VLLMGenerator(generator_app) if generator is None else None
         self.model_name = model_name
         self.created = int(time.time())
 
@@ -182,15 +208,18 @@ class RAGServer:
         return {"object": "list", "data": await self.retriever.search.remote(body.query, body.k)}
 
     @api.post("/v1/chat/completions")
-    async def chat(self, body: RAGChatRequest):
+    async def chat(self, body: RAGChatRequest, request: Request):
         check_model(body.model, self.model_name)
-        if body.stream:
-            raise APIError(400, "stream: the rag app answers in one response; drop "
-                           "`stream`", param="stream", code="invalid_request")
+        if body.stream and self.vllm is None:
+            raise APIError(400, "stream: the rag app over `lm` answers in one response; drop "
+                           "`stream` (`generator: llm` streams)", param="stream",
+                           code="invalid_request")
         question = next((m.content for m in reversed(body.messages) if m.role == "user"), "")
         if not question.strip():
             raise APIError(400, "messages: no user message with content to answer",
                            param="messages", code="invalid_request")
+        if self.vllm is not None:
+            return await self._chat_vllm(body, await request.json(), question)
         # Both sub-calls go through handles: Serve routes, queues and load-balances them.
         info_ref = self.generator.info.remote()
         sources = await self.retriever.search.remote(question, body.k)
@@ -204,40 +233,89 @@ class RAGServer:
                                {"sources": sources, "generator": info["model"],
                                 "prompt": prompt})
 
+    async def _chat_vllm(self, body: RAGChatRequest, raw: dict, question: str):
+        """The client's request as vLLM takes it (every OpenAI field it knows passes), with
+        the generator's model and the documents in the last user message."""
+        engine = asyncio.ensure_future(self.vllm.engine())
+        sources = await self.retriever.search.remote(question, body.k)
+        _, model, max_len = await engine
+        answer = body.answer_tokens(min(512, max(16, max_len // 4)))
+        messages = rag_messages([m.model_dump() for m in body.messages], sources,
+                                max_len - answer - TEMPLATE_RESERVE)
+        raw = {key: value for key, value in raw.items() if key != "k"}
+        raw.update(model=model, messages=messages, max_tokens=answer)
+        raw.pop("max_completion_tokens", None)
+        first, stream = await self.vllm.chat(raw)
+        extra = {"sources": sources, "generator": model, "messages": messages}
+        if not body.stream:
+            return as_answer(first, self.model_name, extra)
+        return StreamingResponse(as_stream(first, stream, self.model_name, extra),
+                                 media_type="text/event-stream")
+
 
 class RAGArgs(AppArgs):
     """`args` of the rag app (cluster-configs/serve/rag.yaml): embeddings (workloads.embed
-    output, folder or s3://; default the embed job's default output), checkpoint (the
-    generator's workloads.train checkpoint or Hugging Face folder; default `latest`), adapter
-    (a LoRA adapter on the generator, as lm's), model_name, generator_model_name."""
+    output, folder or s3://; default the embed job's default output), generator (`lm`, the
+    default: the kit's model in this app; `llm`: the engine of the `llm` app named
+    generator_app, default `llm`), and for `lm`: checkpoint (its workloads.train checkpoint or
+    Hugging Face folder; default `latest`), adapter (a LoRA adapter on it, as lm's),
+    generator_model_name; model_name (what rag answers as)."""
 
     APP: ClassVar[str] = "rag"
     embeddings: str = ""
+    generator: str = "lm"
+    generator_app: str = "llm"
     checkpoint: str = LATEST
     adapter: str = ""
     model_name: str = DEFAULT_MODEL_NAME
     generator_model_name: str = GENERATOR_MODEL_NAME
 
 
+# What only `generator: lm` reads: with `llm`, the llm app's config names the model.
+LM_ONLY = ("checkpoint", "adapter", "generator_model_name")
+
+
 def check_args(args: "dict | RAGArgs | None") -> dict:
     """The app's arguments checked, paths resolved; or one line (RayfleetError)."""
     a = RAGArgs.parse(args)
+    if a.generator not in GENERATORS:
+        raise ConfigError("args.generator", f"{a.generator!r} is not a generator rag knows",
+                          list(GENERATORS), a.generator)
     # Defaults: where workloads.embed and workloads.train write when given no path.
     embeddings = app_path(a.embeddings or os.path.join(default_root(), "embeddings"),
                           "embeddings")
+    out = {**a.model_dump(), "embeddings": embeddings}
+    if a.generator == "llm":
+        given = sorted(set(LM_ONLY) & a.model_fields_set)
+        if given:
+            raise ConfigError(f"args.{given[0]}", "only for `generator: lm`; with "
+                              f"`generator: llm` the app '{a.generator_app}' names the model")
+        check_index(embeddings)
+        return {k: v for k, v in out.items() if k not in LM_ONLY}
+    out.pop("generator_app")
     # The generator: a workloads.train checkpoint (its hf/ export if any, a LoRA run's base and
     # adapter) or a HF model folder.
     found = check_served(resolve_checkpoint(a.checkpoint), a.adapter and app_path(a.adapter,
                                                                                  "adapter"))
     check_index(embeddings)  # a missing or unfinished index fails the deploy, not a replica
-    return {**a.model_dump(), "embeddings": embeddings, "checkpoint": found["source"],
-            "adapter": found["adapter"]}
+    return {**out, "checkpoint": found["source"], "adapter": found["adapter"]}
+
+
+def check_apps(args: dict, apps: list[dict]) -> None:
+    """`rayfleet serve-config`, given the whole config: the generator app is in it."""
+    if args.get("generator") == "llm":
+        check_generator_in(args.get("generator_app") or "llm", apps)
 
 
 @builder_errors("rag")
 def app_builder(args: RAGArgs) -> serve.Application:
     """Serve config entry point (`import_path: workloads.serve.rag:app_builder`)."""
     a = check_args(args)
+    retriever = Retriever.bind(a["embeddings"])
+    if a["generator"] == "llm":
+        check_generator_deployed(a["generator_app"])
+        return RAGServer.bind(retriever, None, model_name=a["model_name"],
+                              generator_app=a["generator_app"])
     generator = LMGenerator.bind(a["checkpoint"], model_name=a["generator_model_name"],
                                  adapter=a["adapter"])
-    return RAGServer.bind(Retriever.bind(a["embeddings"]), generator, model_name=a["model_name"])
+    return RAGServer.bind(retriever, generator, model_name=a["model_name"])
