@@ -45,6 +45,13 @@ def _split() -> int:
     return next(i for i, (_, body, _) in enumerate(blocks) if "serve/rag.yaml" in body) + 1
 
 
+def _split_hf() -> int:
+    """...then the Hugging Face line up to `rag` over its vLLM engine (the rag-over-vLLM tests
+    need both apps deployed), then the rest (the LoRA line's `serve deploy` replaces them)."""
+    blocks = _runnable()
+    return next(i for i, (_, body, _) in enumerate(blocks) if "serve/rag-llm.yaml" in body) + 1
+
+
 def _reader_env(ray_cluster, home: Path) -> dict:
     """What a reader's fresh terminal has, plus the venv on PATH (see the module docstring)."""
     env = {k: v for k, v in os.environ.items()
@@ -101,14 +108,32 @@ def readme(ray_cluster, tmp_path_factory):
             shell.close()
 
 
-@pytest.fixture(scope="module")
-def readme_rest(readme, ray_cluster):
-    """The blocks after the `rag` deploy (the Hugging Face line, the llm config, the cloud
-    steps), once the rag tests are done, in the same checkout and the same page shells."""
+def _run_after(readme, ray_cluster, start: int, stop: int | None):
     try:
-        _run_blocks(_runnable()[_split():], readme["shells"], readme["open_shell"],
+        _run_blocks(_runnable()[start:stop], readme["shells"], readme["open_shell"],
                     readme["port"], readme["outputs"])
-        yield readme
+    except BaseException:
+        serve_shutdown(ray_cluster)
+        raise
+
+
+@pytest.fixture(scope="module")
+def readme_hf(readme, ray_cluster):
+    """The blocks after the `rag` deploy up to `rag` over vLLM (the Hugging Face line: a
+    fine-tune, `lm`, vLLM's engine start, rag on it), once the rag tests are done, in the same
+    checkout and the same page shells."""
+    _run_after(readme, ray_cluster, _split(), _split_hf())
+    return {**readme, "llm_url": f"http://127.0.0.1:{readme['port']}",
+            "rag_llm_url": f"http://127.0.0.1:{readme['port']}/rag"}
+
+
+@pytest.fixture(scope="module")
+def readme_rest(readme_hf, ray_cluster):
+    """The blocks after that (the A100 config, the LoRA line, the cloud steps), once the
+    rag-over-vLLM tests are done."""
+    try:
+        _run_after(readme_hf, ray_cluster, _split_hf(), None)
+        yield readme_hf
     finally:
         serve_shutdown(ray_cluster)
 
@@ -117,8 +142,9 @@ def test_demo_hf_runs_the_hugging_face_sections_blocks():
     page, text = find_section("Your own Hugging Face model", REPO)
     assert page == "docs/workloads.md"
     blocks = [b for _, b, e in examples(text, page) if e]
-    assert len(blocks) == 4 and "workloads.train --model" in blocks[0]
+    assert len(blocks) == 5 and "workloads.train --model" in blocks[0]
     assert "serve deploy cluster-configs/generated/llm-sft-cpu.yaml" in blocks[2]
+    assert "cluster-configs/serve/rag-llm.yaml" in blocks[3]
     proc = run([str(BIN / "python"), str(REPO / "scripts" / "readme_blocks.py"),
                 "Your own Hugging Face model"], check=True)
     assert proc.stdout.strip() == "\n".join(blocks)
@@ -232,7 +258,98 @@ def test_rag_refuses_a_missing_index_before_deploying(tmp_path):
         check_index(str(tmp_path))
 
 
-# ------------------------------------------- after rag: the Hugging Face line and the cloud steps
+# ------------------------------------------- after rag: the Hugging Face line, rag over its vLLM
+
+def _chat(base: str, model: str, messages: list, **kw):
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=12,
+                                          temperature=0, **kw)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+# Its fixture runs the Hugging Face line's blocks to rag over vLLM (a fine-tune, `lm`, vLLM's
+# engine start, rag): 5 to 8 min beside the rehearsal on 2 cores, over the suite's 600 s per
+# test (each block still has its own 600 s).
+@pytest.mark.timeout(1200)
+def test_rag_over_vllm_answers_with_sources_as_its_engine_would(readme_hf):
+    """docs/workloads.md's rag-over-vLLM block left both apps deployed: retrieval finds the
+    document that answers; the answer is the `llm` app's own greedy answer to the messages
+    rag built (the documents in the chat template's user turn); streamed, with
+    `include_usage`, it is the same answer, the same usage and the same sources."""
+    question = [{"role": "user", "content": "How do I read and write CSV files?"}]
+    r = _chat(readme_hf["rag_llm_url"], "rayfleet-rag", question)
+    extra = r.model_extra["rayfleet"]
+    assert extra["sources"][0]["id"] == "csv" and len(extra["sources"]) == 3
+    assert extra["generator"] == "sft-tiny-llama" and r.model == "rayfleet-rag"
+    sent = extra["messages"]
+    assert sent[-1]["content"].startswith("Answer the question using these documents.\n\n# csv:")
+    assert sent[-1]["content"].endswith("Question: How do I read and write CSV files?")
+    direct = _chat(readme_hf["llm_url"], "sft-tiny-llama", sent)
+    assert r.choices[0].message.content == direct.choices[0].message.content
+    assert r.usage.prompt_tokens == direct.usage.prompt_tokens
+    assert r.usage.completion_tokens == direct.usage.completion_tokens >= 1
+
+    chunks = list(_chat(readme_hf["rag_llm_url"], "rayfleet-rag", question, stream=True,
+                        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        r.usage.completion_tokens
+    assert chunks[0].model_extra["rayfleet"]["sources"] == extra["sources"]
+    assert {c.model for c in chunks} == {"rayfleet-rag"}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_rag_without_its_generator_app_is_one_line(readme_hf, ray_cluster):
+    """rag deployed without the `llm` app (`serve deploy` of a file without it removes it):
+    its next answer is a 503 naming the app, and a rag whose build sees no such app fails in
+    `serve status` on one line; `serve-config` refuses that file before any deploy."""
+    import yaml
+
+    from workloads.serve.rag_llm import RECHECK_S
+
+    work = readme_hf["work"]
+    both = yaml.safe_load((work / "cluster-configs" / "generated" / "rag-llm-sft.yaml")
+                          .read_text())
+    alone = work / "rag-alone.yaml"
+    refused = run([str(BIN / "rayfleet"), "serve-config", "cluster-configs/serve/rag-llm.yaml",
+                   "-o", str(alone)], cwd=work, env=ray_cluster["env"], timeout=120)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and \
+        "args.generator_app: app 'llm' is not in this Serve config" in refused.stderr
+    assert not alone.exists()
+
+    def deploy(apps: list) -> None:
+        alone.write_text(yaml.safe_dump({**both, "applications": apps}))
+        run([str(BIN / "serve"), "deploy", str(alone)], env=ray_cluster["env"], check=True,
+            timeout=120)
+
+    rag = next(a for a in both["applications"] if a["name"] == "rag")
+    deploy([rag])   # rag as it was (not rebuilt); the llm app removed
+    time.sleep(RECHECK_S + 1)   # what rag found before is asked about again
+    status, body = post_json(readme_hf["rag_llm_url"] + "/v1/chat/completions",
+                             {"model": "rayfleet-rag",
+                              "messages": [{"role": "user", "content": "csv?"}]})
+    assert status == 503 and body["error"]["message"].startswith(
+        "the generator app 'llm' is not running on this cluster"), body
+    deploy([{**rag, "args": {**rag["args"], "model_name": "rebuilt"}}])   # a new build
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        out = run([str(BIN / "serve"), "status"], env=ray_cluster["env"], timeout=60).stdout
+        app = (yaml.safe_load(out).get("applications") or {}).get("rag") or {}
+        if app.get("status") == "DEPLOY_FAILED":
+            break
+        time.sleep(2)
+    assert app.get("status") == "DEPLOY_FAILED", out
+    assert app["message"].splitlines()[-1] == (
+        "rag app: args.generator_app: app 'llm' is not on this cluster; deploy the `llm` app "
+        "with rag (one Serve config: `rayfleet serve-config <llm config> <rag config>`)")
+
+
+# ------------------------------------------- then the LoRA line and the cloud steps
 
 @pytest.mark.ray
 @pytest.mark.slow
