@@ -155,3 +155,33 @@ def test_builder_refuses_a_generator_app_the_cluster_does_not_run(monkeypatch):
                          ("other", "is 'workloads.serve.lm:app_builder', not the kit's")]:
         with pytest.raises(ConfigError, match=needle):
             rag_llm.check_generator_deployed(name)
+
+
+def test_the_stream_is_vllms_events_under_rags_name_the_sources_on_the_first():
+    import asyncio
+
+    from workloads.serve.rag_llm import as_stream
+
+    def event(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    first = [event({"id": "c1", "model": "tiny", "choices": [{"delta": {"role": "assistant"}}]}),
+             event({"id": "c1", "model": "tiny", "choices": [{"delta": {"content": "a"}}]})]
+
+    async def rest():
+        yield [event({"id": "c1", "model": "tiny", "choices": [], "usage": {
+            "prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}),
+               event({"error": {"message": "engine died", "code": 500}})]
+        yield ["data: [DONE]\n\n"]
+
+    async def collect():
+        return [e async for e in as_stream(first, rest(), "rayfleet-rag", {"sources": ["s"]})]
+
+    events = asyncio.run(collect())
+    assert events[-1] == "data: [DONE]\n\n"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert [c.get("model") for c in chunks] == ["rayfleet-rag"] * 3 + [None]
+    assert chunks[0]["rayfleet"] == {"sources": ["s"]}
+    assert not any("rayfleet" in c for c in chunks[1:])
+    assert chunks[2]["usage"]["completion_tokens"] == 1 and chunks[2]["choices"] == []
+    assert chunks[3] == {"error": {"message": "engine died", "code": 500}}

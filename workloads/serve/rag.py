@@ -236,9 +236,8 @@ class RAGServer:
     async def _chat_vllm(self, body: RAGChatRequest, raw: dict, question: str):
         """The client's request as vLLM takes it (every OpenAI field it knows passes), with
         the generator's model and the documents in the last user message."""
-        engine = asyncio.ensure_future(self.vllm.engine())
-        sources = await self.retriever.search.remote(question, body.k)
-        _, model, max_len = await engine
+        sources, (_, model, max_len) = await asyncio.gather(
+            self.retriever.search.remote(question, body.k), self.vllm.engine())
         answer = body.answer_tokens(min(512, max(16, max_len // 4)))
         messages = rag_messages([m.model_dump() for m in body.messages], sources,
                                 max_len - answer - TEMPLATE_RESERVE)

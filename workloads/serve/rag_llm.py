@@ -215,7 +215,11 @@ async def as_stream(first: list, rest: AsyncIterator, model: str,
                 if line.strip() == SSE_DONE.strip():
                     yield SSE_DONE
                     continue
-                chunk = {**json.loads(line[len("data: "):]), "model": model}
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:   # vLLM's own error event, as it sent it
+                    yield sse(chunk)
+                    continue
+                chunk["model"] = model
                 if extra is not None:
                     chunk["rayfleet"], extra = extra, None
                 yield sse(chunk)
