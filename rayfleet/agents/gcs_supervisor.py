@@ -22,7 +22,8 @@ So the HA head is started without ``--block``, under this program:
   each within ``--stable-s`` of its start, it stops the head instead and exits 1;
 - SIGTERM (`rayfleet local down`, or the next `ray up`'s first head command) stops the group:
   SIGTERM to every process, SIGKILL to what is left after ``--grace-s``, then it exits 0. A
-  SIGTERM that comes while a failed `ray start` is being cleaned up is kept: no retry follows;
+  SIGTERM that comes while a failed `ray start` is being cleaned up is kept: no retry follows,
+  and one during `ray start` ends it; either way it exits 1 (Ray was never supervised);
 - it leads its own process group (it makes one if started inside another's), so the group it
   stops is never its caller's; anything that goes wrong after `ray start` stops the head,
   says why in one line and in ``--status``, as does a failure before Ray is started.
@@ -171,7 +172,8 @@ class Supervisor:
             # Quietly: `ray start`'s own last line is what `rayfleet local up` shows.
             self.write_status(exit=f"`ray start` exited {starter.returncode}")
             self.stop(quiet=True)
-            return starter.returncode or 0
+            # `ray start` ended by a signal (ours, after a SIGTERM): a failure, not -signum.
+            return starter.returncode if starter.returncode >= 0 else 1
         try:
             return self.supervise()
         except Exception as e:   # noqa: BLE001 (whatever it is, the head must not be orphaned)

@@ -40,22 +40,42 @@ def _supervisor(tmp_path, start: str, *args: str, flags=(), **popen) -> subproce
     if not (tmp_path / "password").exists():
         (tmp_path / "password").write_text("pw")
     popen.setdefault("start_new_session", True)
+    popen.setdefault("stdout", subprocess.PIPE)
     return subprocess.Popen(
         [sys.executable, str(AGENT), "--password-file", str(tmp_path / "password"),
          "--status", str(tmp_path / "status.json"), *flags, "--", sys.executable,
-         str(tmp_path / "start.py"), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+         str(tmp_path / "start.py"), *args], stderr=subprocess.STDOUT,
         text=True, **popen)
 
 
 def test_a_sigterm_during_the_cleanup_of_a_failed_start_ends_it(tmp_path):
-    attempts = tmp_path / "attempts"
-    proc = _supervisor(tmp_path, FAILING_START, str(attempts), flags=["--grace-s", "4"])
+    attempts, out = tmp_path / "attempts", tmp_path / "out"
+    with open(out, "w") as f:
+        proc = _supervisor(tmp_path, FAILING_START, str(attempts), flags=["--grace-s", "4"],
+                           stdout=f)
     try:
-        wait_until("the first attempt", lambda: attempts.exists())
-        time.sleep(1.0)   # inside stop(): its SIGTERM ignored, the grace period runs
+        # Said just before stop(), whose SIGTERM the child ignores: the grace period runs
+        # (a busy machine can take over a second to get there).
+        wait_until("the cleanup of the failed start", lambda: "stopping what it started" in
+                   out.read_text(), 60, 0.05)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 1, proc.stdout.read()
-        assert attempts.read_text().count("attempt") == 1, proc.stdout.read()   # no retry
+        assert proc.wait(timeout=60) == 1, out.read_text()
+        assert attempts.read_text().count("attempt") == 1, out.read_text()   # no retry
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_sigterm_during_ray_start_ends_it_as_a_failure(tmp_path):
+    attempts = tmp_path / "attempts"
+    start = ("import sys, time\nopen(sys.argv[1], 'a').write('attempt\\n')\n"
+             "time.sleep(60)\n")
+    proc = _supervisor(tmp_path, start, str(attempts), flags=["--grace-s", "2"])
+    try:
+        wait_until("`ray start` to run", lambda: attempts.exists(), 60, 0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 1, proc.stdout.read()   # not 256 - SIGTERM
+        assert attempts.read_text().count("attempt") == 1
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
