@@ -187,6 +187,7 @@ def test_serve_config_files_are_valid_and_point_at_the_builders():
         builders[path.stem] = schema.applications[0].import_path
     assert builders == {"lm": "workloads.serve.lm:app_builder",
                         "rag": "workloads.serve.rag:app_builder",
+                        "rag-llm": "workloads.serve.rag:app_builder",
                         "llm": "workloads.serve.llm:app_builder"}
     lm = ServeDeploySchema.model_validate(yaml.safe_load(
         (REPO / "cluster-configs" / "serve" / "lm.yaml").read_text()))
