@@ -85,23 +85,31 @@ def check_index(uri: str):
         if i.type == pafs.FileType.File and i.base_name.endswith(".parquet"))
     if not files:
         raise CheckpointError(f"embeddings {uri}: no Parquet files next to {MANIFEST}")
-    check_encoder(uri, manifest)
+    check_encoder(uri, manifest, storage.fs, files[0])
     return storage, manifest, files
 
 
-def check_encoder(uri: str, manifest: dict) -> None:
+def check_encoder(uri: str, manifest: dict, fs, first: str) -> None:
     """The questions are encoded by the model the index names: it must be here, and make
-    vectors of the index's dimension."""
+    vectors of the size the index's own are (its first file's schema, not a claim)."""
+    import pyarrow.parquet as pq
+
     try:
         path = model_path(str(manifest.get("model")))
     except RayfleetError as e:
         raise CheckpointError(f"embeddings {uri}: its encoder {manifest.get('model')!r} cannot "
                               f"be loaded here ({e})") from None
+    schema = pq.read_schema(fs.open_input_file(first))
+    field = schema.field("embedding") if "embedding" in schema.names else None
+    size = getattr(field.type, "list_size", None) if field is not None else None
+    if size is None:
+        raise CheckpointError(f"embeddings {uri}: {first} has no fixed-size `embedding` column "
+                              "(not workloads.embed output)")
     dim = encoder_dim(path)
-    if dim is not None and dim != manifest.get("dim"):
-        raise CheckpointError(f"embeddings {uri}: made with {manifest.get('dim')}-dim vectors, "
-                              f"but its encoder {manifest.get('model')} makes {dim}-dim ones "
-                              "(the model folder changed since: embed again)")
+    if dim is not None and dim != size:
+        raise CheckpointError(f"embeddings {uri}: made with {size}-dim vectors, but its "
+                              f"encoder {manifest.get('model')} makes {dim}-dim ones (the model "
+                              "folder changed since: embed again)")
 
 
 def load_index(uri: str):
