@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from rayfleet.errors import StorageError
 from workloads.common import runs
-from workloads.train import preempt
+from workloads.train import hangwatch, preempt
 from workloads.train.telemetry import Telemetry
 
 # RAYFLEET_TIMING=1: the driver and rank 0 each print one `RAYFLEET_TIMING {json}` line with
@@ -155,6 +155,11 @@ class RayContext:
     def spot_notices(self) -> preempt.Notices:
         return preempt.for_ray_worker(self.rank, self.world_size)
 
+    def hang_watch(self, settings: hangwatch.Settings | None) -> hangwatch.Watch:
+        return hangwatch.for_ray_worker(self.rank, self.world_size,
+                                        self._train.get_context().get_experiment_name(),
+                                        settings)
+
     def report(self, metrics: dict, checkpoint_dir: Path | None) -> None:
         checkpoint = (self._train.Checkpoint.from_directory(str(checkpoint_dir))
                       if checkpoint_dir is not None else None)
@@ -223,6 +228,9 @@ class TorchrunContext:
 
     def spot_notices(self) -> preempt.Notices:
         return preempt.NONE  # outside Ray: no spot agent publishes to this run
+
+    def hang_watch(self, settings: hangwatch.Settings | None) -> hangwatch.Watch:
+        return hangwatch.NONE  # torchrun's own elastic agent watches its ranks
 
     def _checkpoints(self) -> list[Path]:
         return runs.local_checkpoints(self.root)

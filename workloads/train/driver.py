@@ -124,7 +124,7 @@ def _main(argv: list[str] | None) -> int:
         return 0
     startup.mark("inputs_checked")
     _require(opts, tokenizer)
-    _connect(env_vars)
+    job = _connect(env_vars)
     nodes, candidates = _place(opts, model)
 
     # A DataLoader worker process only where the accelerator leaves host cores free (GPU).
@@ -137,11 +137,16 @@ def _main(argv: list[str] | None) -> int:
     global_batch = opts.batch_size * opts.grad_accum * opts.num_workers
     _announce(opts, model, name, cfg, global_batch)
     trainer = _trainer(opts, model, cfg, name, storage, env_vars)
+    from workloads.train import hangpolicy   # Ray Train's internals: after _connect's imports
+
+    hangpolicy.install(job, name, opts.max_hangs)
     runs.record_run(storage, name, identity)
     started = time.time()
     startup.mark("fit_called")
-    result = _fit(trainer, LaunchWatch(candidates, autoscaler_report), opts, storage, name, nodes)
-    summary = runinfo.summarize(result, storage, name, started, global_batch, cfg)
+    result = _fit(trainer, LaunchWatch(candidates, autoscaler_report), opts, storage, name, nodes,
+                  job)
+    summary = runinfo.summarize(result, storage, name, started, global_batch, cfg,
+                                hangs=hangpolicy.verdicts(job, name))
     print(runinfo.format_summary(summary), flush=True)
     print("RAYFLEET_SUMMARY " + json.dumps(summary), flush=True)
     startup.marks.update(ray_train_marks())  # after the summary: bench/ times the run to it
@@ -178,8 +183,8 @@ def _require(opts: TrainOptions, tokenizer: str | None) -> None:
             f"workloads.train --strategy {opts.strategy}")
 
 
-def _connect(env_vars: dict[str, str]) -> None:
-    """Ray Train imported and this driver connected to its cluster."""
+def _connect(env_vars: dict[str, str]) -> str:
+    """Ray Train imported and this driver connected to its cluster; the job's id."""
     # Imported late: `--help` and bad flags answer without paying for Ray. All of Ray Train
     # that _trainer uses is imported here, so that the start-up marks time it (bench/).
     import ray
@@ -195,6 +200,7 @@ def _connect(env_vars: dict[str, str]) -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     ray.init(logging_level="ERROR", log_to_driver=True, runtime_env=cluster_address_env())
     startup.mark("ray_connected")
+    return ray.get_runtime_context().get_job_id()
 
 
 def _place(opts: TrainOptions, model) -> tuple[list[dict], list[str]]:
@@ -254,15 +260,18 @@ def _trainer(opts: TrainOptions, model, cfg: LoopConfig, name: str, storage: Sto
 
 
 def _fit(trainer, watch: LaunchWatch, opts: TrainOptions, storage: Storage, name: str,
-         nodes: list[dict]):
+         nodes: list[dict], job: str):
     """trainer.fit() under the launch watch; a failure whose cause is known ends as that cause
     (one line), anything else propagates."""
     try:
         with watch:
             return trainer.fit()
     except Exception as e:
-        cause = failures.explain(e, storage=storage, name=name, workers=opts.num_workers,
-                                 bundle=worker_bundle(opts), nodes_at_start=nodes) \
+        from workloads.train import hangpolicy
+
+        cause = hangpolicy.too_many(hangpolicy.verdicts(job, name), opts.max_hangs) \
+            or failures.explain(e, storage=storage, name=name, workers=opts.num_workers,
+                                bundle=worker_bundle(opts), nodes_at_start=nodes) \
             or _root_cause(e)
         if cause is not None:
             raise cause from None

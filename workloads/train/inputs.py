@@ -210,7 +210,8 @@ def loop_config(opts: TrainOptions, model, hf_source: str | None, tokenizer: str
         offload_params=opts.offload_params,
         deepspeed_config=ds_config.load(opts.deepspeed_config),
         dataset_path=None if ray_dataset or opts.dataset in (None, "stdlib") else opts.dataset,
-        lora_merge=opts.lora_merge, hf_max_shard_bytes=opts.hf_shard_size)
+        lora_merge=opts.lora_merge, hf_max_shard_bytes=opts.hf_shard_size,
+        hang_floor_s=opts.hang_floor_s, hang_factor=opts.hang_factor)
 
 
 def check_deepspeed(opts: TrainOptions) -> None:

@@ -30,7 +30,7 @@ from rayfleet import catalog
 from workloads.common import runs
 from workloads.common.corpus import stdlib_corpus
 from workloads.common.model import GPT, GPTConfig
-from workloads.train import hf_model, strategies
+from workloads.train import hangwatch, hf_model, straggler, strategies
 from workloads.train.context import startup
 from workloads.train.data import ByteBlocks, ParquetRows, split_batch
 from workloads.train.engine import Engine
@@ -158,9 +158,10 @@ def _resume(cfg: LoopConfig, ctx: Context, engine: Engine) -> _Progress:
             pos.history = runs.read_history((d / runs.METRICS).read_text()) \
                 if (d / runs.METRICS).exists() else []
             for h in pos.history:
-                # Checkpoints from before the data-wait metric: unknown, not zero (and the
-                # CSV writer needs every row to carry the same columns).
-                h.setdefault("data_wait_frac", float("nan"))
+                # Checkpoints from before the data-wait and straggler metrics: unknown, not
+                # zero (and the CSV writer needs every row to carry the same columns).
+                for column in ("data_wait_frac", *straggler.COLUMNS):
+                    h.setdefault(column, float("nan"))
             if ctx.rank == 0:
                 print(f"[rayfleet] resumed from step {marker['step']} ({d.name})", flush=True)
     return pos
@@ -198,6 +199,8 @@ class _Run:
     pos: _Progress
     window: _Window
     notices: Any
+    watch: hangwatch.Watch
+    forward: straggler.ForwardClock
     tokens_per_step: int
     flops_per_token: float
     peak: float | None
@@ -211,9 +214,12 @@ def _log(run: _Run) -> None:
     elapsed = time.perf_counter() - window.t_last
     dt = elapsed / window.steps
     loss = torch.stack(window.losses).mean()
+    # Each rank's forward seconds ride in the loss's all_reduce: [loss, rank 0's, rank 1's..]
+    summed = torch.zeros(1 + ctx.world_size, dtype=loss.dtype, device=loss.device)
+    summed[0], summed[1 + ctx.rank] = loss, run.forward.take()
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-        loss = loss / ctx.world_size
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    loss = summed[0] / ctx.world_size
     tps = run.tokens_per_step / dt
     pos.metrics = metrics = {
         "step": pos.step, "epoch": pos.epoch, "loss": round(loss.item(), 5),
@@ -221,7 +227,8 @@ def _log(run: _Run) -> None:
         "tokens_per_s": round(tps, 1),
         "data_wait_frac": round(min(1.0, window.wait.seconds / elapsed), 5),
         "mfu": round(run.flops_per_token * tps / (run.peak * ctx.world_size), 4)
-        if run.peak else 0.0}
+        if run.peak else 0.0,
+        **straggler.slowest(summed[1:].tolist())}
     pos.history.append(metrics)
     ctx.export_metrics(metrics)
     window.losses = []
@@ -257,6 +264,7 @@ def _checkpoint(run: _Run, final: bool) -> None:
 def _after_step(run: _Run) -> bool:
     """Log and checkpoint as this step calls for; whether it was the last."""
     cfg, pos = run.cfg, run.pos
+    run.watch.stepped(pos.step)
     run.window.steps += 1
     is_final = pos.step >= cfg.max_steps
     # A spot notice for a node of this run: the same checkpoint, at this step.
@@ -268,7 +276,9 @@ def _after_step(run: _Run) -> bool:
     # ranks, and Train V2 drains each worker's one-slot result queue only when the
     # controller polls, so frequent reports stall training.
     if save:
+        run.watch.checkpointing()
         _checkpoint(run, is_final)
+        run.watch.checkpointed()
     if logged:
         # Step time and tokens/s measure training only; checkpoint time is not in them.
         run.window.restart()
@@ -321,8 +331,11 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
     peak = peak_flops(ctx.device)
     engine.model.train()
     window = _Window()
-    run = _Run(cfg, ctx, engine, model_cfg, pos, window, ctx.spot_notices(), tokens_per_step,
-               flops_per_token, peak)
+    watch = ctx.hang_watch(hangwatch.Settings(cfg.hang_floor_s, cfg.hang_factor)
+                           if cfg.hang_floor_s else None)
+    run = _Run(cfg, ctx, engine, model_cfg, pos, window, ctx.spot_notices(), watch,
+               straggler.ForwardClock(engine.strategy.unwrapped(), ctx.device),
+               tokens_per_step, flops_per_token, peak)
     pos.metrics = dict(pos.history[-1]) if pos.history else {}
     done = pos.step >= cfg.max_steps
     if done and ctx.rank == 0:

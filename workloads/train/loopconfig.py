@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from workloads.common.model import GPTConfig
-from workloads.train import preempt
+from workloads.train import hangwatch, preempt
 
 
 @dataclass
@@ -47,6 +47,10 @@ class LoopConfig:
     dataset_path: str | None = None   # a local Parquet dataset without Ray Data (torchrun)
     lora_merge: bool = False          # LoRA: the final checkpoint's hf/ has the adapter merged
     hf_max_shard_bytes: int | None = None   # the hf/ export's largest file (None: hf_io's)
+    # The hang watch (hangwatch.py): its floor in seconds (0: off, as under torchrun) and
+    # the factor over the longest gap between steps.
+    hang_floor_s: float = 0.0
+    hang_factor: float = 10.0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -64,4 +68,5 @@ class Context(Protocol):
     def latest_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]: ...
     def report(self, metrics: dict, checkpoint_dir: Path | None) -> None: ...
     def spot_notices(self) -> preempt.Notices: ...
+    def hang_watch(self, settings: hangwatch.Settings | None) -> hangwatch.Watch: ...
     def export_metrics(self, metrics: dict) -> None: ...

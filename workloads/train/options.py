@@ -15,6 +15,7 @@ from rayfleet.errors import ConfigError
 from workloads.common.hf import is_hf_spec
 from workloads.common.model import PRESETS, GPTConfig
 from workloads.common.storage import default_root
+from workloads.train import hangwatch
 from workloads.train.hf_model import ALL_LINEAR
 from workloads.train.loop import STRATEGIES
 
@@ -122,6 +123,19 @@ class TrainOptions:
     max_failures: int = flag(
         "run", type=at_least(-1), default=3,
         help="worker-group restarts before the run fails (FailureConfig; -1: retry forever)")
+    max_hangs: int = flag(
+        "run", type=at_least(-1), default=3,
+        help="worker-group restarts after a hung rank, counted apart from --max-failures "
+             "(-1: forever)")
+    hang_floor_s: float = flag(
+        "run", type=float, default=hangwatch.DEFAULT_FLOOR_S, metavar="SECONDS",
+        help="a run in which no rank advances for max(SECONDS, --hang-factor x its longest "
+             f"step) is hung: the group ends and resumes (default {hangwatch.DEFAULT_FLOOR_S:g}; "
+             f"at least {hangwatch.MIN_FLOOR_S:g}; 0 turns the watch off)")
+    hang_factor: float = flag(
+        "run", type=float, default=hangwatch.DEFAULT_FACTOR,
+        help="the hang bound's multiple of the longest gap between steps (or checkpoints) "
+             f"seen (default {hangwatch.DEFAULT_FACTOR:g}, at least {hangwatch.MIN_FACTOR:g})")
     corpus_bytes: int = flag("run", type=int, default=None)
     dataset: str | None = flag(
         "run", default=None,
@@ -238,6 +252,15 @@ def check_values(opts: TrainOptions) -> None:
     if not 0 < opts.lr < math.inf:
         raise ConfigError("--lr", f"must be a positive finite number, got {opts.lr}; the "
                                   f"default is {defaults['lr']:g}")
+    if not (opts.hang_floor_s == 0 or hangwatch.MIN_FLOOR_S <= opts.hang_floor_s < math.inf):
+        raise ConfigError("--hang-floor-s", f"must be 0 (no watch) or at least "
+                                            f"{hangwatch.MIN_FLOOR_S:g} seconds, got "
+                                            f"{opts.hang_floor_s:g}: a shorter bound would "
+                                            "end healthy runs between two beats")
+    if not hangwatch.MIN_FACTOR <= opts.hang_factor < math.inf:
+        raise ConfigError("--hang-factor", f"must be at least {hangwatch.MIN_FACTOR:g}, got "
+                                           f"{opts.hang_factor:g}: the bound must exceed the "
+                                           "steps it judges")
     if opts.gpu_memory_gib is not None and not 0 < opts.gpu_memory_gib < math.inf:
         raise ConfigError("--gpu-memory-gib", f"must be more than 0, got {opts.gpu_memory_gib}")
     if opts.name is not None and not RUN_NAME.fullmatch(opts.name):

@@ -11,6 +11,7 @@ import time
 from rayfleet.errors import ConfigError
 from workloads.common import runs
 from workloads.common.storage import Storage
+from workloads.train import hangwatch, straggler
 
 
 def chosen_submission_id() -> str | None:
@@ -100,7 +101,7 @@ def check_run(storage: Storage, name: str, identity: dict, max_steps: int,
 
 
 def summarize(result, storage: Storage, name: str, started: float, global_batch: int,
-              cfg) -> dict:
+              cfg, hangs: list[dict] = ()) -> dict:
     # Train V2: result.metrics is None when the last report carried no checkpoint, so fall
     # back to the metrics of the latest checkpoint, then to rank 0's return value.
     metrics = result.metrics or {}
@@ -120,7 +121,11 @@ def summarize(result, storage: Storage, name: str, started: float, global_batch:
            "first_loss": history[0]["loss"] if history else None,
            "tokens_per_s": metrics.get("tokens_per_s"), "mfu": metrics.get("mfu"),
            "global_batch": global_batch, "wall_s": round(time.time() - started, 1),
-           "metrics_csv": None, "loss_png": None, "hf_export": None, "adapter_export": None}
+           "metrics_csv": None, "loss_png": None, "hf_export": None, "adapter_export": None,
+           # The worker groups a hung rank ended (hangwatch.py), and the ranks the metrics
+           # show consistently slower than the others (straggler.py).
+           "hangs": [hangwatch.describe(v) for v in hangs],
+           "stragglers": straggler.named(history)}
     lora = bool((getattr(cfg, "model", None) or {}).get("lora"))
     if ckpt_path and getattr(cfg, "tokenizer", None) and (not lora or cfg.lora_merge):
         # Hugging Face runs: the final checkpoint's hf/ folder (from_pretrained, lm, vLLM).
@@ -150,6 +155,9 @@ def format_summary(s: dict) -> str:
           if s.get("hf_export") else []),
         *([f"  adapter       {s['adapter_export']}  (PeftModel.from_pretrained, lm, vLLM)"]
           if s.get("adapter_export") else []),
+        *([f"  hung          {h}" for h in s["hangs"]] if s.get("hangs") else []),
+        *([f"  stragglers    {straggler.describe(s['stragglers'])}"]
+          if s.get("stragglers") else []),
         f"  metrics       {s['metrics_csv']}",
         f"  loss curve    {s['loss_png']}",
     ]

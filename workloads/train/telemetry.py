@@ -12,6 +12,11 @@ GAUGES = {
     "data_wait_frac": ("rayfleet_train_data_wait_frac",
                        "Fraction of step time spent waiting for the next batch"),
     "step": ("rayfleet_train_step", "Optimizer steps done"),
+    "slowest_rank": ("rayfleet_train_slowest_rank",
+                     "The rank with the longest forward pass in the last log interval"),
+    "slowest_ratio": ("rayfleet_train_slowest_ratio",
+                      "The slowest rank's forward time over the other ranks' median (a "
+                      "straggler from 1.5)"),
 }
 TAG_KEYS = ("run",)
 
@@ -28,5 +33,6 @@ class Telemetry:
 
     def export(self, metrics: dict) -> None:
         for key, gauge in self._gauges.items():
-            if metrics.get(key) is not None:
-                gauge.set(float(metrics[key]), tags=self._tags)
+            value = metrics.get(key)
+            if value is not None and value == value:   # NaN: unknown (one rank), not set
+                gauge.set(float(value), tags=self._tags)
