@@ -1,10 +1,12 @@
-"""Training faults (faults 1, 2, 4, 5 of docs/faults.md) on real local Ray clusters.
+"""Training faults (faults 1, 2, 4, 5 and 11 of docs/faults.md) on real local Ray clusters.
 
+11. A rank SIGSTOPped mid-run (hung, not dead): the other rank's hang watch names it, ends
+   the worker group, and the new group resumes from the latest checkpoint.
 1. A Ray Train worker killed mid-run: FailureConfig restarts the worker group, which resumes
    from the latest checkpoint and redoes at most one checkpoint interval.
 2. The job driver killed: resubmitting the same job resumes from the checkpoint in storage.
-   Faults 1 and 2 land on one job, one after the other (a Ray Train start fewer on 2 cores),
-   which ends where an uninterrupted run with the same seed ends.
+   Faults 11, 1 and 2 land on one job, one after the other (Ray Train starts fewer on 2
+   cores), which ends where an uninterrupted run with the same seed ends.
 4. S3 cut while a checkpoint is written: one line naming the storage; the partial upload is
    never resumed from; a damaged latest checkpoint is refused without touching storage.
 5. A worker node of a two-node cluster lost: the run fails in one line naming the lost
@@ -33,23 +35,29 @@ from workloads.common.storage import resolve
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray, pytest.mark.slow]
 
-ARGS = ["--smoke-test", "--model", "small", "--max-steps", "60", "--checkpoint-every", "10",
-        "--log-every", "5", "--seed", "7"]
+STEPS = 80
+ARGS = ["--smoke-test", "--model", "small", "--max-steps", str(STEPS), "--checkpoint-every",
+        "10", "--log-every", "5", "--seed", "7"]
+HANG_FLOOR_S = 10   # hangwatch.MIN_FLOOR_S: the test's steps take ~0.1 s
 
 
-def test_killed_worker_then_killed_driver_resume_to_the_uninterrupted_loss(ray_cluster,
-                                                                           tmp_path):
-    """Faults 1 and 2 on one job, each landing mid-run. `ray job submit` (its log streams the
-    workers' lines): a Ray Train worker is SIGKILLed once a checkpoint is registered; the
-    restarted worker group resumes from it. Once that group has registered a checkpoint of its
-    own, the job driver is SIGKILLed (the harshest stop: no cleanup) and the job ends unfinished;
-    the same command submitted again resumes from storage and finishes, with no second start.
-    The run ends at the loss of an uninterrupted run with the same seed, to the last digit: a
-    resume that lost the optimizer's moments, the RNG or the data position, at either fault,
-    lands elsewhere."""
+def test_hung_rank_killed_worker_then_killed_driver_resume_to_the_uninterrupted_loss(
+        ray_cluster, tmp_path):
+    """Faults 11, 1 and 2 on one job, each landing mid-run. `ray job submit` (its log streams
+    the workers' lines): rank 0 is SIGSTOPped once a checkpoint is registered (a hung rank: its
+    process lives, Ray's health check would wait 10 minutes); rank 1's hang watch names it and
+    the group restarts from the latest checkpoint, the hang counted apart from --max-failures.
+    Once that group has registered a checkpoint, its rank 0 is SIGKILLed; the restarted group
+    resumes from the latest checkpoint. Once that group has registered a checkpoint of its own,
+    the job driver is SIGKILLed (the harshest stop: no cleanup) and the job ends unfinished; the
+    same command submitted again resumes from storage and finishes, with no second start. The
+    run ends at the loss of an uninterrupted run with the same seed, to the last digit: a resume
+    that lost the optimizer's moments, the RNG or the data position, at any fault, lands
+    elsewhere."""
     name = "killed"
     entry = ["python", "-m", "workloads.train", *ARGS, "--name", name,
-             "--storage-path", str(tmp_path)]
+             "--storage-path", str(tmp_path), "--hang-floor-s", str(HANG_FLOOR_S),
+             "--max-failures", "1"]
     submit = [str(BIN / "ray"), "job", "submit", "--working-dir", "."]
     first_id = f"rf-fault12-{uuid.uuid4().hex[:8]}"
     run([*submit, "--no-wait", "--submission-id", first_id, "--", *entry],
@@ -58,27 +66,39 @@ def test_killed_worker_then_killed_driver_resume_to_the_uninterrupted_loss(ray_c
     snapshot = _file_reader(storage, name)
     # The job's log (the driver's output with the workers' lines), read through the Jobs REST
     # API as it grows (`ray job submit`'s own log stream can close while the job runs on).
-    # Fault 1: kill a worker only once Ray Train has registered a checkpoint: one reported but
-    # not yet registered by the controller is not resumed from (the restart would start at
-    # step 0, which is Ray's behaviour, not a kit fault). Fault 2: once the restarted group has
+    # Fault 11, then fault 1: stop, then kill, a worker only once Ray Train has registered a
+    # checkpoint (of the group that runs): one reported but not yet registered by the
+    # controller is not resumed from (the restart would start further back, which is Ray's
+    # behaviour, not a kit fault). Fault 2: once the group restarted after the kill has
     # registered a checkpoint after the one it resumed from, kill the driver.
+    stopped: dict = {}
+    verdict = hang_resumed = None
     killed_pid = last_step_at_kill = registered = resumed = driver = None
     text, done = "", 0
-    deadline = time.time() + 300
+    deadline = time.time() + 400
     while driver is None and time.time() < deadline:
         text = _job_logs(ray_cluster, first_id)
         lines, done = text[done:text.rfind("\n") + 1].splitlines(), text.rfind("\n") + 1
+        latest = (_latest_registered(snapshot, "metrics") or {}).get("step") or 0
         for line in lines:
             m = re.search(r"RayTrainWorker pid=(\d+).*\[rayfleet\] step (\d+)/", line)
-            if (m and killed_pid is None and int(m.group(2)) >= 15 and (registered := (
-                    _latest_registered(snapshot, "metrics") or {}).get("step"))):
+            if m and not stopped and int(m.group(2)) >= 15 and latest:
+                stopped = {"pid": int(m.group(1)), "step": int(m.group(2)),
+                           "registered": latest, "at": time.monotonic()}
+                os.kill(stopped["pid"], signal.SIGSTOP)
+            if "[rayfleet] hung: " in line and stopped and verdict is None:
+                verdict = (line, time.monotonic())
+            r = re.search(r"\[rayfleet\] resumed from step (\d+)", line)
+            if r and verdict and hang_resumed is None:
+                hang_resumed = (int(r.group(1)), time.monotonic())
+            elif (m and hang_resumed and killed_pid is None and int(m.group(1)) != stopped["pid"]
+                  and latest > hang_resumed[0]):
+                registered = latest
                 killed_pid, last_step_at_kill = int(m.group(1)), int(m.group(2))
                 os.kill(killed_pid, signal.SIGKILL)
-            r = re.search(r"\[rayfleet\] resumed from step (\d+)", line)
-            if r and killed_pid is not None and resumed is None:
+            elif r and killed_pid is not None and resumed is None:
                 resumed = int(r.group(1))
-        if resumed is not None and ((_latest_registered(snapshot, "metrics") or {})
-                                    .get("step") or 0) > resumed:
+        if resumed is not None and latest > resumed:
             driver = {"registered": _latest_registered(snapshot),
                       "step": _latest_registered(snapshot, "metrics")["step"],
                       "pids": _driver_pids(str(tmp_path))}
@@ -87,6 +107,24 @@ def test_killed_worker_then_killed_driver_resume_to_the_uninterrupted_loss(ray_c
         elif _job_status(ray_cluster, first_id) not in ("PENDING", "RUNNING"):
             break
         time.sleep(0.2)
+    # Fault 11: the stopped rank named by the other's watch (its pid, its node) within the
+    # bound and a few beats; the new group resumed from the checkpoint registered when it
+    # stopped (or a later one), at most one checkpoint interval back.
+    assert stopped and verdict, "no hang verdict:\n" + text[-3000:]
+    assert re.search(rf"\[rayfleet\] hung: no rank advanced for [\d.]+ s past step \d+ \(bound "
+                     rf"[\d.]+ s: [^)]*\): rank 0 on [\d.]+ \(node \w+\) \(pid {stopped['pid']}\) "
+                     rf"at step \d+ stopped answering; ending the worker group", verdict[0]), \
+        verdict[0]
+    noticed_s = verdict[1] - stopped["at"]
+    bound_s = float(re.search(r"\(bound ([\d.]+) s", verdict[0]).group(1))
+    assert noticed_s < bound_s + 10, (noticed_s, verdict[0])
+    assert hang_resumed, text[-3000:]
+    assert stopped["registered"] <= hang_resumed[0] <= stopped["step"], (stopped, hang_resumed)
+    assert stopped["step"] - hang_resumed[0] <= 10, (stopped, hang_resumed)
+    measured = {"noticed_s": round(noticed_s, 1), "bound_s": bound_s,
+                "resumed_s": round(hang_resumed[1] - stopped["at"], 1),
+                "steps_redone": stopped["step"] - hang_resumed[0]}
+    print(f"fault 11 measured: {json.dumps(measured)}", flush=True)
     assert killed_pid is not None, "the run ended before a worker could be killed:\n" + text[-3000:]
     assert resumed is not None, text[-3000:]
     # Resumed from the checkpoint registered when the worker died (or a later one that
@@ -110,19 +148,21 @@ def test_killed_worker_then_killed_driver_resume_to_the_uninterrupted_loss(ray_c
     assert second.returncode == 0, out2[-4000:]
     again = re.search(r"resuming from step (\d+) \((\S+)\)", out2)
     # Mid-run: the killed driver had not finished (else this would be "already complete").
-    assert again and driver["step"] <= int(again.group(1)) < 60, out2[-3000:]
+    assert again and driver["step"] <= int(again.group(1)) < STEPS, out2[-3000:]
     assert Path(again.group(2)).name >= driver_ckpt  # that checkpoint or a later one
     assert f"[rayfleet] resumed from step {again.group(1)}" in out2  # the workers did too
-    # What the run left in storage: its final checkpoint is step 60, and its metrics.csv ends
+    # What the run left in storage: its final checkpoint is the last step, and its metrics.csv ends
     # at the loss the job's summary printed.
     final = runs.check_latest_checkpoint(storage, name)
-    assert final["final"] and final["step"] == 60, final
+    assert final["final"] and final["step"] == STEPS, final
     final_loss = runs.read_metrics(storage, name)[-1]["loss"]
     s = summary_of(second.stdout)
-    assert s["steps"] == 60 and s["final_loss"] == final_loss, (s, final_loss)
+    assert s["steps"] == STEPS and s["final_loss"] == final_loss, (s, final_loss)
+    # The hang and its restart are the first job's: the second's summary saw none.
+    assert s["hangs"] == [], s
     # No second start: the resubmitted job trained only the steps after its checkpoint (a
     # restart from 0 would log step 5 again).
-    logged = [int(n) for n in re.findall(r"\[rayfleet\] step (\d+)/60", second.stdout)]
+    logged = [int(n) for n in re.findall(rf"\[rayfleet\] step (\d+)/{STEPS}", second.stdout)]
     assert logged and min(logged) > int(again.group(1)), (logged, again.group(1))
 
     # The uninterrupted reference: the same loop, seed and world size under plain torchrun
@@ -137,7 +177,7 @@ def test_killed_worker_then_killed_driver_resume_to_the_uninterrupted_loss(ray_c
     # The reference's result is its final checkpoint (torchrun writes the same layout).
     last = runs.local_checkpoints(tmp_path / "clean")[-1]
     reference = runs.validate(last)
-    assert reference["step"] == 60 and reference["world_size"] == 2, reference
+    assert reference["step"] == STEPS and reference["world_size"] == 2, reference
     reference_loss = runs.read_history((last / runs.METRICS).read_text())[-1]["loss"]
     assert summary_of(clean.stdout)["loss"] == reference_loss
     assert final_loss == pytest.approx(reference_loss, abs=2e-3), (final_loss, reference_loss)
