@@ -133,7 +133,8 @@ def workloads(ray_cluster, prometheus, tmp_path_factory):
     storage = tmp_path_factory.mktemp("metrics-runs")
     train = subprocess.Popen(
         [str(BIN / "python"), "-m", "workloads.train", "--smoke-test", "--max-steps", str(STEPS),
-         "--num-workers", "1", "--name", RUN, "--storage-path", str(storage)],
+         # Two ranks: the slowest rank's gauges need another to compare with.
+         "--num-workers", "2", "--name", RUN, "--storage-path", str(storage)],
         env=ray_cluster["env"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
     try:
@@ -169,6 +170,9 @@ def test_training_loss_and_tokens_per_s_are_in_prometheus(prometheus, workloads)
              lambda r: float(r[0]["value"][1]) == float(last["tokens_per_s"]))
     wait_for(prometheus["url"], f"ray_rayfleet_train_step{run_filter}",
              lambda r: float(r[0]["value"][1]) == STEPS)
+    # The straggler measure: the last window's slowest rank over the others' median.
+    wait_for(prometheus["url"], f"ray_rayfleet_train_slowest_ratio{run_filter}",
+             lambda r: float(r[0]["value"][1]) == float(last["slowest_ratio"]))
 
 
 def test_status_says_where_prometheus_is(ray_cluster, prometheus):
@@ -235,4 +239,4 @@ def test_every_kit_dashboard_panel_is_valid_promql(prometheus, workloads):
             if expr.startswith("sum by (proxy) (rate(haproxy_backend"):  # the ingress panel
                 assert {"proxy": "http-echo"} in [r["metric"] for r in data["result"]], data
             seen += 1
-    assert seen == sum(len(p["targets"]) for p in dashboard["panels"]) == 10
+    assert seen == sum(len(p["targets"]) for p in dashboard["panels"]) == 12
