@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 from bench import ArgumentParser, at_least, command, machine
@@ -43,7 +44,8 @@ BEGIN, END = "<!-- spot-section -->", "<!-- /spot-section -->"
 AGENT = REPO / "rayfleet" / "agents" / "spot.py"
 CHECKPOINT_EVERY = 20
 STEP = re.compile(r"\[rayfleet\] step (\d+)/\d+ ")
-NOTICE = re.compile(r"\[rayfleet\] spot notice on .*: checkpoint at step (\d+)")
+NOTICE = re.compile(r"\[rayfleet\] (?:spot notice|Capacity Block end) on .*: checkpoint at "
+                    r"step (\d+)")
 RESUMED = re.compile(r"\[rayfleet\] resumed from step (\d+)")
 
 
@@ -80,7 +82,8 @@ class StandInImds:
                     imds.unauthorized += 1
                     return self._send(401)
                 doc = imds.docs.get(self.path)
-                self._send(404) if doc is None else self._send(200, json.dumps(doc).encode())
+                body = doc if isinstance(doc, str) else json.dumps(doc)   # text or a document
+                self._send(404) if doc is None else self._send(200, body.encode())
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -90,6 +93,64 @@ class StandInImds:
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + in_s))
         self.docs["/latest/meta-data/spot/instance-action"] = {"action": action, "time": when}
         return when
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class StandInEc2:
+    """EC2's query API on 127.0.0.1 for the one call the spot agent makes on a Capacity Block
+    node, DescribeCapacityReservations, answered in EC2's XML (boto3 parses it as EC2's) for
+    the block set here; another action or id is refused as EC2 refuses it."""
+
+    BLOCK = "cr-0b10c0000000000e1"
+    LEAD_S = 30 * 60   # EC2 terminates a block's instances from 30 minutes before its end
+
+    def __init__(self):
+        self.end = int(time.time()) + 10 * 3600   # a block with hours left
+        self.calls = 0
+        ec2 = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
+                form = dict(urllib.parse.parse_qsl(body))
+                ec2.calls += 1
+                if (form.get("Action"), form.get("CapacityReservationId.1")) != (
+                        "DescribeCapacityReservations", ec2.BLOCK):
+                    return self._send(400, "<Response><Errors><Error><Code>InvalidRequest"
+                                           "</Code><Message>not served here</Message></Error>"
+                                           "</Errors><RequestID>0</RequestID></Response>")
+                end = time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(ec2.end))
+                self._send(200, f"""<?xml version="1.0" encoding="UTF-8"?>
+<DescribeCapacityReservationsResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/">
+<requestId>0</requestId><capacityReservationSet><item>
+<capacityReservationId>{ec2.BLOCK}</capacityReservationId><instanceType>p5.48xlarge</instanceType>
+<state>active</state><reservationType>capacity-block</reservationType><endDate>{end}</endDate>
+</item></capacityReservationSet></DescribeCapacityReservationsResponse>""")
+
+            def _send(self, code: int, text: str) -> None:
+                body = text.encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "text/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def end_block(self, in_s: float = 120) -> str:
+        """The block now ends so that EC2 starts terminating in_s from now (whole seconds);
+        returns that time, as the agent's notice names it."""
+        stop = int(time.time() + in_s)
+        self.end = stop + self.LEAD_S
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(stop))
 
     def close(self) -> None:
         self.server.shutdown()
@@ -228,14 +289,26 @@ def max_step(lines: list[str]) -> int:
 
 def run_scenario(cluster: dict, root: Path, notice_at: int | None, kill_at: int,
                  max_steps: int, checkpoint_every: int = CHECKPOINT_EVERY,
-                 agent_poll_s: float = 0.5) -> dict:
+                 agent_poll_s: float = 0.5, trigger: str = "spot") -> dict:
     """One run on `cluster` (two_node_cluster's): the spot agent for its second node, the
     notice at step notice_at (None: never), the node killed at step >= kill_at; then the
-    resumed run to the end. Returns what happened, with the logs."""
-    env, imds = cluster["env"], StandInImds()
+    resumed run to the end. The notice is EC2's: a spot interruption (trigger "spot"), or
+    the second node's Capacity Block moved to end 30 minutes and a moment from now ("block":
+    the node is in a block, EC2 its stand-in). Returns what happened, with the logs."""
+    env, imds, ec2 = cluster["env"], StandInImds(), StandInEc2()
     node_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
     node_env.update(AWS_EC2_METADATA_SERVICE_ENDPOINT=imds.url, PYTHONUNBUFFERED="1")
-    name = "spot" if notice_at else "no-notice"
+    block_args = []
+    if trigger == "block":
+        imds.docs["/latest/meta-data/placement/region"] = "us-east-1"
+        (root / "capacity-block").write_text(ec2.BLOCK + "\n")
+        # The agent's EC2 calls go to the stand-in, with keys of no account (never IMDS's).
+        node_env.update(AWS_ENDPOINT_URL_EC2=ec2.url, AWS_ACCESS_KEY_ID="stand-in",
+                        AWS_SECRET_ACCESS_KEY="stand-in")
+        block_args = ["--block-file", str(root / "capacity-block"), "--block-reread-s",
+                      str(agent_poll_s), "--block-margin-s", "600"]
+    fire = ec2.end_block if trigger == "block" else imds.interrupt
+    name = trigger if notice_at else "no-notice"
     # The run as it is in storage, read through the run store: the checkpoint Ray Train has
     # registered (what a restart resumes from) and, at the end, the run's metrics.csv.
     storage = resolve(str(root / "runs"), check_writable=False)
@@ -248,7 +321,7 @@ def run_scenario(cluster: dict, root: Path, notice_at: int | None, kill_at: int,
         held = Lines(hold)
         agent = subprocess.Popen(
             [str(BIN / "python"), str(AGENT), "--poll-s", str(agent_poll_s),
-             "--ray-temp-dir", cluster["worker_temp_dir"]], env=node_env, text=True,
+             "--ray-temp-dir", cluster["worker_temp_dir"], *block_args], env=node_env, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(agent)
         agent_log = Lines(agent)
@@ -271,7 +344,7 @@ def run_scenario(cluster: dict, root: Path, notice_at: int | None, kill_at: int,
             wait(f"step {notice_at}", lambda: max_step(out.lines) >= notice_at, [out])
             rec["notice_step_logged"] = max_step(out.lines)
             flipped = time.time()
-            rec["deadline"] = imds.interrupt()
+            rec["deadline"] = fire()
             rec["checkpoint_step"] = int(wait("the notice's checkpoint", lambda: out.find(
                 NOTICE), [out]).group(1))
             rec["notice_to_checkpoint_s"] = round(time.time() - flipped, 2)
@@ -299,6 +372,7 @@ def run_scenario(cluster: dict, root: Path, notice_at: int | None, kill_at: int,
         rec["redone_s"] = round(rec["redone_steps"] * rec["step_ms"] / 1000, 2) \
             if step_s else None
         rec["imds_unauthorized"] = imds.unauthorized
+        rec["ec2_calls"] = ec2.calls
         rec["train_log"], rec["agent_log"] = out.text(), agent_log.text()
         return rec
     finally:
@@ -310,6 +384,7 @@ def run_scenario(cluster: dict, root: Path, notice_at: int | None, kill_at: int,
                 if p.poll() is None:
                     p.kill()
         imds.close()
+        ec2.close()
 
 
 def summarize(with_notice: dict, without: dict) -> dict:

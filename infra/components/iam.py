@@ -83,6 +83,14 @@ class Iam(pulumi.ComponentResource):
                                          policy_arn=ssm_core, opts=child)
         aws.iam.RolePolicy(f"{name}-head-autoscaler", role=self.head_role.name,
                            policy=_autoscaler_policy(args, self.worker_role.arn), opts=child)
+        if args.capacity_reservations:
+            # A Capacity Block's workers read its end (rayfleet/agents/spot.py): EC2 starts
+            # terminating them 30 minutes before it. Describe actions take no resource scope.
+            aws.iam.RolePolicy(f"{name}-worker-reservations", role=self.worker_role.name,
+                               policy=json.dumps({"Version": "2012-10-17", "Statement": [{
+                                   "Sid": "ReadTheBlocksEnd", "Effect": "Allow",
+                                   "Action": "ec2:DescribeCapacityReservations",
+                                   "Resource": "*"}]}), opts=child)
 
         self.head_profile = aws.iam.InstanceProfile(f"{name}-head", role=self.head_role.name,
                                                     opts=child)

@@ -10,6 +10,14 @@ their next step boundary), then the node is drained through Ray with reason pree
 the notice's time as deadline, so no new work lands on it and Ray Train counts its loss as a
 preemption (FailureConfig.max_preemption_failures), not a failure.
 
+Capacity Block end: on a node of a Capacity Block (render writes the block's reservation id to
+BLOCK_FILE on its node type's nodes), EC2 terminates the block's instances from BLOCK_LEAD_S
+(30 minutes) before its end. The agent reads the block's EndDate from EC2
+(DescribeCapacityReservations, with the instance role; again every --block-reread-s, as a
+block can be extended) and, --block-margin-s before EC2 starts terminating, handles a notice of kind
+capacity-block-end as an interruption: published, then drained with EC2's termination start as
+the deadline. Ray Train then resumes the run on the nodes the stack's order gives next.
+
 Rebalance recommendation (events/recommendations/rebalance): published only, no drain. It is
 an early, uncertain signal (minutes to hours ahead, often never followed by an interruption):
 a checkpoint is cheap, but a drained node idles its GPUs, and Ray Train 2.60 restarts a run
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import signal
 import sys
@@ -43,6 +52,10 @@ IMDS_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # botocore's variable
 TOKEN_TTL_S = 21600
 INSTANCE_ACTION = "/latest/meta-data/spot/instance-action"
 REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
+REGION_PATH = "/latest/meta-data/placement/region"
+BLOCK_FILE = "~/.rayfleet/capacity-block"   # the node's Capacity Block id, when it is in one
+BLOCK_LEAD_S = 30 * 60      # EC2 starts terminating a block's instances this long before its end
+BLOCK_REREAD_S = 600
 DRAIN_REASON_PREEMPTION = 2  # autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION
 
 
@@ -74,6 +87,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ray-temp-dir", default="/tmp/ray", metavar="DIR",
                    help="this node's Ray temp dir: its raylet socket names the node "
                    "(default /tmp/ray)")
+    p.add_argument("--block-margin-s", type=float, default=300.0, metavar="SECONDS",
+                   help="on a Capacity Block, drain this long before EC2 starts terminating "
+                   "its instances, 30 minutes before the block ends (default 300)")
+    p.add_argument("--block-reread-s", type=float, default=BLOCK_REREAD_S, metavar="SECONDS",
+                   help="how often the block's end is read again from EC2: an extended block "
+                   f"ends later (default {BLOCK_REREAD_S})")
+    p.add_argument("--block-file", default=BLOCK_FILE, metavar="PATH",
+                   help=f"where this node's Capacity Block id is, if it is in one (default "
+                   f"{BLOCK_FILE})")
     p.add_argument("--node-id", default=None, metavar="HEX",
                    help="this node's Ray node id (default: the node whose raylet socket is "
                    "under --ray-temp-dir)")
@@ -81,6 +103,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     if not a.poll_s > 0:
         raise BadArgs(f"--poll-s must be > 0 seconds, got {a.poll_s:g}")
+    if not a.block_reread_s > 0:
+        raise BadArgs(f"--block-reread-s must be > 0 seconds, got {a.block_reread_s:g}")
+    if not 0 <= a.block_margin_s < BLOCK_LEAD_S:
+        raise BadArgs(f"--block-margin-s must be 0 or more and under {BLOCK_LEAD_S} s (the "
+                      f"block's last {BLOCK_LEAD_S // 60} minutes are EC2's), got "
+                      f"{a.block_margin_s:g}")
     a.imds = (a.imds or os.environ.get(IMDS_ENV) or IMDS_DEFAULT).rstrip("/")
     if not a.imds.startswith(("http://", "https://")):
         raise BadArgs(f"metadata endpoint must be an http:// URL, got {a.imds!r}")
@@ -122,12 +150,17 @@ class Imds:
 
     def get_json(self, path: str) -> dict | None:
         """The document at path, or None on 404 (no such notice)."""
+        text = self.get_text(path)
+        return None if text is None else json.loads(text)
+
+    def get_text(self, path: str) -> str | None:
+        """The value at path, or None on 404."""
         for attempt in (1, 2):
             req = urllib.request.Request(self.endpoint + path,
                                          headers={"X-aws-ec2-metadata-token": self._token()})
             try:
                 with self.opener.open(req, timeout=self.timeout) as r:
-                    return json.loads(r.read())
+                    return r.read().decode()
             except urllib.error.HTTPError as e:
                 if e.code == 404:
                     return None
@@ -161,6 +194,58 @@ def read_notices(imds: Imds) -> list[dict]:
         out.append({"kind": "rebalance", "time": rebalance.get("noticeTime"),
                     "deadline_ms": None, "key": f"rebalance/{rebalance.get('noticeTime')}"})
     return out
+
+
+def iso_ms(ms: int) -> str:
+    return datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc).strftime(
+        "%Y-%m-%dT%H:%M:%SZ")
+
+
+class Block:
+    """This node's Capacity Block, if it is in one: its end, read from EC2. `ec2(region)` gives
+    a boto3 EC2 client (the instance role's credentials; AWS_ENDPOINT_URL_EC2 where set)."""
+
+    def __init__(self, args: argparse.Namespace, imds: Imds, ec2=None):
+        self.margin_s, self.reread_s, self.imds = args.block_margin_s, args.block_reread_s, imds
+        path = Path(args.block_file).expanduser()
+        self.id = path.read_text().strip() if path.is_file() else None
+        self._ec2 = ec2 or _boto3_ec2
+        self.end_ms: int | None = None
+        self.read_at = -math.inf
+
+    def notice(self, now: float) -> dict | None:
+        """The block-end notice once it is due, else None; reads EC2 when the last read is
+        --block-reread-s old (raises what EC2 raises: the caller says it and retries)."""
+        if self.id is None:
+            return None
+        if now - self.read_at >= self.reread_s or self.end_ms is None:
+            self.end_ms = self._read_end()
+            self.read_at = now
+        stop_ms = self.end_ms - BLOCK_LEAD_S * 1000
+        if now * 1000 < stop_ms - self.margin_s * 1000:
+            return None
+        return {"kind": "capacity-block-end", "action": "terminate", "time": iso_ms(stop_ms),
+                "deadline_ms": stop_ms, "reservation": self.id, "ends": iso_ms(self.end_ms),
+                "key": f"block/{self.id}/{self.end_ms}"}
+
+    def drain_at(self) -> str:
+        return iso_ms(self.end_ms - int((BLOCK_LEAD_S + self.margin_s) * 1000))
+
+    def _read_end(self) -> int:
+        region = self.imds.get_text(REGION_PATH) or os.environ.get("AWS_DEFAULT_REGION")
+        (r,) = self._ec2(region).describe_capacity_reservations(
+            CapacityReservationIds=[self.id])["CapacityReservations"]
+        if r.get("ReservationType") != "capacity-block" or not r.get("EndDate"):
+            raise ValueError(f"{self.id} is not a Capacity Block with an end date")
+        end = r["EndDate"]
+        return int(end.timestamp() * 1000) if isinstance(end, datetime.datetime) \
+            else parse_time_ms(str(end))
+
+
+def _boto3_ec2(region: str | None):
+    import boto3
+
+    return boto3.client("ec2", region_name=region)
 
 
 # -- Ray --------------------------------------------------------------------------------------
@@ -207,18 +292,23 @@ class Ray:
                                  KV_NAMESPACE, timeout=10)
 
     def drain(self, notice: dict) -> tuple[bool, str]:
-        return self.gcs.drain_node(self.node_id, DRAIN_REASON_PREEMPTION,
-                                   f"spot interruption notice: {notice['action']} at "
-                                   f"{notice['time']}", notice["deadline_ms"] or 0)
+        why = (f"Capacity Block {notice['reservation']} ends at {notice['ends']}: EC2 "
+               f"terminates from {notice['time']}" if notice["kind"] == "capacity-block-end"
+               else f"spot interruption notice: {notice['action']} at {notice['time']}")
+        return self.gcs.drain_node(self.node_id, DRAIN_REASON_PREEMPTION, why,
+                                   notice["deadline_ms"] or 0)
 
 
 # -- the watch loop ---------------------------------------------------------------------------
 
-def watch(args: argparse.Namespace, stop: threading.Event) -> None:
+def watch(args: argparse.Namespace, stop: threading.Event, ec2=None) -> None:
     imds, ray = Imds(args.imds), Ray(args)
+    block = Block(args, imds, ec2)
+    block_said = None                    # the block end last said
     handled: dict[str, set[str]] = {}   # notice key -> steps done ("published", "drained")
     said = ""                            # the last waiting/failing line, said once
-    log(f"watching {args.imds} every {args.poll_s:g} s")
+    log(f"watching {args.imds} every {args.poll_s:g} s" + (
+        f", and Capacity Block {block.id}" if block.id else ""))
 
     def once(line: str) -> None:
         nonlocal said
@@ -234,6 +324,16 @@ def watch(args: argparse.Namespace, stop: threading.Event) -> None:
             notices = None
         if notices is not None and said.startswith("metadata service unreachable"):
             once("metadata service reachable again")
+        if notices is not None and block.id:
+            try:
+                due = block.notice(time.time())
+                notices.extend([due] if due else [])
+                if block.end_ms != block_said:   # at the first read, and when it moves
+                    block_said = block.end_ms
+                    log(f"Capacity Block {block.id} ends at {iso_ms(block.end_ms)}; this "
+                        f"node drains at {block.drain_at()}")
+            except Exception as e:  # EC2 away or refusing: said once, read again next poll
+                once(f"Capacity Block {block.id}: its end could not be read ({e}); retrying")
         if not ray.node_ip:
             # Found once: a node id never changes while its raylet lives (a new raylet is
             # a new node, with a new agent from its start commands).
@@ -251,9 +351,10 @@ def watch(args: argparse.Namespace, stop: threading.Event) -> None:
 
 
 def handle(ray: Ray, notice: dict, done: set[str], once) -> None:
-    what = (f"{notice['kind']} notice ({notice['action']} at {notice['time']})"
-            if notice["kind"] == "interruption" else f"rebalance recommendation "
-            f"(at {notice['time']})")
+    what = {"interruption": f"interruption notice ({notice['action']} at {notice['time']})",
+            "capacity-block-end": f"Capacity Block {notice.get('reservation')} end (EC2 "
+                                  f"terminates from {notice['time']})",
+            }.get(notice["kind"], f"rebalance recommendation (at {notice['time']})")
     try:
         if "published" not in done:
             # First: the checkpoint is what bounds the work lost; the drain only steers

@@ -13,6 +13,7 @@ import shlex
 from typing import Any
 
 from rayfleet import nodeenv
+from rayfleet.agents.spot import BLOCK_FILE
 from rayfleet.errors import ConfigError
 from rayfleet.facts import VLLM_BUILDS
 from rayfleet.launcher.options import RenderOptions
@@ -126,6 +127,14 @@ WHY = {
         "After setup_commands on every worker type: {which}, with the node environment's "
         "pins held){removed}. A CPU replica of the llm Serve app may be placed on any "
         "node, so every worker gets it, whether its type declares GPUs or not.",
+    "own_list":
+        "This type's own list: the node environment (and vLLM's CPU build where the "
+        "global lists have it), as Ray runs a type's own list instead of setup_commands "
+        "and worker_setup_commands.",
+    "block":
+        "First, the Capacity Block's id ({block}) where the node's spot agent reads it: "
+        "the agent drains the node and has its training checkpoint before EC2 "
+        "terminates the block's instances, 30 minutes before the block ends.",
     "gpu_type":
         "A GPU type: the node environment, then vLLM (pyproject.toml's llm extra, with "
         "the environment's pins held) for the llm Serve app's replicas. Ray runs a "
@@ -149,10 +158,20 @@ def setup(o: StackOutputs, opts: RenderOptions) -> dict[str, Any]:
     }
 
 
-def gpu_type_setup(gpus: int, opts: RenderOptions) -> dict[str, Why]:
-    """What a worker type with ``gpus`` adds: its own setup list, with CUDA vLLM."""
+def gpu_type_setup(gpus: int, opts: RenderOptions, block: str | None = None) -> dict[str, Why]:
+    """What a worker type with ``gpus`` adds: its own setup list, with CUDA vLLM; on a Capacity
+    Block's type (``block``, its id), first the id where the node's spot agent reads it."""
     llm = llm_setup_commands(opts.node_env, opts.vllm)
-    if not (gpus and llm and opts.vllm == "cuda"):
+    cuda = bool(gpus and llm and opts.vllm == "cuda")
+    if not cuda and block is None:
         return {}
-    return {"worker_setup_commands": Why(setup_commands(opts.node_env, prove=not llm) + llm,
-                                         WHY["gpu_type"])}
+    if cuda:
+        commands, why = setup_commands(opts.node_env, prove=False) + llm, WHY["gpu_type"]
+    else:   # what Ray would run without a list of the type's own: both global lists
+        commands = setup_commands(opts.node_env) + (llm if opts.vllm == "cpu" else [])
+        why = WHY["own_list"]
+    if block is not None:
+        commands = [f"mkdir -p ~/.rayfleet && echo {shlex.quote(block)} > {BLOCK_FILE}",
+                    *commands]
+        why += " " + WHY["block"].format(block=block)
+    return {"worker_setup_commands": Why(commands, why)}

@@ -196,3 +196,10 @@ def test_the_head_may_launch_into_its_reservations_or_a_groups_region_wide(reser
                              stack="block")
     assert statements(only_block)["LaunchIntoTheStacksReservations"]["Resource"] == [
         f"arn:aws:ec2:us-east-1:*:capacity-reservation/{BLOCK['id']}"]
+    # The workers may read a reservation's end (a Capacity Block's nodes drain before it),
+    # and nothing else of EC2; the dev stack's workers not even that.
+    worker = json.loads(only_block.named(f"{D}-iam-worker-reservations").inputs["policy"])
+    assert worker["Statement"] == [{"Sid": "ReadTheBlocksEnd", "Effect": "Allow",
+                                    "Action": "ec2:DescribeCapacityReservations",
+                                    "Resource": "*"}]
+    assert not [r for r in built["dev"].resources if "worker-reservations" in str(r.name)]

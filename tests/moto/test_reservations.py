@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from datetime import datetime, timedelta, timezone
 
 import boto3
@@ -114,6 +115,14 @@ def test_a_stack_with_a_capacity_block_renders_preflights_costs_and_lints_clean(
     text = reserved["yaml"].read_text()
     cfg = yaml.safe_load(text)
     assert list(cfg["available_node_types"])[1:3] == [BLOCK_NAME, "ray.worker.p4d.24xlarge.spot"]
+    # The block's nodes know their block (the spot agent reads its end from EC2), then set up
+    # as the type's other nodes do; no other type's nodes are told of a block.
+    types = cfg["available_node_types"]
+    first, *rest = types[BLOCK_NAME]["worker_setup_commands"]
+    assert first == f"mkdir -p ~/.rayfleet && echo {BLOCK_ID} > ~/.rayfleet/capacity-block"
+    assert rest == types["ray.worker.p4d.24xlarge.spot"]["worker_setup_commands"]
+    assert "capacity-block" not in yaml.safe_dump({n: t for n, t in types.items()
+                                                   if n != BLOCK_NAME})
     # Lint: no finding at all.
     assert lint.lint_config(cfg, text) == []
     # Preflight: one line per reservation (the group's two ODCRs), nothing failed.
@@ -263,3 +272,19 @@ def test_reserved_workers_need_no_more_on_demand_quota(reserved):
     assert preflight.main(str(reserved["yaml"]), session=session, out=out) == 0, out.getvalue()
     assert any(ln.startswith("PASS") and "On-Demand P" in ln and "need 192" in ln
                for ln in out.getvalue().splitlines()), out.getvalue()
+
+
+@pytest.mark.parametrize("vllm", ["cpu", "none"])
+def test_a_blocks_nodes_without_a_gpu_list_of_their_own_run_the_global_lists_after_its_id(
+        reserved, tmp_path, vllm):
+    """Without CUDA vLLM no worker type has a setup list of its own, but a block's type needs
+    one for its id: Ray then runs that list instead of both global ones, so it holds them."""
+    out = render.render(str(reserved["yaml"].with_name("reserved-outputs.json")),
+                        out=str(tmp_path / f"{vllm}.yaml"), token_file=str(tmp_path / "token"),
+                        vllm=vllm)
+    cfg = yaml.safe_load(Path(out).read_text())
+    types = cfg["available_node_types"]
+    assert [n for n, t in types.items() if "worker_setup_commands" in t] == [BLOCK_NAME]
+    assert types[BLOCK_NAME]["worker_setup_commands"] == [
+        f"mkdir -p ~/.rayfleet && echo {BLOCK_ID} > ~/.rayfleet/capacity-block",
+        *cfg["setup_commands"], *cfg["worker_setup_commands"]]

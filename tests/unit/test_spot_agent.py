@@ -5,6 +5,7 @@ Ray side (drain, KV) is tests/faults/test_spot_notice.py's."""
 from __future__ import annotations
 
 import ast
+import datetime
 import re
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.spot_notice import StandInImds
+from bench.spot_notice import StandInEc2, StandInImds
 from rayfleet.agents import spot
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,6 +63,10 @@ def test_help():
     ([], {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/nonexistent/token"},
      "RAY_AUTH_MODE=token but the token file /nonexistent/token does not exist"),
     (["--bogus"], {}, "unrecognized arguments: --bogus"),
+    (["--block-margin-s", "1800"], {},
+     "--block-margin-s must be 0 or more and under 1800 s (the block's last 30 minutes are "
+     "EC2's), got 1800"),
+    (["--block-reread-s", "0"], {}, "--block-reread-s must be > 0 seconds, got 0"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(args, env, message):
     out = _agent(*args, env={"PATH": "/usr/bin:/bin", **env})
@@ -148,3 +153,85 @@ def test_agent_waits_for_its_node_logs_utc_lines_and_stops_on_sigterm(imds, tmp_
         f"watching {imds.url} every 0.2 s",
         "waiting for the GCS and this node's raylet to appear", "stopped"], lines
     assert imds.unauthorized == 0
+
+
+class _Ec2:
+    """describe_capacity_reservations of one reservation, its end settable."""
+
+    def __init__(self, end: datetime.datetime, kind: str = "capacity-block"):
+        self.end, self.kind, self.calls = end, kind, 0
+
+    def __call__(self, region):
+        assert region == "us-east-1"
+        return self
+
+    def describe_capacity_reservations(self, CapacityReservationIds):
+        self.calls += 1
+        return {"CapacityReservations": [{"CapacityReservationId": CapacityReservationIds[0],
+                                          "ReservationType": self.kind,
+                                          "EndDate": self.end}]}
+
+
+def _block(tmp_path, imds, ec2, *args):
+    (tmp_path / "block").write_text("cr-0b10c0000000000e1\n")
+    imds.docs[spot.REGION_PATH] = "us-east-1"
+    a = spot.parse_args(["--block-file", str(tmp_path / "block"), *args])
+    return spot.Block(a, spot.Imds(imds.url), ec2)
+
+
+def test_a_blocks_end_is_due_its_margin_before_ec2_starts_terminating(tmp_path, imds):
+    utc = datetime.timezone.utc
+    end = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=utc)
+    ec2 = _Ec2(end)
+    block = _block(tmp_path, imds, ec2, "--block-margin-s", "300")
+    stop = end.timestamp() - 1800                       # EC2 terminates from 11:30
+    assert block.notice(stop - 301) is None and block.drain_at() == "2026-12-01T11:25:00Z"
+    due = block.notice(stop - 299)
+    assert due == {"kind": "capacity-block-end", "action": "terminate",
+                   "time": "2026-12-01T11:30:00Z", "deadline_ms": int(stop * 1000),
+                   "reservation": "cr-0b10c0000000000e1", "ends": "2026-12-01T12:00:00Z",
+                   "key": f"block/cr-0b10c0000000000e1/{int(end.timestamp() * 1000)}"}
+    assert ec2.calls == 1                               # read again only after --block-reread-s
+    # Extended by an hour: read again, no longer due; a new end is a new notice.
+    ec2.end = end + datetime.timedelta(hours=1)
+    assert block.notice(stop - 299 + spot.BLOCK_REREAD_S) is None and ec2.calls == 2
+    assert block.notice(stop + 3600 - 10)["key"] != due["key"]
+
+
+def test_no_block_file_no_ec2_call_and_a_reservation_not_a_block_is_refused(tmp_path, imds):
+    ec2 = _Ec2(datetime.datetime(2026, 12, 1, tzinfo=datetime.timezone.utc), kind="default")
+    none = spot.Block(spot.parse_args(["--block-file", str(tmp_path / "absent")]),
+                      spot.Imds(imds.url), ec2)
+    assert none.notice(time.time()) is None and ec2.calls == 0
+    with pytest.raises(ValueError, match="is not a Capacity Block with an end date"):
+        _block(tmp_path, imds, ec2).notice(time.time())
+
+
+def test_the_agent_reads_the_blocks_end_from_ec2s_own_answer(tmp_path, imds):
+    """The agent as a node runs it: its block file, IMDS's region, boto3 against a stand-in
+    answering EC2's XML: one line with the block's end and when this node drains (the GCS it
+    waits for is tests/faults/test_spot_notice.py's)."""
+    ec2 = StandInEc2()
+    try:
+        (tmp_path / "block").write_text(ec2.BLOCK + "\n")
+        imds.docs[spot.REGION_PATH] = "us-east-1"
+        env = {"PATH": "/usr/bin:/bin", spot.IMDS_ENV: imds.url, "AWS_ENDPOINT_URL_EC2": ec2.url,
+               "AWS_ACCESS_KEY_ID": "stand-in", "AWS_SECRET_ACCESS_KEY": "stand-in"}
+        proc = subprocess.Popen([sys.executable, str(AGENTS / "spot.py"), "--poll-s", "0.2",
+                                 "--ray-temp-dir", str(tmp_path), "--block-file",
+                                 str(tmp_path / "block")], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            lines = [proc.stdout.readline() for _ in range(2)]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+        end = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ec2.end))
+        drains = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ec2.end - 1800 - 300))
+        assert lines[0].endswith(f"spot: watching {imds.url} every 0.2 s, and Capacity Block "
+                                 f"{ec2.BLOCK}\n"), lines
+        assert lines[1].endswith(f"spot: Capacity Block {ec2.BLOCK} ends at {end}; this node "
+                                 f"drains at {drains}\n"), lines
+        assert ec2.calls == 1 and imds.unauthorized == 0
+    finally:
+        ec2.close()
