@@ -79,6 +79,12 @@ def test_ranks_that_all_beat_are_told_apart_by_their_step_or_not_at_all():
     assert v["ranks"] == [] and "no rank stands out" in describe(v)
 
 
+def test_a_rank_that_finished_the_run_is_never_a_hang():
+    now = 1000.0
+    seen = _seen(now, r0=(_rec(0, 9, phase="done"), 30.0, 30.0), r1=(_rec(1, 9), 0.2, 30.0))
+    assert judge(seen, 2, now, SETTINGS, armed_at=900.0) is None
+
+
 def test_a_rank_that_never_reported_is_named_once_the_bound_passes_since_arming():
     now = 1000.0
     seen = _seen(now, r0=(_rec(0, 3), 0.3, 2.0))

@@ -18,9 +18,9 @@ one request and judge on their own clocks, so nodes' clocks need not agree:
   process stopped, or holds the GIL in native code) are named; else the ranks behind the
   others' step; else none can be told apart (every rank waits, e.g. in the collective);
 - the verdict goes to the KV (the driver's summary and the failure policy read it) and one
-  line to the run's log, and the judging rank exits (HUNG_EXIT): Ray Train sees a worker group error,
-  ends the group (a stopped rank is killed with it) and starts a new one from the latest
-  checkpoint. hangpolicy.HangAwarePolicy counts these apart from --max-failures.
+  line to the run's log, and the judging rank exits (HUNG_EXIT): Ray Train sees a worker
+  group error, ends the group (a stopped rank is killed with it) and starts a new one from the
+  latest checkpoint. hangpolicy.HangAwarePolicy counts these apart from --max-failures.
 
 A rank that is alone (--num-workers 1) has no peer to notice it: Ray's own health check is
 what ends it.
@@ -128,6 +128,8 @@ def judge(seen: dict[int, Seen], world_size: int, now: float, settings: Settings
     """The verdict when no rank of the group has advanced for longer than the bound, else
     None. A rank with no record at all counts as one that never beat since `armed_at`."""
     records = [s.record for s in seen.values()]
+    if any(r.get("phase") == "done" for r in records):
+        return None   # a rank has finished the run: the others are finishing it too
     limit, why = bound(records, settings)
     last_advance = max([s.advanced_at for s in seen.values()] + [armed_at])
     waited = now - last_advance
@@ -177,6 +179,9 @@ class Watch:
     def checkpointed(self) -> None:
         pass
 
+    def finished(self) -> None:
+        pass
+
 
 NONE = Watch()
 
@@ -207,6 +212,17 @@ class RankWatch(Watch):
     def checkpointed(self) -> None:
         with self._lock:
             self.progress.checkpointed()
+
+    def finished(self) -> None:
+        """The run's last step and checkpoint are done: published at once, so that a peer
+        still finishing never takes this rank's silence for a hang."""
+        with self._lock:
+            self.progress.phase = "done"
+        try:
+            self.kv.put(record_key(self.job, self.run, self.group, self.rank),
+                        json.dumps(self.record(-1)).encode())
+        except Exception:  # a GCS blip: the thread's next beat publishes it
+            pass
 
     def record(self, beat: int) -> dict:
         with self._lock:

@@ -343,4 +343,5 @@ def train_loop(cfg: LoopConfig, ctx: Context) -> dict:
               flush=True)
     while not done:
         done = _epoch(run, epoch_batches)
+    watch.finished()
     return {**pos.metrics, "compute_dtype": engine.compute_dtype}
