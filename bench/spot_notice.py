@@ -44,8 +44,8 @@ BEGIN, END = "<!-- spot-section -->", "<!-- /spot-section -->"
 AGENT = REPO / "rayfleet" / "agents" / "spot.py"
 CHECKPOINT_EVERY = 20
 STEP = re.compile(r"\[rayfleet\] step (\d+)/\d+ ")
-NOTICE = re.compile(r"\[rayfleet\] (?:spot notice|Capacity Block end) on .*: checkpoint at "
-                    r"step (\d+)")
+NOTICE = re.compile(r"\[rayfleet\] (?:spot notice|Capacity Block end|GPU fault) on .*: "
+                    r"checkpoint at step (\d+)")
 RESUMED = re.compile(r"\[rayfleet\] resumed from step (\d+)")
 
 

@@ -18,6 +18,13 @@ block can be extended) and, --block-margin-s before EC2 starts terminating, hand
 capacity-block-end as an interruption: published, then drained with EC2's termination start as
 the deadline. Ray Train then resumes the run on the nodes the stack's order gives next.
 
+GPU faults (the passive watch, on a node with nvidia-smi): every --gpu-poll-s, the kernel log's
+new NVIDIA XID events (journalctl -k) and the GPUs' uncorrectable ECC counts (nvidia-smi).
+An XID of FATAL_XIDS, or a count above the one at the agent's start, is handled as an
+interruption: published (the workers checkpoint at their next step), then the node is drained
+with a GPU_DRAIN_S deadline, after which Ray Train resumes elsewhere and the autoscaler, the
+node idle, replaces it.
+
 Rebalance recommendation (events/recommendations/rebalance): published only, no drain. It is
 an early, uncertain signal (minutes to hours ahead, often never followed by an interruption):
 a checkpoint is cheap, but a drained node idles its GPUs, and Ray Train 2.60 restarts a run
@@ -37,7 +44,10 @@ import datetime
 import json
 import math
 import os
+import re
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -56,6 +66,15 @@ REGION_PATH = "/latest/meta-data/placement/region"
 BLOCK_FILE = "~/.rayfleet/capacity-block"   # the node's Capacity Block id, when it is in one
 BLOCK_LEAD_S = 30 * 60      # EC2 starts terminating a block's instances this long before its end
 BLOCK_REREAD_S = 600
+# NVIDIA's XID catalog: the errors after which the GPU needs a reset or the node replacing
+# (others, e.g. 13, 31, 43, 45, are most often the application's own and are only logged).
+FATAL_XIDS = {48: "double-bit ECC error", 64: "ECC row remapping or page retirement failed",
+              74: "NVLink error", 79: "GPU has fallen off the bus", 94: "contained ECC error",
+              95: "uncontained ECC error", 119: "GSP RPC timeout", 120: "GSP error"}
+XID = re.compile(r"NVRM: Xid \((PCI:[0-9A-Fa-f:.]+)\): (\d+),")
+ECC_QUERY = ["nvidia-smi", "--query-gpu=index,pci.bus_id,ecc.errors.uncorrected.volatile.total",
+             "--format=csv,noheader,nounits"]
+GPU_DRAIN_S = 120
 DRAIN_REASON_PREEMPTION = 2  # autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION
 
 
@@ -96,6 +115,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--block-file", default=BLOCK_FILE, metavar="PATH",
                    help=f"where this node's Capacity Block id is, if it is in one (default "
                    f"{BLOCK_FILE})")
+    p.add_argument("--gpu-poll-s", type=float, default=30.0, metavar="SECONDS",
+                   help="seconds between reads of the kernel log's XID events and the GPUs' "
+                   "ECC counts, where nvidia-smi is installed (default 30)")
     p.add_argument("--node-id", default=None, metavar="HEX",
                    help="this node's Ray node id (default: the node whose raylet socket is "
                    "under --ray-temp-dir)")
@@ -103,6 +125,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     if not a.poll_s > 0:
         raise BadArgs(f"--poll-s must be > 0 seconds, got {a.poll_s:g}")
+    if not a.gpu_poll_s > 0:
+        raise BadArgs(f"--gpu-poll-s must be > 0 seconds, got {a.gpu_poll_s:g}")
     if not a.block_reread_s > 0:
         raise BadArgs(f"--block-reread-s must be > 0 seconds, got {a.block_reread_s:g}")
     if not 0 <= a.block_margin_s < BLOCK_LEAD_S:
@@ -248,6 +272,65 @@ def _boto3_ec2(region: str | None):
     return boto3.client("ec2", region_name=region)
 
 
+def parse_xids(text: str) -> list[tuple[str, int]]:
+    """(PCI address, XID) of each NVIDIA XID event in kernel log lines."""
+    return [(m.group(1), int(m.group(2))) for line in text.splitlines()
+            if (m := XID.search(line))]
+
+
+def parse_ecc(text: str) -> dict[str, int | None]:
+    """GPU index -> uncorrectable ECC errors since the driver loaded (None: no ECC to read)."""
+    out = {}
+    for line in text.strip().splitlines():
+        index, _bus, count = (f.strip() for f in line.split(","))
+        out[index] = int(count) if count.isdigit() else None
+    return out
+
+
+class Gpus:
+    """The passive watch: new fatal XIDs and uncorrectable ECC errors, where nvidia-smi is."""
+
+    def __init__(self, run=subprocess.run):
+        self.on = shutil.which("nvidia-smi") is not None
+        self._run = run
+        self.cursor: str | None = None
+        self.baseline: dict[str, int | None] = {}
+
+    def _out(self, argv: list[str]) -> str:
+        return self._run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
+
+    def _journal(self, after: str | None) -> str:
+        """Kernel log lines after the cursor (none: from now), the new cursor kept."""
+        text = self._out(["journalctl", "-k", "--no-pager", "-o", "cat", "--show-cursor",
+                          *(["--after-cursor", after] if after else ["-n", "0"])])
+        lines = text.splitlines()
+        if lines and lines[-1].startswith("-- cursor: "):
+            self.cursor = lines.pop().removeprefix("-- cursor: ")
+        return "\n".join(lines)
+
+    def start(self) -> str:
+        self.baseline = parse_ecc(self._out(ECC_QUERY))
+        self._journal(None)
+        return (f"{len(self.baseline)} GPU(s), uncorrectable ECC errors "
+                f"{[self.baseline[i] for i in sorted(self.baseline)]}; watching the kernel "
+                f"log for XIDs {sorted(FATAL_XIDS)}")
+
+    def faults(self) -> list[str]:
+        found = [f"Xid {x} on {pci} ({FATAL_XIDS[x]})"
+                 for pci, x in parse_xids(self._journal(self.cursor)) if x in FATAL_XIDS]
+        now = parse_ecc(self._out(ECC_QUERY))
+        found += [f"GPU {i}: {n - self.baseline[i]} new uncorrectable ECC error(s)"
+                  for i, n in sorted(now.items()) if n is not None
+                  and self.baseline.get(i) is not None and n > self.baseline[i]]
+        return found
+
+
+def gpu_notice(faults: list[str], now: float) -> dict:
+    deadline = int((now + GPU_DRAIN_S) * 1000)
+    return {"kind": "gpu-fault", "action": "drain", "time": iso_ms(deadline),
+            "deadline_ms": deadline, "what": "; ".join(faults), "key": "gpu-fault"}
+
+
 # -- Ray --------------------------------------------------------------------------------------
 
 class Ray:
@@ -292,9 +375,11 @@ class Ray:
                                  KV_NAMESPACE, timeout=10)
 
     def drain(self, notice: dict) -> tuple[bool, str]:
-        why = (f"Capacity Block {notice['reservation']} ends at {notice['ends']}: EC2 "
-               f"terminates from {notice['time']}" if notice["kind"] == "capacity-block-end"
-               else f"spot interruption notice: {notice['action']} at {notice['time']}")
+        why = {"capacity-block-end": f"Capacity Block {notice.get('reservation')} ends at "
+                                     f"{notice.get('ends')}: EC2 terminates from "
+                                     f"{notice['time']}",
+               "gpu-fault": f"GPU fault: {notice.get('what')}"}.get(
+            notice["kind"], f"spot interruption notice: {notice['action']} at {notice['time']}")
         return self.gcs.drain_node(self.node_id, DRAIN_REASON_PREEMPTION, why,
                                    notice["deadline_ms"] or 0)
 
@@ -303,8 +388,10 @@ class Ray:
 
 def watch(args: argparse.Namespace, stop: threading.Event, ec2=None) -> None:
     imds, ray = Imds(args.imds), Ray(args)
-    block = Block(args, imds, ec2)
+    block, gpus = Block(args, imds, ec2), Gpus()
     block_said = None                    # the block end last said
+    gpu_fault: dict | None = None        # the passive watch's notice, once it found a fault
+    gpus_read = -math.inf
     handled: dict[str, set[str]] = {}   # notice key -> steps done ("published", "drained")
     said = ""                            # the last waiting/failing line, said once
     log(f"watching {args.imds} every {args.poll_s:g} s" + (
@@ -334,6 +421,18 @@ def watch(args: argparse.Namespace, stop: threading.Event, ec2=None) -> None:
                         f"node drains at {block.drain_at()}")
             except Exception as e:  # EC2 away or refusing: said once, read again next poll
                 once(f"Capacity Block {block.id}: its end could not be read ({e}); retrying")
+        if gpus.on and time.monotonic() - gpus_read >= args.gpu_poll_s and not gpu_fault:
+            gpus_read = time.monotonic()
+            try:
+                if gpus.cursor is None:
+                    log(f"GPU watch: {gpus.start()}")
+                elif found := gpus.faults():
+                    gpu_fault = gpu_notice(found, time.time())
+                    log(f"GPU fault: {gpu_fault['what']}")
+            except Exception as e:  # a tool failing: said once, tried again at the next read
+                once(f"GPU watch: could not read the GPUs or the kernel log ({e}); retrying")
+        if gpu_fault and notices is not None:
+            notices.append(gpu_fault)
         if not ray.node_ip:
             # Found once: a node id never changes while its raylet lives (a new raylet is
             # a new node, with a new agent from its start commands).
@@ -354,6 +453,7 @@ def handle(ray: Ray, notice: dict, done: set[str], once) -> None:
     what = {"interruption": f"interruption notice ({notice['action']} at {notice['time']})",
             "capacity-block-end": f"Capacity Block {notice.get('reservation')} end (EC2 "
                                   f"terminates from {notice['time']})",
+            "gpu-fault": f"GPU fault ({notice.get('what')})",
             }.get(notice["kind"], f"rebalance recommendation (at {notice['time']})")
     try:
         if "published" not in done:

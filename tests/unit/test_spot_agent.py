@@ -235,3 +235,91 @@ def test_the_agent_reads_the_blocks_end_from_ec2s_own_answer(tmp_path, imds):
         assert ec2.calls == 1 and imds.unauthorized == 0
     finally:
         ec2.close()
+
+
+# -- the passive GPU watch ----------------------------------------------------------------
+
+SAMPLES = Path(__file__).parent / "gpu_samples"
+
+# Stand-ins for the node's tools, reading the samples the test points them at: nvidia-smi
+# prints $ECC_CSV; journalctl prints $KERNEL_LOG's lines after the cursor (a line count), as
+# `journalctl -k -o cat --show-cursor` does, its cursor last.
+STAND_INS = {
+    "nvidia-smi": '#!/bin/sh\ncat "$ECC_CSV"\n',
+    "journalctl": """#!/usr/bin/env python3
+import os, sys
+lines = open(os.environ["KERNEL_LOG"]).read().splitlines()
+after = int(sys.argv[sys.argv.index("--after-cursor") + 1]) if "--after-cursor" in sys.argv \\
+    else len(lines)
+print("\\n".join(lines[after:] + [f"-- cursor: {len(lines)}"]))
+""",
+}
+
+
+def test_xids_and_ecc_counts_are_read_from_the_tools_output():
+    xids = spot.parse_xids((SAMPLES / "xid-kernel.log").read_text())
+    assert xids == [("PCI:0000:10:1c", 13), ("PCI:0000:b9:00", 74), ("PCI:0000:a0:1d", 79)]
+    assert [x for _, x in xids if x in spot.FATAL_XIDS] == [74, 79]   # 13: the application's
+    ecc = spot.parse_ecc((SAMPLES / "ecc-healthy.csv").read_text())
+    assert ecc == {**{str(i): 0 for i in range(7)}, "7": None}
+    assert spot.parse_ecc((SAMPLES / "ecc-uncorrected.csv").read_text())["3"] == 2
+
+
+@pytest.mark.parametrize("fault,says", [
+    ("xid", "GPU fault: Xid 74 on PCI:0000:b9:00 (NVLink error); Xid 79 on PCI:0000:a0:1d "
+            "(GPU has fallen off the bus)"),
+    ("ecc", "GPU fault: GPU 3: 2 new uncorrectable ECC error(s)"),
+])
+def test_the_agent_finds_a_fatal_xid_or_a_new_ecc_error_as_the_node_logs_it(
+        tmp_path, imds, fault, says):
+    """The agent as a node with GPUs runs it, nvidia-smi and journalctl its stand-ins over the
+    samples: one line with what it watches, then, once the kernel logs the samples' XIDs (or
+    GPU 3 counts 2 uncorrectable errors), one line naming the fault (its notice's Ray side is
+    the spot notice's: tests/faults/test_spot_notice.py)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in STAND_INS.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    ecc, log = tmp_path / "ecc.csv", tmp_path / "kern.log"
+    ecc.write_text((SAMPLES / "ecc-healthy.csv").read_text())
+    log.write_text("nvidia 0000:10:1c.0: enabling device (0000 -> 0002)\n")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", spot.IMDS_ENV: imds.url, "ECC_CSV": str(ecc),
+           "KERNEL_LOG": str(log)}
+    proc = subprocess.Popen([sys.executable, str(AGENTS / "spot.py"), "--poll-s", "0.1",
+                             "--gpu-poll-s", "0.2", "--ray-temp-dir", str(tmp_path)], env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]   # watching, waiting, GPU watch
+        if fault == "xid":
+            with log.open("a") as f:
+                f.write((SAMPLES / "xid-kernel.log").read_text())
+        else:
+            ecc.write_text((SAMPLES / "ecc-uncorrected.csv").read_text())
+        lines.append(proc.stdout.readline())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    said = [ln.split(" spot: ", 1)[1].rstrip("\n") for ln in lines]
+    assert ("GPU watch: 8 GPU(s), uncorrectable ECC errors [0, 0, 0, 0, 0, 0, 0, None]; "
+            "watching the kernel log for XIDs [48, 64, 74, 79, 94, 95, 119, 120]") in said, said
+    assert said[-1] == says, said
+
+
+def test_a_gpu_fault_is_published_then_drains_the_node_with_its_deadline():
+    class Ray:
+        node_id, calls = "ab" * 28, []
+
+        def publish(self, notice):
+            self.calls.append(("publish", notice["kind"]))
+
+        def drain(self, notice):
+            self.calls.append(("drain", notice["deadline_ms"]))
+            return True, ""
+
+    ray, done, said = Ray(), set(), []
+    notice = spot.gpu_notice(["Xid 79 on PCI:0000:a0:1d (GPU has fallen off the bus)"], 1000.0)
+    assert notice["deadline_ms"] == (1000 + spot.GPU_DRAIN_S) * 1000
+    spot.handle(ray, notice, done, said.append)
+    assert ray.calls == [("publish", "gpu-fault"), ("drain", notice["deadline_ms"])]
+    assert done == {"published", "drained"} and said == []

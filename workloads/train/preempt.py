@@ -1,7 +1,7 @@
 """Spot notices in the training loop: checkpoint at the next step boundary once the node's
 spot agent (rayfleet/agents/spot.py) has published an interruption notice, a rebalance
-recommendation or its Capacity Block's coming end for a node this run trains on, so at most one
-step of work is lost.
+recommendation, its Capacity Block's coming end or a GPU fault for a node this run trains on, so
+at most one step of work is lost.
 
 A daemon thread reads this worker's node key from the GCS internal KV every `poll_s` and
 raises a flag; `due(step)` is the step-boundary check: with several ranks, one all_reduce(MAX)
@@ -74,7 +74,8 @@ class KVNotices(Notices):
                 self._handled = self._get() or self._handled
         if self.rank == first:
             kind = json.loads(pending).get("kind", "interruption")
-            what = "Capacity Block end" if kind == "capacity-block-end" else "spot notice"
+            what = {"capacity-block-end": "Capacity Block end",
+                    "gpu-fault": "GPU fault"}.get(kind, "spot notice")
             print(f"[rayfleet] {what} on {self.node} ({kind}): checkpoint at step {step}",
                   flush=True)
         return True
