@@ -8,9 +8,9 @@ streaming joins to the same text, concurrent prompts of different lengths decode
 with the same answers, and unknown models and too-long prompts are OpenAI errors. The `llm`
 app's config generator refuses a context longer than the S3 export's.
 
-LoRA: the export fine-tuned further with LoRA adapters by 2 DDP workers under Ray Train, one of
-them SIGKILLed after the first registered checkpoint (FailureConfig restarts the group, which
-resumes from it: the adapter and its optimizer state), and learned.
+LoRA is trained and served under Ray Train by docs/workloads.md's LoRA line
+(tests/cluster/test_readme.py); its resume on the adapter, the optimizer's moments and the
+data position is tests/unit/test_lora.py's, a restarted worker group's resume fault 1's.
 
 The same API through the `llm` app (real vLLM, its CPU build, several LoRA adapters of one
 base) is asked the same questions on the fake cloud, where its replica downloads the export
@@ -20,15 +20,11 @@ Hugging Face line serves this kind of run with vLLM on the session's cluster
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import BIN, REPO, run, summary_of
+from tests.conftest import BIN, run, summary_of
 from tests.workloads.conftest import deploy_lm, serve_shutdown
 
 pytestmark = pytest.mark.ray
@@ -58,73 +54,6 @@ def trained(ray_cluster, aws_env, hf_model_dir, sft_data, checkpoint_bucket, s3_
     shards = [k for k in keys if k.endswith(".safetensors")]
     assert "model.safetensors.index.json" in keys and len(shards) >= 3, keys
     return summary
-
-
-LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
-
-
-@pytest.fixture(scope="module")
-def lora_trained(ray_cluster, aws_env, trained, sft_data, checkpoint_bucket, s3_client) -> dict:
-    """LoRA on the SFT run's export in S3, 2 DDP workers under Ray Train; rank 0's worker is
-    SIGKILLed once Ray has registered a checkpoint (as tests/faults' fault 1): FailureConfig
-    restarts the group, which resumes from it and finishes. Returns the summary, the step the
-    kill came at, the step resumed from, and rank 0's logged losses: the killed worker's
-    ({step: loss}) and the restarted group's ([(step, loss)])."""
-    from workloads.common import runs
-
-    name = "lora-sft"
-    snapshot_key = f"hf-runs/{name}/{runs.SNAPSHOT}"
-
-    def registered() -> int | None:
-        try:
-            raw = s3_client.get_object(Bucket=checkpoint_bucket, Key=snapshot_key)["Body"].read()
-        except s3_client.exceptions.NoSuchKey:
-            return None
-        return ((runs.latest_result(raw) or {}).get("metrics") or {}).get("step")
-
-    proc = subprocess.Popen(
-        [str(BIN / "python"), "-m", "workloads.train", "--model", trained["hf_export"],
-         "--dataset", str(sft_data), "--lora-r", "8", "--lora-targets", LORA_TARGETS,
-         "--max-steps", "24", "--checkpoint-every", "4", "--log-every", "1", "--batch-size", "8",
-         "--lr", "1e-2", "--name", name, "--storage-path", f"s3://{checkpoint_bucket}/hf-runs"],
-        env={**ray_cluster["env"], **aws_env}, cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    lines, killed, resumed, victim = [], None, None, None
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"RayTrainWorker pid=(\d+).*\[rayfleet\] step (\d+)/", line)
-            if m and killed is None and (at := registered()):
-                victim = int(m.group(1))
-                os.kill(victim, signal.SIGKILL)
-                killed = (at, int(m.group(2)))
-            r = re.search(r"\[rayfleet\] resumed from step (\d+)", line)
-            if r and killed and resumed is None:
-                resumed = int(r.group(1))
-        proc.wait(timeout=400)
-    finally:
-        proc.kill()
-    out = "".join(lines)
-    assert proc.returncode == 0, out[-4000:]
-    assert killed is not None, "the run ended before a worker could be killed:\n" + out[-3000:]
-    # Resumed from the checkpoint registered when the worker died, or a later one (rank 0's
-    # lines reach the driver a moment after it prints them, and its steps take ~0.1 s), never
-    # from scratch, and mid-run.
-    assert resumed is not None and killed[0] <= resumed < 24, (killed, resumed, out[-3000:])
-    summary = summary_of(out)
-    assert summary["steps"] == 24 and summary["hf_export"] is None
-    assert summary["adapter_export"] == summary["checkpoint"] + "/adapter"
-    # Only rank 0 logs steps: the killed worker, then the restarted group's rank 0 (told apart
-    # by pid, not by line order, in case the dead worker's last lines reach the driver late).
-    before, after = {}, []
-    for m in re.finditer(r"RayTrainWorker pid=(\d+).*\[rayfleet\] step (\d+)/24 loss (\S+)",
-                         out):
-        step, loss = int(m.group(2)), float(m.group(3))
-        if int(m.group(1)) == victim:
-            before[step] = loss
-        else:
-            after.append((step, loss))
-    return {**summary, "killed": killed, "resumed": resumed, "before": before, "after": after}
 
 
 @pytest.fixture(scope="module")
@@ -293,34 +222,3 @@ def test_concurrent_prompts_of_different_lengths_batch_with_the_same_answers(cli
         if sizes[-1] > 1:
             break
     assert sizes[-1] > 1, f"no batch formed in {len(sizes)} tries: {sizes}"
-
-
-# --------------------------------------------------------------------------- LoRA
-
-def test_lora_run_resumed_after_a_killed_worker_and_learned(lora_trained, trained, s3_client):
-    import io
-
-    import torch
-
-    from workloads.common import runs
-
-    # The restarted group went on from the step it resumed from, each step once: a restart
-    # from scratch (same seed) would log step 1 again and still end with a falling loss.
-    resumed, after = lora_trained["resumed"], lora_trained["after"]
-    assert [s for s, _ in after] == list(range(resumed + 1, 25)), (resumed, after)
-    # On the restored adapter: its first step scores as the killed worker's same step did
-    # (the same weights on other batches: Ray Data's stream is not replayed), not as the
-    # fresh adapter's first step did (the base's loss). Only when the killed worker had got
-    # past the checkpoint: the step before differs by a whole update (which can spike).
-    first, again = lora_trained["first_loss"], after[0][1]
-    if (killed := lora_trained["before"].get(resumed + 1)) is not None:
-        assert abs(again - killed) < abs(again - first), (first, killed, again)
-    # And on its optimizer state: AdamW counted all 24 steps, not the 24 - resumed of a fresh
-    # optimizer.
-    bucket, _, key = lora_trained["checkpoint"][len("s3://"):].partition("/")
-    raw = s3_client.get_object(Bucket=bucket, Key=f"{key}/{runs.OPTIMIZER}")["Body"].read()
-    optim = torch.load(io.BytesIO(raw), weights_only=False)
-    assert {int(s["step"]) for s in optim["state"].values()} == {24}, lora_trained
-    # It started from the SFT export's loss and went on down, through the restart.
-    assert lora_trained["first_loss"] < trained["first_loss"]
-    assert lora_trained["final_loss"] < lora_trained["first_loss"] - 0.3, lora_trained
