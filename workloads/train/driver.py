@@ -147,6 +147,7 @@ def _main(argv: list[str] | None) -> int:
                   job)
     summary = runinfo.summarize(result, storage, name, started, global_batch, cfg,
                                 hangs=hangpolicy.verdicts(job, name))
+    hangpolicy.forget(job, name)
     print(runinfo.format_summary(summary), flush=True)
     print("RAYFLEET_SUMMARY " + json.dumps(summary), flush=True)
     startup.marks.update(ray_train_marks())  # after the summary: bench/ times the run to it
@@ -269,7 +270,9 @@ def _fit(trainer, watch: LaunchWatch, opts: TrainOptions, storage: Storage, name
     except Exception as e:
         from workloads.train import hangpolicy
 
-        cause = hangpolicy.too_many(hangpolicy.verdicts(job, name), opts.max_hangs) \
+        hung = hangpolicy.verdicts(job, name)
+        hangpolicy.forget(job, name)
+        cause = hangpolicy.too_many(hung, opts.max_hangs) \
             or failures.explain(e, storage=storage, name=name, workers=opts.num_workers,
                                 bundle=worker_bundle(opts), nodes_at_start=nodes) \
             or _root_cause(e)

@@ -63,6 +63,15 @@ def verdicts(job: str, run: str, kv=None) -> list[dict]:
         return []
 
 
+def forget(job: str, run: str, kv=None) -> None:
+    """The run's records and verdicts gone from the GCS once the driver has read them (the
+    store is the cluster's, and outlives the job); a failure to remove them is not the run's."""
+    try:
+        (kv or hangwatch.GcsKV()).forget(job, run)
+    except Exception:
+        pass
+
+
 def too_many(found: list[dict], max_hangs: int) -> ClusterError | None:
     """The run's failure in one line when its hangs passed --max-hangs."""
     if max_hangs == -1 or len(found) <= max_hangs:

@@ -59,6 +59,12 @@ def verdict_prefix(job: str, run: str) -> bytes:
     return f"hang:{job}:{run}:".encode()
 
 
+def run_prefixes(job: str, run: str) -> tuple[bytes, bytes]:
+    """Every key one run of one job writes: its ranks' records and its verdicts (a run name
+    holds no ':', so no other run's keys share these prefixes)."""
+    return f"watch:{job}:{run}:".encode(), verdict_prefix(job, run)
+
+
 def verdict_key(job: str, run: str, group: str) -> bytes:
     return verdict_prefix(job, run) + group.encode()
 
@@ -315,6 +321,12 @@ class GcsKV:
         found = [json.loads(v) for k in keys
                  if (v := internal_kv._internal_kv_get(k, namespace=KV_NAMESPACE))]
         return sorted(found, key=lambda v: v.get("at", 0))
+
+    def forget(self, job: str, run: str) -> None:
+        from ray.experimental import internal_kv
+
+        for prefix in run_prefixes(job, run):
+            internal_kv._internal_kv_del(prefix, del_by_prefix=True, namespace=KV_NAMESPACE)
 
 
 def for_ray_worker(rank: int, world_size: int, run: str, settings: Settings | None) -> Watch:
