@@ -300,9 +300,10 @@ class Gpus:
         return self._run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
 
     def _journal(self, after: str | None) -> str:
-        """Kernel log lines after the cursor (none: from now), the new cursor kept."""
+        """Kernel log lines after the cursor (none: the last line, for its cursor), the new
+        cursor kept (journalctl prints one only after a line it shows)."""
         text = self._out(["journalctl", "-k", "--no-pager", "-o", "cat", "--show-cursor",
-                          *(["--after-cursor", after] if after else ["-n", "0"])])
+                          *(["--after-cursor", after] if after else ["-n", "1"])])
         lines = text.splitlines()
         if lines and lines[-1].startswith("-- cursor: "):
             self.cursor = lines.pop().removeprefix("-- cursor: ")

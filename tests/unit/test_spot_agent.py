@@ -242,16 +242,18 @@ def test_the_agent_reads_the_blocks_end_from_ec2s_own_answer(tmp_path, imds):
 SAMPLES = Path(__file__).parent / "gpu_samples"
 
 # Stand-ins for the node's tools, reading the samples the test points them at: nvidia-smi
-# prints $ECC_CSV; journalctl prints $KERNEL_LOG's lines after the cursor (a line count), as
-# `journalctl -k -o cat --show-cursor` does, its cursor last.
+# prints $ECC_CSV; journalctl prints $KERNEL_LOG's lines after the cursor (a line count), or
+# the last one (-n 1), as `journalctl -k -o cat --show-cursor` does: the cursor last, and only
+# after a line it shows.
 STAND_INS = {
     "nvidia-smi": '#!/bin/sh\ncat "$ECC_CSV"\n',
     "journalctl": """#!/usr/bin/env python3
 import os, sys
 lines = open(os.environ["KERNEL_LOG"]).read().splitlines()
 after = int(sys.argv[sys.argv.index("--after-cursor") + 1]) if "--after-cursor" in sys.argv \\
-    else len(lines)
-print("\\n".join(lines[after:] + [f"-- cursor: {len(lines)}"]))
+    else len(lines) - 1
+if lines[after:]:
+    print("\\n".join(lines[after:] + [f"-- cursor: {len(lines)}"]))
 """,
 }
 
