@@ -161,7 +161,7 @@ def test_the_policy_charges_a_failure_with_a_new_verdict_to_the_hang_budget():
     from ray.train.v2.api.exceptions import WorkerGroupError
 
     kv = _KV()
-    policy = hangpolicy.HangAwarePolicy(FailureConfig(max_failures=0), "01000000", "r",
+    policy = hangpolicy.policy_class()(FailureConfig(max_failures=0), "01000000", "r",
                                         max_hangs=1, kv=kv)
     err = WorkerGroupError("worker 1 died", {1: RuntimeError("died")})
 
@@ -174,7 +174,7 @@ def test_the_policy_charges_a_failure_with_a_new_verdict_to_the_hang_budget():
     assert policy.make_decision(err) == FailureDecision.RETRY     # a hang: not max_failures'
     hang("pg2", 2.0)
     assert policy.make_decision(err) == FailureDecision.RAISE     # the second, over max_hangs
-    fresh = hangpolicy.HangAwarePolicy(FailureConfig(max_failures=0), "01000000", "other",
+    fresh = hangpolicy.policy_class()(FailureConfig(max_failures=0), "01000000", "other",
                                        max_hangs=1, kv=kv)
     assert fresh.make_decision(err) == FailureDecision.RAISE      # no verdict: max_failures 0
     line = str(hangpolicy.too_many(kv.verdicts("01000000", "r"), 1))
@@ -196,7 +196,7 @@ def test_ray_trains_fit_still_builds_its_policy_where_install_replaces_it():
         from ray.train import FailureConfig
 
         policy = data_parallel_trainer.create_failure_policy(FailureConfig())
-        assert isinstance(policy, hangpolicy.HangAwarePolicy) and policy.max_hangs == 2
+        assert isinstance(policy, hangpolicy.policy_class()) and policy.max_hangs == 2
     finally:
         data_parallel_trainer.create_failure_policy = before
 

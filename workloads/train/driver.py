@@ -26,7 +26,7 @@ from workloads.common.cli import parse_env_pairs
 from workloads.common.deps import require
 from workloads.common.model import GPTConfig
 from workloads.common.storage import Storage, check_shared, resolve, user_path
-from workloads.train import failures, runinfo
+from workloads.train import failures, hangpolicy, runinfo
 from workloads.train.context import TIMING_ENV, RayContext, ray_train_marks, startup
 from workloads.train.datasets import load_dataset
 from workloads.train.inputs import absolute_hf_paths, loop_config, prepare_inputs
@@ -137,8 +137,6 @@ def _main(argv: list[str] | None) -> int:
     global_batch = opts.batch_size * opts.grad_accum * opts.num_workers
     _announce(opts, model, name, cfg, global_batch)
     trainer = _trainer(opts, model, cfg, name, storage, env_vars)
-    from workloads.train import hangpolicy   # Ray Train's internals: after _connect's imports
-
     hangpolicy.install(job, name, opts.max_hangs)
     runs.record_run(storage, name, identity)
     started = time.time()
@@ -268,8 +266,6 @@ def _fit(trainer, watch: LaunchWatch, opts: TrainOptions, storage: Storage, name
         with watch:
             return trainer.fit()
     except Exception as e:
-        from workloads.train import hangpolicy
-
         hung = hangpolicy.verdicts(job, name)
         hangpolicy.forget(job, name)
         cause = hangpolicy.too_many(hung, opts.max_hangs) \

@@ -7,15 +7,16 @@ HangAwarePolicy charges a failure that brought a new verdict to the hang budget 
 every other failure to Ray's DefaultFailurePolicy. Ray Train 2.60 builds its policy with
 `create_failure_policy` in ray.train.v2.api.data_parallel_trainer and no public way to give
 another: install() replaces that name for this driver's fit() (tests/unit/test_hangwatch.py
-fails if a Ray upgrade moves it)."""
+fails if a Ray upgrade moves it).
+
+The module imports no Ray (the driver imports it with the kit's other modules, before Ray:
+`--help` and bad flags answer without Ray): the policy's class is made on first use, and Ray
+pickles it by value for the controller."""
 
 from __future__ import annotations
 
+import functools
 import logging
-
-from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
-from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
-from ray.train.v2.api.exceptions import WorkerGroupError
 
 from rayfleet.errors import ClusterError
 from workloads.train import hangwatch
@@ -23,33 +24,47 @@ from workloads.train import hangwatch
 logger = logging.getLogger(__name__)
 
 
-class HangAwarePolicy(DefaultFailurePolicy):
-    def __init__(self, failure_config, job: str, run: str, max_hangs: int, kv=None):
-        super().__init__(failure_config)
-        self.job, self.run, self.max_hangs = job, run, max_hangs
-        self.kv = kv
-        self.hangs = 0
+@functools.cache
+def policy_class():
+    """HangAwarePolicy: Ray Train's DefaultFailurePolicy, hangs charged to their own budget."""
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
+    from ray.train.v2._internal.execution.failure_handling.failure_policy import (
+        FailureDecision,
+    )
+    from ray.train.v2.api.exceptions import WorkerGroupError
 
-    def make_decision(self, training_failed_error) -> FailureDecision:
-        if isinstance(training_failed_error, WorkerGroupError):
-            kv = self.kv or hangwatch.GcsKV()
-            found = len(kv.verdicts(self.job, self.run))
-            if found > self.hangs:
-                self.hangs = found
-                limit = float("inf") if self.max_hangs == -1 else self.max_hangs
-                decision = FailureDecision.RETRY if self.hangs <= limit else FailureDecision.RAISE
-                logger.warning(f"[rayfleet] hung worker group {self.hangs} (--max-hangs "
-                               f"{self.max_hangs}): {decision.value}")
-                return decision
-        return super().make_decision(training_failed_error)
+    class HangAwarePolicy(DefaultFailurePolicy):
+        def __init__(self, failure_config, job: str, run: str, max_hangs: int, kv=None):
+            super().__init__(failure_config)
+            self.job, self.run, self.max_hangs = job, run, max_hangs
+            self.kv = kv
+            self.hangs = 0
+
+        def make_decision(self, training_failed_error) -> FailureDecision:
+            if isinstance(training_failed_error, WorkerGroupError):
+                kv = self.kv or hangwatch.GcsKV()
+                found = len(kv.verdicts(self.job, self.run))
+                if found > self.hangs:
+                    self.hangs = found
+                    limit = float("inf") if self.max_hangs == -1 else self.max_hangs
+                    decision = (FailureDecision.RETRY if self.hangs <= limit
+                                else FailureDecision.RAISE)
+                    logger.warning(f"[rayfleet] hung worker group {self.hangs} (--max-hangs "
+                                   f"{self.max_hangs}): {decision.value}")
+                    return decision
+            return super().make_decision(training_failed_error)
+
+    return HangAwarePolicy
 
 
 def install(job: str, run: str, max_hangs: int) -> None:
     """This driver's trainers decide on failures with HangAwarePolicy."""
     from ray.train.v2.api import data_parallel_trainer
 
+    policy = policy_class()
+
     def create_failure_policy(failure_config):
-        return HangAwarePolicy(failure_config, job, run, max_hangs)
+        return policy(failure_config, job, run, max_hangs)
 
     data_parallel_trainer.create_failure_policy = create_failure_policy
 
