@@ -32,6 +32,7 @@ import urllib.parse
 from pathlib import Path
 
 from bench import ArgumentParser, at_least, command, machine
+from rayfleet.agents.spot import BLOCK_LEAD_S
 from rayfleet.commands.host import free_port
 from rayfleet.commands.localstate import ray_temp_dir
 from workloads.common import runs
@@ -105,7 +106,6 @@ class StandInEc2:
     the block set here; another action or id is refused as EC2 refuses it."""
 
     BLOCK = "cr-0b10c0000000000e1"
-    LEAD_S = 30 * 60   # EC2 terminates a block's instances from 30 minutes before its end
 
     def __init__(self):
         self.end = int(time.time()) + 10 * 3600   # a block with hours left
@@ -149,7 +149,7 @@ class StandInEc2:
         """The block now ends so that EC2 starts terminating in_s from now (whole seconds);
         returns that time, as the agent's notice names it."""
         stop = int(time.time() + in_s)
-        self.end = stop + self.LEAD_S
+        self.end = stop + BLOCK_LEAD_S   # EC2 terminates the block's instances from then
         return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(stop))
 
     def close(self) -> None:
