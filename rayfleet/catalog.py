@@ -19,7 +19,13 @@ all ask here. The file holds:
   and their model (a key of ``gpus``), Elastic Fabric Adapters (one per network card: p4d and
   p4de 4, p5 and p5e 32, p5en 16, as AWS's EFA page lists them,
   https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html), the regions
-  that offer them and their $/hour (null where no price could be confirmed: see ``prices``).
+  that offer them and their $/hour (null where no price could be confirmed: see ``prices``),
+  and the floor of NCCL's in-node all-reduce bus bandwidth (``nccl_busbw_gbps``, GB/s, as
+  nccl-tests' all_reduce_perf prints it) under which the GPU health gate refuses a node
+  (rayfleet/agents/gpugate.py): half of what NVIDIA publishes for the same 8-GPU NVSwitch
+  systems (DGX A100 about 230 GB/s: p4d, p4de; DGX H100/H200 about 480 GB/s: p5, p5e,
+  p5en). Not measured on AWS by this project: no GPU machine has run the gate yet; a broken
+  NVLink or a GPU fallen back to PCIe shows as a tenth of normal, far under either floor.
   The regions are the AWS instance-type pages and ``aws ec2 describe-instance-type-offerings``
   as remembered from mid-2025, not re-checked live (the p5 family's least surely): they only
   decide which regions the config accepts, `rayfleet preflight` confirms each type in the
@@ -58,6 +64,8 @@ class InstanceSpec:
     efa_interfaces: int = 0
     # The GPU model, a key of the catalog's ``gpus`` (``A100-40G``, ``H100``); "" for none.
     gpu: str = ""
+    # The GPU health gate's floor for NCCL's in-node all-reduce bus bandwidth, GB/s; 0: none.
+    nccl_busbw_gbps: float = 0
 
     @property
     def accelerator_type(self) -> str:
@@ -79,7 +87,8 @@ def worker_types() -> Mapping[str, InstanceSpec]:
     gpus = data()["gpus"]
     return {name: InstanceSpec(name, t["vcpus"], t["memory_gib"], gpus=t["gpus"],
                                gpu_memory_gib=gpus[t["gpu"]]["memory_gib"],
-                               efa_interfaces=t["efa_interfaces"], gpu=t["gpu"])
+                               efa_interfaces=t["efa_interfaces"], gpu=t["gpu"],
+                               nccl_busbw_gbps=t.get("nccl_busbw_gbps", 0))
             for name, t in data()["worker_types"].items()}
 
 
@@ -137,9 +146,9 @@ def worker_table() -> str:
     """The GPU worker types as the Markdown table of docs/node-types.md (a test regenerates it
     and fails when the page drifts from the catalog)."""
     p = data()["prices"]
-    rows = ["| type | GPUs | GPU memory | vCPUs | memory | EFA (network cards) | regions "
-            "| on-demand $/h | spot $/h | price date |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| type | GPUs | GPU memory | vCPUs | memory | EFA (network cards) | NCCL floor "
+            "| regions | on-demand $/h | spot $/h | price date |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def price(value: float | None) -> str:
         return "not confirmed" if value is None else f"{value:.2f}"
@@ -149,6 +158,7 @@ def worker_table() -> str:
         cost = t["price_per_hour"]
         rows.append(f"| `{name}` | {spec.gpus}x {spec.accelerator_type} | "
                     f"{spec.gpu_memory_gib} GB each | {spec.vcpus} | {spec.memory_gib} GiB | "
-                    f"{spec.efa_interfaces} | {', '.join(t['regions'])} | "
+                    f"{spec.efa_interfaces} | {spec.nccl_busbw_gbps:g} GB/s | "
+                    f"{', '.join(t['regions'])} | "
                     f"{price(cost['on_demand'])} | {price(cost['spot'])} | {p['as_of']} |")
     return "\n".join(rows) + "\n"

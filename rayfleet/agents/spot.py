@@ -44,7 +44,6 @@ import datetime
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -54,6 +53,11 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+try:    # in the kit; on a node the agents' folder is this script's, on sys.path
+    from rayfleet.agents.gpugate import FATAL_XIDS, GPU_QUERY, parse_ecc, parse_xids
+except ImportError:
+    from gpugate import FATAL_XIDS, GPU_QUERY, parse_ecc, parse_xids
 
 KV_NAMESPACE = b"rayfleet"
 KEY_PREFIX = "spot-notice:"
@@ -66,14 +70,6 @@ REGION_PATH = "/latest/meta-data/placement/region"
 BLOCK_FILE = "~/.rayfleet/capacity-block"   # the node's Capacity Block id, when it is in one
 BLOCK_LEAD_S = 30 * 60      # EC2 starts terminating a block's instances this long before its end
 BLOCK_REREAD_S = 600
-# NVIDIA's XID catalog: the errors after which the GPU needs a reset or the node replacing
-# (others, e.g. 13, 31, 43, 45, are most often the application's own and are only logged).
-FATAL_XIDS = {48: "double-bit ECC error", 64: "ECC row remapping or page retirement failed",
-              74: "NVLink error", 79: "GPU has fallen off the bus", 94: "contained ECC error",
-              95: "uncontained ECC error", 119: "GSP RPC timeout", 120: "GSP error"}
-XID = re.compile(r"NVRM: Xid \((PCI:[0-9A-Fa-f:.]+)\): (\d+),")
-ECC_QUERY = ["nvidia-smi", "--query-gpu=index,pci.bus_id,ecc.errors.uncorrected.volatile.total",
-             "--format=csv,noheader,nounits"]
 GPU_DRAIN_S = 120
 DRAIN_REASON_PREEMPTION = 2  # autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION
 
@@ -272,21 +268,6 @@ def _boto3_ec2(region: str | None):
     return boto3.client("ec2", region_name=region)
 
 
-def parse_xids(text: str) -> list[tuple[str, int]]:
-    """(PCI address, XID) of each NVIDIA XID event in kernel log lines."""
-    return [(m.group(1), int(m.group(2))) for line in text.splitlines()
-            if (m := XID.search(line))]
-
-
-def parse_ecc(text: str) -> dict[str, int | None]:
-    """GPU index -> uncorrectable ECC errors since the driver loaded (None: no ECC to read)."""
-    out = {}
-    for line in text.strip().splitlines():
-        index, _bus, count = (f.strip() for f in line.split(","))
-        out[index] = int(count) if count.isdigit() else None
-    return out
-
-
 class Gpus:
     """The passive watch: new fatal XIDs and uncorrectable ECC errors, where nvidia-smi is."""
 
@@ -310,7 +291,7 @@ class Gpus:
         return "\n".join(lines)
 
     def start(self) -> str:
-        self.baseline = parse_ecc(self._out(ECC_QUERY))
+        self.baseline = parse_ecc(self._out(GPU_QUERY))
         self._journal(None)
         return (f"{len(self.baseline)} GPU(s), uncorrectable ECC errors "
                 f"{[self.baseline[i] for i in sorted(self.baseline)]}; watching the kernel "
@@ -319,7 +300,7 @@ class Gpus:
     def faults(self) -> list[str]:
         found = [f"Xid {x} on {pci} ({FATAL_XIDS[x]})"
                  for pci, x in parse_xids(self._journal(self.cursor)) if x in FATAL_XIDS]
-        now = parse_ecc(self._out(ECC_QUERY))
+        now = parse_ecc(self._out(GPU_QUERY))
         found += [f"GPU {i}: {n - self.baseline[i]} new uncorrectable ECC error(s)"
                   for i, n in sorted(now.items()) if n is not None
                   and self.baseline.get(i) is not None and n > self.baseline[i]]

@@ -40,7 +40,9 @@ LEVELS: list[tuple[int, str, str]] = [
 ]
 # What the core and the agents may take from outside the standard library.
 THIRD_PARTY = {
-    "agents": {"boto3", "botocore", "ray"},
+    # An agent's sibling too, by the name a node imports it under (the agents' own folder).
+    "agents": {"boto3", "botocore", "ray"}
+    | {p.stem for p in (REPO / "rayfleet" / "agents").glob("*.py")},
     "core": {"yaml", "pulumi"},
 }
 
