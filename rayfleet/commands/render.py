@@ -25,8 +25,8 @@ from rayfleet.errors import ConfigError, RayfleetError
 from rayfleet.ingress import DEFAULT_INGRESS
 from rayfleet.launcher import pipeline
 from rayfleet.launcher.agents import (AGENT_NAMES, AGENTS, AUTOSCALER_V1, PYCACHE_PREFIX,
-                                      REMOTE_SCORER, STOP_AGENTS, agent_command, agents_folder,
-                                      head_agents, scorer_env)
+                                      REMOTE_SCORER, SCORER_ALSO, STOP_AGENTS, agent_command,
+                                      agents_folder, head_agents, scorer_env)
 from rayfleet.launcher.headha import (GCS_SUPERVISOR_WAIT_S, HA_HEAD_WHY, HA_WORKER_WHY,
                                       REMOTE_GCS_STORE_TOKEN, REMOTE_GCS_STORE_TOKEN_ENV,
                                       REMOTE_GCS_SUPERVISOR_STATUS, gcs_env,
@@ -171,6 +171,8 @@ def copy_agents(dest: str, constraints: str | None = None) -> Path:
         scorer = tmp / Path(REMOTE_SCORER).name
         scorer.mkdir()
         shutil.copy2(AGENTS / "fallover.py", scorer / f"{fallover.MODULE}.py")
+        for name in SCORER_ALSO:
+            shutil.copy2(AGENTS / f"{name}.py", scorer / f"{name}.py")
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
     except OSError as e:

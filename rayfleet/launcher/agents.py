@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 from rayfleet import gcsft
-from rayfleet.agents import fallover
+from rayfleet.agents import fallover, gpugate
 from rayfleet.facts import port
 from rayfleet.ingress import GUARD_NAME, WATCH_NAME
 from rayfleet.launcher.remote import REMOTE_AGENTS, VENV
@@ -15,15 +15,17 @@ from rayfleet.stack import StackOutputs
 
 AGENTS = Path(__file__).resolve().parent.parent / "agents"
 AGENT_NAMES = ("autostop", "logship", "spot", GUARD_NAME, WATCH_NAME, gcsft.SUPERVISOR_NAME,
-               "envcheck")
+               "envcheck", "gpugate")
 
 # Re-running `ray up` restarts Ray on a node: its agents are restarted with it. The bracket
 # keeps pkill from matching the shell that runs it (its own command line holds the pattern).
 STOP_AGENTS = "pkill -f '[r]ayfleet-agents/' || true"
 
-# The head's scorer lives alone in this folder, which only the head's `ray start` line puts
-# on PYTHONPATH (the autoscaler imports it by name; the other agents stay off the path).
+# The head's scorer lives in this folder, which only the head's `ray start` line puts on
+# PYTHONPATH (the autoscaler imports it by name; the other agents stay off the path), with the
+# GPU health gate's records it reads (SCORER_ALSO).
 REMOTE_SCORER = f"{REMOTE_AGENTS}/autoscaler"
+SCORER_ALSO = ("gpugate",)
 
 # Python's bytecode cache of the head's processes, kept out of the agents folder: the head's
 # autoscaler hashes that folder (a file mount) into each node's runtime config, and a worker whose
@@ -77,15 +79,18 @@ def scorer_env(o: StackOutputs) -> str:
     order = ",".join(t.ray_name for t in o.node_types.workers)
     return (f"{AUTOSCALER_V1} PYTHONPATH={REMOTE_SCORER.replace('~', '$HOME', 1)} "
             f"PYTHONPYCACHEPREFIX={PYCACHE_PREFIX} "
-            f"{fallover.SCORER_ENV}={fallover.SCORER} {fallover.ORDER_ENV}={order}")
+            f"{fallover.SCORER_ENV}={fallover.SCORER} {fallover.ORDER_ENV}={order} "
+            f"{fallover.HEALTH_ENV}={shlex.quote(o.storage_uri)}")
 
 
 # What the start commands' comments say of the agents.
 WHY = {
     "scorer": "; the autoscaler scores worker types with the kit's scorer "
               "(rayfleet/agents/fallover.py): the stack's order, and past a type EC2 just "
-              "refused (no capacity) to the next; the scorer is a hook of Ray's v1 autoscaler, "
-              "which every node's start selects (Ray 2.60's v2 keeps retrying a type EC2 "
+              "refused (no capacity) to the next, and past a GPU type whose nodes the GPU "
+              f"health gate refused {gpugate.CAP} times within {gpugate.CAP_WINDOW_S // 60} "
+              "minutes; the scorer is a hook of Ray's v1 autoscaler, which every node's "
+              "start selects (Ray 2.60's v2 keeps retrying a type EC2 "
               "refuses).",
     "head": " Then the head's agents: each job's logs copied to the bucket as it runs and when "
             "it ends (`rayfleet logs`)",

@@ -12,14 +12,17 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from rayfleet import nodeenv
+import json
+
+from rayfleet import catalog, nodeenv
+from rayfleet.agents import gpugate
 from rayfleet.agents.spot import BLOCK_FILE
-from rayfleet.errors import ConfigError
+from rayfleet.errors import ConfigError, RayfleetError
 from rayfleet.facts import VLLM_BUILDS
 from rayfleet.launcher.options import RenderOptions
-from rayfleet.launcher.remote import LOCKED, PROVE_ENV, REMOTE_TOKEN, VENV
+from rayfleet.launcher.remote import LOCKED, PROVE_ENV, REMOTE_AGENTS, REMOTE_TOKEN, VENV
 from rayfleet.launcher.why import Why
-from rayfleet.stack import StackOutputs
+from rayfleet.stack import StackOutputs, WorkerNodeType
 
 LOGIN_PATH = (f"grep -qsF '{VENV.replace('~', '$HOME', 1)}/bin' ~/.bashrc || echo 'export "
               f"PATH=\"{VENV.replace('~', '$HOME', 1)}/bin:$PATH\"' >> ~/.bashrc")
@@ -136,11 +139,17 @@ WHY = {
         "the agent drains the node and has its training checkpoint before EC2 "
         "terminates the block's instances, 30 minutes before the block ends.",
     "gpu_type":
-        "A GPU type: the node environment, then vLLM (pyproject.toml's llm extra, with "
-        "the environment's pins held) for the llm Serve app's replicas. Ray runs a "
-        "type's own list instead of setup_commands and worker_setup_commands, not "
-        "after them, so it repeats the node environment; CPU-only types keep the "
-        "global lists.",
+        "A GPU type: the node environment, then the GPU health gate "
+        "(rayfleet/agents/gpugate.py: nvidia-smi's GPUs and ECC, the kernel log's XIDs, "
+        "EFA's devices, DCGM's level-1 diagnostic and an NCCL all-reduce against this "
+        "type's floor in the catalog, written to ~/.rayfleet/gpu-gate.json first): a node "
+        "that fails it fails its setup, so Ray never starts on it and the autoscaler "
+        "replaces it; its one-line verdict goes to the bucket's health/ folder (`rayfleet "
+        "status`). Ray runs a type's own list instead of setup_commands and "
+        "worker_setup_commands, not after them, so it repeats the node environment.",
+    "gpu_vllm":
+        " Then {which}, with the node environment's pins held){removed}, for the llm Serve "
+        "app's replicas.",
 }
 
 
@@ -158,15 +167,44 @@ def setup(o: StackOutputs, opts: RenderOptions) -> dict[str, Any]:
     }
 
 
-def gpu_type_setup(gpus: int, opts: RenderOptions, block: str | None = None) -> dict[str, Why]:
-    """What a worker type with ``gpus`` adds: its own setup list, with CUDA vLLM; on a Capacity
-    Block's type (``block``, its id), first the id where the node's spot agent reads it."""
-    llm = llm_setup_commands(opts.node_env, opts.vllm)
-    cuda = bool(gpus and llm and opts.vllm == "cuda")
-    if not cuda and block is None:
+def gate_expectation(t: WorkerNodeType) -> dict[str, Any]:
+    """What the GPU health gate checks a node of ``t`` against: the stack's GPUs and EFA
+    cards, the catalog's GPU model and NCCL floor. A type the catalog has no floor for is
+    refused: the gate could not judge its nodes."""
+    spec = catalog.worker_types().get(t.instance_type)
+    if spec is None or not spec.nccl_busbw_gbps:
+        raise RayfleetError(
+            f"{t.ray_name}: the catalog has no NCCL bus-bandwidth floor for "
+            f"{t.instance_type}, so the GPU health gate cannot judge its nodes (a type of an "
+            "older kit's stack? render with the kit that deployed it)")
+    return {"node_type": t.ray_name, "instance_type": t.instance_type, "gpus": t.gpus,
+            "gpu": spec.gpu, "efa": t.efa_interfaces,
+            "nccl_busbw_gbps": spec.nccl_busbw_gbps}
+
+
+def gate_commands(o: StackOutputs, t: WorkerNodeType) -> tuple[str, str]:
+    """The expectation to the node, and the gate (rayfleet/agents/gpugate.py) with it."""
+    want = json.dumps(gate_expectation(t), sort_keys=True)
+    return (f"mkdir -p ~/.rayfleet && echo {shlex.quote(want)} > {gpugate.EXPECT_FILE}",
+            f"AWS_DEFAULT_REGION={o.region} {VENV}/bin/python {REMOTE_AGENTS}/gpugate.py "
+            f"--storage {shlex.quote(o.storage_uri)}")
+
+
+def gpu_type_setup(o: StackOutputs, t: WorkerNodeType, opts: RenderOptions) -> dict[str, Why]:
+    """A worker type's own setup list, where it needs one: on a GPU type, the node
+    environment, the GPU health gate, then vLLM; on a Capacity Block's type, first the block's
+    id where the node's spot agent reads it."""
+    block = (t.capacity_reservation.id if t.market == "block" and t.capacity_reservation
+             else None)
+    if not t.gpus and block is None:
         return {}
-    if cuda:
-        commands, why = setup_commands(opts.node_env, prove=False) + llm, WHY["gpu_type"]
+    llm = llm_setup_commands(opts.node_env, opts.vllm)
+    if t.gpus:
+        expect, gate = gate_commands(o, t)
+        # The gate before vLLM: a refused node costs the node environment only.
+        commands = [expect, *setup_commands(opts.node_env, prove=False), gate,
+                    *(llm or [PROVE_ENV])]
+        why = WHY["gpu_type"] + (WHY["gpu_vllm"].format(**VLLM_SAYS[opts.vllm]) if llm else "")
     else:   # what Ray would run without a list of the type's own: both global lists
         commands = setup_commands(opts.node_env) + (llm if opts.vllm == "cpu" else [])
         why = WHY["own_list"]

@@ -74,8 +74,7 @@ def worker_type(o: StackOutputs, t: WorkerNodeType, opts: RenderOptions) -> dict
         "max_workers": t.max_workers,
         "resources": Why(resources, WHY["resources"].format(accelerator=accelerator)),
         "node_config": node_config(o, t, opts),
-        **gpu_type_setup(resources["GPU"], opts, t.capacity_reservation.id
-                         if t.market == "block" and t.capacity_reservation else None),
+        **gpu_type_setup(o, t, opts),
     }
 
 

