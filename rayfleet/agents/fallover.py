@@ -3,11 +3,24 @@ next allowed type when EC2 has no capacity for one. A hook of Ray's v1 autoscale
 it by name from ``RAY_AUTOSCALER_UTILIZATION_SCORER`` and runs it inside itself: Ray's modules
 only, imported there. How it ranks node types, and why Ray's own autoscalers do not do this:
 docs/operations.md#when-ec2-has-no-capacity.
+
+It also caps launches of a GPU type whose nodes the GPU health gate keeps refusing
+(gpugate.capped, over the verdicts in the stack's storage, read again every REREAD_S): such a
+type gets no score, so the autoscaler launches it no more and moves on in the stack's order. The
+cap's one line goes to the autoscaler's stderr (monitor.err in the head's Ray logs) once per
+verdict, and `rayfleet status` prints the same line from the same records.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import time
+
+try:    # in the kit; on the head, gpugate.py sits beside this file (render's SCORER_ALSO)
+    from rayfleet.agents import gpugate
+except ImportError:
+    import gpugate
 
 # The environment variables render sets on the head's `ray start` line.
 ORDER_ENV = "RAYFLEET_NODE_TYPE_ORDER"
@@ -19,6 +32,33 @@ SCORER_ENV = "RAY_AUTOSCALER_UTILIZATION_SCORER"
 # The module name this file has on the head (render copies it under this name).
 MODULE = "rayfleet_fallover"
 SCORER = f"{MODULE}.score"
+# The stack's storage, where the GPU health gate records its verdicts (render sets it).
+HEALTH_ENV = "RAYFLEET_HEALTH_STORAGE"
+REREAD_S = 30
+_health: dict = {"at": None, "records": [], "said": set()}
+
+
+def capped(node_type: str, now: float | None = None, environ=os.environ) -> str | None:
+    """The GPU health gate's cap on ``node_type`` (its one line), from the verdicts in the
+    stack's storage; None under the cap, or where no storage is set."""
+    storage = environ.get(HEALTH_ENV)
+    if not storage:
+        return None
+    now = time.time() if now is None else now
+    if _health["at"] is None or now - _health["at"] >= REREAD_S:
+        _health["at"] = now
+        try:
+            _health["records"] = gpugate.read_records(gpugate.s3_client(), storage,
+                                                      since=now - gpugate.CAP_WINDOW_S)
+        except Exception as e:  # noqa: BLE001 - the autoscaler must go on; said once a read
+            print(f"rayfleet scorer: cannot read the GPU health verdicts in {storage} "
+                  f"({type(e).__name__}: {str(e)[:200]}); the cap counts what it read last",
+                  file=sys.stderr, flush=True)
+    line = gpugate.capped(_health["records"], node_type, now)
+    if line and line not in _health["said"]:
+        _health["said"].add(line)
+        print(f"rayfleet scorer: {line}", file=sys.stderr, flush=True)
+    return line
 
 
 def order(environ=os.environ) -> list[str]:
@@ -63,6 +103,8 @@ def score(node_resources, resources, node_type, *, node_availability_summary):
     # autoscaler start a second A100 worker (p4de on-demand, $27/h). CPU-only work waits for
     # room on the head and the workers already running.
     if node_resources.get("GPU", 0) > 0 and not any(wants_accelerator(r) for r in resources):
+        return None
+    if node_resources.get("GPU", 0) > 0 and capped(node_type):
         return None
     gpu_ok, matching, *utilisation = base
     preferred = order()

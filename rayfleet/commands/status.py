@@ -7,23 +7,32 @@ It asks the head's dashboard (``/api/cluster_status``) through the tunnel `ray d
 YAML, its node types come in the YAML's order (the order the head's scorer launches them in,
 rayfleet/agents/fallover.py) and its token file is found the way render wrote it; a node type
 no node has reached and no launch has touched still gets its line.
+
+Then, with the cluster YAML (its storage from render's facts), each GPU node's health as the
+GPU health gate recorded it in the bucket (``health/``, rayfleet/agents/gpugate.py): one line
+per node of the last HEALTH_SHOWN_S, its verdict as the node printed it, and the cap's line for
+a type the head's scorer no longer launches. Read with the operator's AWS credentials.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from rayfleet import capacity, clusteryaml
+from rayfleet.agents import gpugate
 from rayfleet.commands.host import open_direct
 from rayfleet.commands.render import default_token_file
 from rayfleet.errors import ClusterError, RayfleetError
 from rayfleet.facts import port
 
 DEFAULT_ADDRESS = f"http://127.0.0.1:{port('dashboard')}"
+HEALTH_SHOWN_S = 24 * 3600
 
 
 def _config(path: str | None) -> dict:
@@ -87,6 +96,29 @@ def fetch(address: str, token: str | None, timeout: float = 10) -> dict:
     return (body.get("data") or {}).get("clusterStatus") or {}
 
 
+def health_lines(storage: str, s3=None, now: float | None = None) -> list[str]:
+    """The GPU nodes' health: the latest verdict of each node of the last HEALTH_SHOWN_S, by
+    node type, and each capped type's line."""
+    now = time.time() if now is None else now
+    try:
+        records = gpugate.read_records(s3 or gpugate.s3_client(), storage,
+                                       since=now - HEALTH_SHOWN_S)
+    except Exception as e:  # noqa: BLE001 - boto3's and the endpoint's errors alike: one line
+        return [f"GPU health: cannot read {storage.rstrip('/')}/{gpugate.HEALTH}/ "
+                f"({type(e).__name__}: {str(e)[:200]})"]
+    latest = {(r["node_type"], r.get("host", "?")): r for r in records}
+    if not latest:
+        return [f"GPU health: no GPU node has run the health gate in the last "
+                f"{HEALTH_SHOWN_S // 3600} h"]
+    lines = ["GPU health (the gate's verdicts, latest per node):"]
+    for (node_type, host), r in sorted(latest.items(), key=lambda kv: kv[1]["time"]):
+        when = datetime.datetime.fromtimestamp(r["time"], datetime.UTC).strftime("%H:%M:%SZ")
+        lines.append(f"  {node_type} {host} {when}: {r['line']}")
+    lines += [f"  {line}" for t in dict.fromkeys(r["node_type"] for r in records)
+              if (line := gpugate.capped(records, t, now))]
+    return lines
+
+
 def main(address: str | None = None, config: str | None = None, out=None) -> int:
     cfg = _config(config)
     url = address_of(address)
@@ -103,5 +135,8 @@ def main(address: str | None = None, config: str | None = None, out=None) -> int
     failing = capacity.all_failing(rep, order) if order else []
     if failing:
         lines.append(capacity.failing_line(failing))
+    facts = clusteryaml.render_facts(config) if config else None
+    if facts is not None and any(t.resources.get("GPU") for t in cluster.workers()):
+        lines += health_lines(facts.storage_uri)
     print("\n".join(lines), file=out)
     return 0

@@ -18,6 +18,7 @@ import yaml
 
 from rayfleet.agents import fallover
 from rayfleet.commands import render
+from rayfleet.launcher.agents import SCORER_ALSO
 from tests.conftest import REPO
 from tests.fallback_azs import FALLBACK_AZ, with_fallback_az
 
@@ -139,18 +140,21 @@ def test_the_head_loads_the_copy_render_ships(tmp_path):
     folder render copies the agents to, its scorer folder on PYTHONPATH, and Ray's variable."""
     folder = render.copy_agents(str(tmp_path / "agents"))
     scorer_dir = folder / "autoscaler"
-    assert sorted(p.name for p in scorer_dir.iterdir()) == [f"{fallover.MODULE}.py"]
+    assert sorted(p.name for p in scorer_dir.iterdir()) == sorted(
+        [f"{fallover.MODULE}.py", *(f"{n}.py" for n in SCORER_ALSO)])
     probe = (
+        "import sys; sys.modules['rayfleet'] = None\n"   # the head has no kit installed
         "from ray.autoscaler._private.resource_demand_scheduler import "
         "ResourceDemandScheduler as R\n"
         "s = R(None, {}, 0, 'head', 1.0).utilization_scorer\n"
-        "print(s.__module__, s.__name__)\n")
+        "print(s.__module__, s.__name__)\n"
+        "print(sys.modules[s.__module__].gpugate.__file__)\n")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(scorer_dir),
                                fallover.SCORER_ENV: fallover.SCORER})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == [fallover.MODULE, "score"]
+    assert proc.stdout.split() == [fallover.MODULE, "score", str(scorer_dir / "gpugate.py")]
 
 
 def example_outputs(fallback_az: str | None = None) -> dict:
@@ -212,3 +216,35 @@ def test_with_a_fallback_az_a_type_is_tried_in_every_az_before_the_next(tracker,
         picks.append(_pick(fallover.score, tracker, types))
         _fail(tracker, picks[-1])
     assert picks == FALLBACK_ORDER
+
+
+def test_a_type_the_gpu_gate_keeps_refusing_is_launched_no_more(tracker, monkeypatch, capsys):
+    """The cap, inside Ray's own choice: the stack's first type's nodes refused by the GPU
+    health gate CAP times within the window, and the scorer moves on to the next type, saying
+    why once on the autoscaler's stderr; under the cap, or with the refusals older than the
+    window, the first type again. The records are read from the stack's storage
+    (gpugate.read_records on moto: tests/moto/test_health.py)."""
+    import time
+
+    from rayfleet.agents import gpugate
+
+    now = time.time()
+    records = [{"node_type": ORDER[0], "ok": False, "time": now - 10 * i,
+                "line": "refused: xid: Xid 79 (GPU has fallen off the bus) on PCI:0000:10:1c"}
+               for i in range(gpugate.CAP)]
+    reads = []
+    monkeypatch.setattr(gpugate, "read_records",
+                        lambda s3, storage, since: reads.append((storage, since)) or records)
+    monkeypatch.setattr(gpugate, "s3_client", lambda: None)
+    monkeypatch.setattr(fallover, "_health", {"at": None, "records": [], "said": set()})
+    monkeypatch.setenv(fallover.ORDER_ENV, ",".join(ORDER))
+    monkeypatch.setenv(fallover.HEALTH_ENV, "s3://b/p")
+    assert _pick(fallover.score, tracker) == ORDER[1]
+    assert _pick(fallover.score, tracker) == ORDER[1]
+    assert len(reads) == 1 and reads[0][0] == "s3://b/p"     # read again only after REREAD_S
+    assert capsys.readouterr().err.splitlines() == [
+        f"rayfleet scorer: {ORDER[0]}: no more launches: {gpugate.CAP} nodes refused by the "
+        f"GPU health gate within {gpugate.CAP_WINDOW_S // 60} min (last: {records[0]['line']})"]
+    del records[0]
+    fallover._health["at"] = None
+    assert _pick(fallover.score, tracker) == ORDER[0]
