@@ -58,7 +58,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rayfleet import catalog
+from rayfleet.agents import gpugate
 from rayfleet.commands.host import free_port
+from tests import gpu_standins
 from tests.fakecloud.faults import CapacityFaults
 
 FAKE_RANGE = ipaddress.ip_network("198.18.0.0/15")
@@ -172,6 +175,9 @@ class FakeCloud:
     errors: list[str] = field(default_factory=list)
     keys: dict[str, str] = field(default_factory=dict)   # key pair name -> public key
     events: list[str] = field(default_factory=list)
+    # The GPU tools' stand-in sets (tests/gpu_standins.SETS) of the next GPU nodes, in launch
+    # order; a GPU node launched when none is left gets the healthy set.
+    gpu_sets: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         self.vpc = ipaddress.ip_network(self.vpc_cidr)
@@ -370,7 +376,8 @@ class FakeCloud:
                     if state in ("pending", "running") and iid not in self.nodes \
                             and iid not in self.gone:
                         self.start_node(iid, ip, inst.get("KeyName"),
-                                        (inst.get("IamInstanceProfile") or {}).get("Arn"))
+                                        (inst.get("IamInstanceProfile") or {}).get("Arn"),
+                                        inst.get("InstanceType"))
                     elif state in ("shutting-down", "terminated", "stopping", "stopped") \
                             and iid in self.nodes:
                         self.stop_node(iid)
@@ -458,7 +465,7 @@ class FakeCloud:
                                f"which EC2 does not hold ({e})") from None
 
     def start_node(self, instance_id: str, ip: str, key_name: str | None,
-                   profile_arn: str | None = None) -> Node:
+                   profile_arn: str | None = None, instance_type: str | None = None) -> Node:
         self.check_route(ip)
         if ip == self.gateway:
             raise RuntimeError(f"moto gave {instance_id} the gateway's address {ip}")
@@ -502,8 +509,17 @@ class FakeCloud:
             "ubuntu:x:0:0:ubuntu:/home/ubuntu:/bin/bash\n" + Path("/etc/passwd").read_text())
         (root / "sshd_config").write_text(_SSHD_CONFIG.format(ip=ip, key=self.host_key))
 
+        # A GPU type's node: its GPU tools are stand-ins printing recorded outputs
+        # (tests/gpu_standins.py), the next of gpu_sets (healthy once they run out), in a
+        # folder of the image's that the GPU health gate searches first.
+        gpu_init = ""
+        if instance_type in catalog.worker_types():
+            which = self.gpu_sets.pop(0) if self.gpu_sets else "healthy"
+            gpu_standins.install(root / "gpu-tools", which)
+            gpu_init = _GPU_TOOLS_INIT.format(root=root, bin=gpugate.TOOL_DIRS[0])
+            self.events.append(f"gpu tools {instance_id} {which}")
         self.plug(netns, veth, ip)
-        script = _NODE_INIT.format(hostname=hostname, root=root)
+        script = _NODE_INIT.format(hostname=hostname, root=root, gpu=gpu_init)
         log = root / "node.log"
         with open(log, "wb") as f:
             proc = subprocess.Popen(["ip", "netns", "exec", netns, "unshare", "--mount",
@@ -861,10 +877,17 @@ chmod 1777 /tmp
 mount -t tmpfs -o size=8g rf-shm /dev/shm
 mount --bind {root}/etc/hosts /etc/hosts
 mount --bind {root}/etc/passwd /etc/passwd
-if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+{gpu}if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
   mount --bind {root}/etc/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
 fi
 exec /usr/sbin/sshd -D -e -f {root}/sshd_config
+"""
+
+# A GPU node's image: /opt its own (empty, as this machine's is not the AMI's), with the stand-in
+# GPU tools where the Deep Learning AMI keeps EFA's.
+_GPU_TOOLS_INIT = """mount -t tmpfs -o size=1m,mode=755 rf-opt /opt
+mkdir -p {bin}
+mount --bind {root}/gpu-tools {bin}
 """
 
 _SSHD_CONFIG = """\

@@ -511,6 +511,9 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
         preferred = stack["node_types"]["workers"][0]["instance_type"]
         worker_az = stack["worker_availability_zone"]
         cloud.capacity.refuse(preferred, worker_az)
+        # And the first A100 node EC2 gives has lost an EFA card: the GPU health gate refuses
+        # it, Ray's autoscaler terminates it and launches the next, which passes.
+        cloud.gpu_sets.append("no-efa")
         with step("README step 4: training on an A100 worker the autoscaler launches"):
             # The submission id names the run: its logs go where its checkpoints do. No
             # --storage-path: the run store every node's environment names.
@@ -554,6 +557,9 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
             first = asked.index((preferred, FALLBACK_AZ, "passed"))
             assert first > 0 and set(asked[:first]) == {(preferred, worker_az, "refused")}, asked
             assert workers[0]["InstanceId"] in cloud.nodes, cloud.events
+            gated = [e.split()[2:] for e in cloud.events if e.startswith("gpu tools ")]
+            assert [w for _, w in gated] == ["no-efa", "healthy"], cloud.events
+            assert gated[1][0] == workers[0]["InstanceId"] and gated[0][0] not in cloud.nodes
             nodes = json.loads(_ok(run([str(BIN / "ray"), "list", "nodes", "--format", "json",
                                         "--address", address], env=client, timeout=60),
                                    "ray list nodes"))
@@ -590,6 +596,12 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                     f"{preferred} capacity in the Availability Zone you requested " \
                     f"({worker_az})" in rows[name], lines
             assert rows[expected].startswith(f"{expected}: 1 running, 0 pending"), lines
+            # Each A100 node's health as its gate recorded it: the refused one's reason.
+            health = lines[lines.index("GPU health (the gate's verdicts, latest per node):"):]
+            assert [ln.split(": ", 1)[1].split(":")[0] for ln in health[1:]] == [
+                "refused", "healthy"], lines
+            assert health[1].endswith("refused: efa: 3 EFA device(s), the catalog's "
+                                      f"{preferred} has 4"), lines
             assert not any(ln.startswith("no allowed worker type") for ln in lines), lines
 
         with step("ray job submit: a Hugging Face run under FSDP, the tiny Llama from the bucket"):
