@@ -10,8 +10,8 @@ no node has reached and no launch has touched still gets its line.
 
 Then, with the cluster YAML (its storage from render's facts), each GPU node's health as the
 GPU health gate recorded it in the bucket (``health/``, rayfleet/agents/gpugate.py): one line
-per node of the last HEALTH_SHOWN_S, its verdict as the node printed it, and the cap's line for
-a type the head's scorer no longer launches. Read with the operator's AWS credentials.
+per gate run of the last HEALTH_SHOWN_S, its verdict as the node printed it, and the cap's line
+for a type the head's scorer no longer launches. Read with the operator's AWS credentials.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from rayfleet.facts import port
 
 DEFAULT_ADDRESS = f"http://127.0.0.1:{port('dashboard')}"
 HEALTH_SHOWN_S = 24 * 3600
+HEALTH_PER_TYPE = 10
 
 
 def _config(path: str | None) -> dict:
@@ -97,8 +98,9 @@ def fetch(address: str, token: str | None, timeout: float = 10) -> dict:
 
 
 def health_lines(storage: str, s3=None, now: float | None = None) -> list[str]:
-    """The GPU nodes' health: the latest verdict of each node of the last HEALTH_SHOWN_S, by
-    node type, and each capped type's line."""
+    """The GPU nodes' health: each gate run of the last HEALTH_SHOWN_S (one per node set up;
+    a host name alone does not tell nodes apart, as EC2 reuses private addresses), at most
+    HEALTH_PER_TYPE per node type, oldest first, then each capped type's line."""
     now = time.time() if now is None else now
     try:
         records = gpugate.read_records(s3 or gpugate.s3_client(), storage,
@@ -106,16 +108,17 @@ def health_lines(storage: str, s3=None, now: float | None = None) -> list[str]:
     except Exception as e:  # noqa: BLE001 - boto3's and the endpoint's errors alike: one line
         return [f"GPU health: cannot read {storage.rstrip('/')}/{gpugate.HEALTH}/ "
                 f"({type(e).__name__}: {str(e)[:200]})"]
-    latest = {(r["node_type"], r.get("host", "?")): r for r in records}
-    if not latest:
+    if not records:
         return [f"GPU health: no GPU node has run the health gate in the last "
                 f"{HEALTH_SHOWN_S // 3600} h"]
-    lines = ["GPU health (the gate's verdicts, latest per node):"]
-    for (node_type, host), r in sorted(latest.items(), key=lambda kv: kv[1]["time"]):
+    types = list(dict.fromkeys(r["node_type"] for r in records))
+    shown = sorted((r for t in types for r in [x for x in records if x["node_type"] == t]
+                    [-HEALTH_PER_TYPE:]), key=lambda r: r["time"])
+    lines = [f"GPU health (the gate's verdicts of the last {HEALTH_SHOWN_S // 3600} h):"]
+    for r in shown:
         when = datetime.datetime.fromtimestamp(r["time"], datetime.UTC).strftime("%H:%M:%SZ")
-        lines.append(f"  {node_type} {host} {when}: {r['line']}")
-    lines += [f"  {line}" for t in dict.fromkeys(r["node_type"] for r in records)
-              if (line := gpugate.capped(records, t, now))]
+        lines.append(f"  {r['node_type']} {r.get('host', '?')} {when}: {r['line']}")
+    lines += [f"  {line}" for t in types if (line := gpugate.capped(records, t, now))]
     return lines
 
 

@@ -597,7 +597,7 @@ def test_cloud_path_on_the_fake_cloud(monkeypatch):
                     f"({worker_az})" in rows[name], lines
             assert rows[expected].startswith(f"{expected}: 1 running, 0 pending"), lines
             # Each A100 node's health as its gate recorded it: the refused one's reason.
-            health = lines[lines.index("GPU health (the gate's verdicts, latest per node):"):]
+            health = lines[lines.index("GPU health (the gate's verdicts of the last 24 h):"):]
             assert [ln.split(": ", 1)[1].split(":")[0] for ln in health[1:]] == [
                 "refused", "healthy"], lines
             assert health[1].endswith("refused: efa: 3 EFA device(s), the catalog's "

@@ -54,7 +54,7 @@ def test_verdicts_are_recorded_shown_per_node_and_cap_the_type(tmp_path, aws_env
                                                      f"health/{TYPE}/")
                for p in [*refused, healthy])
     lines = status.health_lines(storage)
-    assert lines[0] == "GPU health (the gate's verdicts, latest per node):"
+    assert lines[0] == "GPU health (the gate's verdicts of the last 24 h):"
     assert [ln.split(": ", 1)[1] for ln in lines[1:]] == [
         "refused: xid: Xid 74 (NVLink error) on PCI:0000:b9:00 since boot",
         "refused: efa: 3 EFA device(s), the catalog's p4d.24xlarge has 4",

@@ -943,3 +943,25 @@ def test_render_writes_its_facts_beside_the_yaml(tmp_path, outputs):
     # The header comment stays, for people.
     assert f"# Storage for jobs: {o['storage_uri']}\n" in path.read_text()
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_gpu_type_without_an_nccl_floor_is_refused_in_one_line(tmp_path, monkeypatch,
+                                                                 capsys):
+    """The GPU health gate could not judge such a type's nodes: render refuses before it
+    writes anything."""
+    import dataclasses as dc
+
+    from rayfleet import catalog
+
+    known = dict(catalog.worker_types())
+    known["p4d.24xlarge"] = dc.replace(known["p4d.24xlarge"], nccl_busbw_gbps=0)
+    monkeypatch.setattr(catalog, "worker_types", lambda: known)
+    out = tmp_path / "c.yaml"
+    assert cli.main(["render", str(EXAMPLE_OUTPUTS), "-o", str(out), "--token-file",
+                     str(tmp_path / "t")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["rayfleet: error: ray.worker.p4d.24xlarge.spot: the catalog has no NCCL "
+                   "bus-bandwidth floor for p4d.24xlarge, so the GPU health gate cannot judge "
+                   "its nodes (a type of an older kit's stack? render with the kit that "
+                   "deployed it)"], err
+    assert not out.exists()
