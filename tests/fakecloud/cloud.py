@@ -58,7 +58,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rayfleet import catalog
+from rayfleet import catalog, nodeenv
 from rayfleet.agents import gpugate
 from rayfleet.commands.host import free_port
 from tests import gpu_standins
@@ -77,6 +77,7 @@ CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"   # Debian's (and Ubuntu's) sys
 # traffic goes to its own addresses, never through a proxy host.
 PROXY_VARS = tuple(v for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy",
                                   "ftp_proxy") for v in (name.upper(), name))
+VENV_NAME = Path(nodeenv.VENV).name     # the node venv, in the login user's home
 BRIDGE_ENV = "RAYFLEET_FAKECLOUD_BRIDGE"   # tells the stand-in `aws` which bridge is ours
 FENCE_TABLE = "rayfleet_fence"
 FENCE_COUNTER = "left_range"   # packets (IPv4 and IPv6) a node tried to send outside the range
@@ -178,6 +179,7 @@ class FakeCloud:
     # The GPU tools' stand-in sets (tests/gpu_standins.SETS) of the next GPU nodes, in launch
     # order; a GPU node launched when none is left gets the healthy set.
     gpu_sets: list[str] = field(default_factory=list)
+    first_node: Path | None = None   # its venv seeds the later nodes' (start_node)
 
     def __post_init__(self):
         self.vpc = ipaddress.ip_network(self.vpc_cidr)
@@ -509,6 +511,16 @@ class FakeCloud:
             "ubuntu:x:0:0:ubuntu:/home/ubuntu:/bin/bash\n" + Path("/etc/passwd").read_text())
         (root / "sshd_config").write_text(_SSHD_CONFIG.format(ip=ip, key=self.host_key))
 
+        # The node environment is built once per fake cloud: a node after the first starts
+        # with the first node's venv hard-linked into its home, as an AMI with the environment
+        # baked in would give it. The first node (the head) built it from the wheelhouse with
+        # the YAML's own setup commands, and `ray up` has finished it before any other node
+        # launches; every node still runs every setup command (pip finds each pin satisfied).
+        seed = self.first_node / "home" / VENV_NAME if self.first_node else None
+        if seed is not None and (seed / "bin" / "python").exists():
+            sh("cp", "-al", str(seed), str(home / VENV_NAME), timeout=300)
+            self.events.append(f"venv {instance_id} from {self.first_node.name}")
+        self.first_node = self.first_node or root
         # A GPU type's node: its GPU tools are stand-ins printing recorded outputs
         # (tests/gpu_standins.py), the next of gpu_sets (healthy once they run out), in a
         # folder of the image's that the GPU health gate searches first.
