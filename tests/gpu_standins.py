@@ -9,9 +9,9 @@ import shutil
 from pathlib import Path
 
 SAMPLES = Path(__file__).parent / "unit" / "gpu_samples"
-HEALTHY = {"nvidia-smi": "ecc-healthy.csv", "journalctl": "kernel-clean.log",
-           "fi_info": "fi_info-efa-4.txt", "dcgmi": "dcgmi-diag-r1-pass.txt",
-           "all_reduce_perf": "all_reduce_perf-8gpu.txt"}
+HEALTHY = {"nvidia-smi": "ecc-healthy.csv", "nvidia-smi-q": "nvidia-smi-q.txt",
+           "journalctl": "kernel-clean.log", "fi_info": "fi_info-efa-4.txt",
+           "dcgmi": "dcgmi-diag-r1-pass.txt", "all_reduce_perf": "all_reduce_perf-8gpu.txt"}
 # A p4d node as each check finds it: healthy, or with one fault.
 SETS = {
     "healthy": HEALTHY,
@@ -28,7 +28,11 @@ def install(folder: Path, which: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     for tool, sample in SETS[which].items():
         shutil.copyfile(SAMPLES / sample, folder / f"{tool}.out")
+        if tool == "nvidia-smi-q":
+            continue    # what nvidia-smi prints for -q
         script = folder / tool
-        script.write_text(f'#!/bin/sh\ncat "$(dirname "$0")/{tool}.out"\n')
+        q = ' [ "$1" = -q ] && exec cat "$(dirname "$0")/nvidia-smi-q.out";' * (
+            tool == "nvidia-smi")
+        script.write_text(f'#!/bin/sh\n{q}\ncat "$(dirname "$0")/{tool}.out"\n')
         script.chmod(0o755)
     return folder

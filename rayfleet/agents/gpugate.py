@@ -10,6 +10,8 @@ catalog, to --expect first). In order, stopping at the first that fails:
 - ``xid``: the kernel log since boot (journalctl -k -b) holds no XID of FATAL_XIDS;
 - ``efa``: `fi_info -p efa -t FI_EP_RDM` lists the catalog's count of EFA devices;
 - ``dcgm``: `dcgmi diag -r DCGM_LEVEL` passes every test (level 1: deployment checks, seconds);
+  with --install-dcgm (render's), DCGM is installed first where the image lacks it (the
+  PyTorch Deep Learning AMIs' release notes list no DCGM; the Base ones carry DCGM 4);
 - ``nccl``: NCCL's all_reduce_perf among the node's GPUs (NCCL_BYTES, one size) reaches the
   catalog's bus-bandwidth floor for the type.
 
@@ -186,7 +188,57 @@ def check_efa(want: dict) -> str:
     return f"EFA {len(devices)}/{want['efa']}"
 
 
+# NVIDIA's DCGM 4 install on Ubuntu (its installation guide): the CUDA network repository's
+# keyring, then the package for the driver's CUDA major version, then its host engine.
+DCGM_REPO = "https://developer.download.nvidia.com/compute/cuda/repos/{distro}/x86_64"
+DCGM_KEYRING = "cuda-keyring_1.1-1_all.deb"
+OS_RELEASE = "/etc/os-release"
+
+
+def parse_os_release(text: str) -> dict[str, str]:
+    return {k: v.strip('"') for k, _, v in (ln.partition("=") for ln in text.splitlines()) if v}
+
+
+def parse_cuda_major(text: str) -> str:
+    """The driver's CUDA major version in `nvidia-smi -q` ("CUDA Version : 12.8")."""
+    m = re.search(r"^\s*CUDA Version\s*:\s*(\d+)\.", text, re.M)
+    if not m:
+        raise Refused("nvidia-smi -q names no CUDA version, so no DCGM package can be chosen")
+    return m.group(1)
+
+
+def dcgm_install_steps(os_release: str, nvidia_smi_q: str) -> list[list[str]]:
+    """The commands that install DCGM where the image lacks it (Ubuntu only)."""
+    release = parse_os_release(os_release)
+    if release.get("ID") != "ubuntu":
+        raise Refused(f"dcgmi is not installed and the kit installs DCGM on Ubuntu only (this "
+                      f"image is {release.get('PRETTY_NAME') or release.get('ID') or 'unknown'})")
+    repo = DCGM_REPO.format(distro="ubuntu" + release.get("VERSION_ID", "").replace(".", ""))
+    keyring = f"/tmp/{DCGM_KEYRING}"
+    return [["sudo", "curl", "-fsSLo", keyring, f"{repo}/{DCGM_KEYRING}"],
+            ["sudo", "dpkg", "-i", keyring],
+            ["sudo", "apt-get", "update", "-q"],
+            ["sudo", "apt-get", "install", "-y", "-q", "--install-recommends",
+             f"datacenter-gpu-manager-4-cuda{parse_cuda_major(nvidia_smi_q)}"],
+            ["sudo", "systemctl", "--now", "enable", "nvidia-dcgm"]]
+
+
+def install_dcgm() -> str:
+    """DCGM installed where `dcgmi` is not found; what was done, in a few words."""
+    try:
+        return f"dcgmi at {tool('dcgmi')}"
+    except Refused:
+        pass
+    steps = dcgm_install_steps(Path(OS_RELEASE).read_text(),
+                               output(["nvidia-smi", "-q"]))
+    for argv in steps:
+        output(argv)
+    return f"DCGM installed ({steps[3][-1]})"
+
+
 def check_dcgm(want: dict) -> str:
+    if want.get("install_dcgm"):
+        install_dcgm()
     results = parse_dcgm(output(["dcgmi", "diag", "-r", str(DCGM_LEVEL)], ok_codes=range(256)))
     if not results:
         raise Refused("dcgmi diag printed no test results")
@@ -308,9 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expect", default=EXPECT_FILE)
     p.add_argument("--storage", metavar="s3://BUCKET/PREFIX",
                    help="where the verdict is recorded (the stack's storage)")
+    p.add_argument("--install-dcgm", action="store_true",
+                   help="install DCGM first where dcgmi is not found (Ubuntu: NVIDIA's "
+                        "CUDA repository)")
     args = p.parse_args(argv)
     try:
-        want = expectation(args.expect)
+        want = {**expectation(args.expect), "install_dcgm": args.install_dcgm}
     except Refused as e:
         print(f"rayfleet gate: refused: {e}", flush=True)
         return 1

@@ -187,7 +187,7 @@ def gate_commands(o: StackOutputs, t: WorkerNodeType) -> tuple[str, str]:
     want = json.dumps(gate_expectation(t), sort_keys=True)
     return (f"mkdir -p ~/.rayfleet && echo {shlex.quote(want)} > {gpugate.EXPECT_FILE}",
             f"AWS_DEFAULT_REGION={o.region} {VENV}/bin/python {REMOTE_AGENTS}/gpugate.py "
-            f"--storage {shlex.quote(o.storage_uri)}")
+            f"--install-dcgm --storage {shlex.quote(o.storage_uri)}")
 
 
 def gpu_type_setup(o: StackOutputs, t: WorkerNodeType, opts: RenderOptions) -> dict[str, Why]:

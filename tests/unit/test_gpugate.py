@@ -114,3 +114,39 @@ def test_the_cap_counts_a_types_refusals_within_the_window():
     old = [{**r, "time": r["time"] - gpugate.CAP_WINDOW_S} for r in refused]
     healthy = [{**r, "ok": True} for r in refused]
     assert gpugate.capped(old, "t", now) is None and gpugate.capped(healthy, "t", now) is None
+
+
+UBUNTU = 'PRETTY_NAME="Ubuntu 22.04.5 LTS"\nNAME="Ubuntu"\nVERSION_ID="22.04"\nID=ubuntu\n'
+
+
+def test_dcgm_is_installed_from_nvidias_repository_where_the_image_lacks_it(tmp_path,
+                                                                            monkeypatch):
+    """NVIDIA's steps, each through sudo (a stand-in recording them, which leaves a `dcgmi`
+    behind as the package would); then the check runs the installed `dcgmi`."""
+    bin_dir = install(tmp_path / "bin", "healthy")
+    (bin_dir / "dcgmi").rename(tmp_path / "dcgmi.pkg")
+    (bin_dir / "sudo").write_text(
+        f'#!/bin/sh\necho "$@" >> {tmp_path}/sudo.log\n'
+        f'[ "$1 $2" = "systemctl --now" ] && cp {tmp_path}/dcgmi.pkg {bin_dir}/dcgmi\n'
+        'exit 0\n')
+    (bin_dir / "sudo").chmod(0o755)
+    (tmp_path / "os-release").write_text(UBUNTU)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setattr(gpugate, "OS_RELEASE", str(tmp_path / "os-release"))
+    with pytest.raises(gpugate.Refused, match="dcgmi not found"):
+        gpugate.check_dcgm(P4D)                      # not asked to install: refused
+    assert gpugate.check_dcgm({**P4D, "install_dcgm": True}) == "DCGM r1 9 tests pass"
+    repo = "https://developer.download.nvidia.com/compute/cuda/repos/ubuntu2204/x86_64"
+    assert (tmp_path / "sudo.log").read_text().splitlines() == [
+        f"curl -fsSLo /tmp/cuda-keyring_1.1-1_all.deb {repo}/cuda-keyring_1.1-1_all.deb",
+        "dpkg -i /tmp/cuda-keyring_1.1-1_all.deb", "apt-get update -q",
+        "apt-get install -y -q --install-recommends datacenter-gpu-manager-4-cuda12",
+        "systemctl --now enable nvidia-dcgm"]
+    assert gpugate.install_dcgm() == f"dcgmi at {bin_dir}/dcgmi"    # installed: nothing done
+
+
+def test_dcgm_on_another_image_than_ubuntu_is_a_refusal():
+    with pytest.raises(gpugate.Refused, match=r"on Ubuntu only \(this image is Amazon Linux"):
+        gpugate.dcgm_install_steps('ID="amzn"\nPRETTY_NAME="Amazon Linux 2023"\n', "")
+    with pytest.raises(gpugate.Refused, match="names no CUDA version"):
+        gpugate.dcgm_install_steps(UBUNTU, "Driver Version : 550.127.05\n")
