@@ -48,7 +48,8 @@ def capped(node_type: str, now: float | None = None, environ=os.environ) -> str 
     if _health["at"] is None or now - _health["at"] >= REREAD_S:
         _health["at"] = now
         try:
-            _health["records"] = gpugate.read_records(gpugate.s3_client(), storage,
+            # Short timeouts, one attempt: this runs inside the autoscaler's update loop.
+            _health["records"] = gpugate.read_records(gpugate.s3_client(5, 1), storage,
                                                       since=now - gpugate.CAP_WINDOW_S)
         except Exception as e:  # noqa: BLE001 - the autoscaler must go on; said once a read
             print(f"rayfleet scorer: cannot read the GPU health verdicts in {storage} "

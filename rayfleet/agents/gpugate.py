@@ -347,12 +347,13 @@ def capped(records: list[dict], node_type: str, now: float) -> str | None:
             f"{max(refused, key=lambda r: r['time'])['line']})")
 
 
-def s3_client():
+def s3_client(timeout_s: float = 30, attempts: int = 3):
     import boto3
     from botocore.config import Config
 
-    return boto3.client("s3", config=Config(connect_timeout=10, read_timeout=30,
-                                            retries={"max_attempts": 3}))
+    return boto3.client("s3", config=Config(connect_timeout=min(10, timeout_s),
+                                            read_timeout=timeout_s,
+                                            retries={"max_attempts": attempts}))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,10 +9,9 @@ leaves it off. Why the head needs it although it has no GPU: :func:`llm_setup_co
 
 from __future__ import annotations
 
+import json
 import shlex
 from typing import Any
-
-import json
 
 from rayfleet import catalog, nodeenv
 from rayfleet.agents import gpugate

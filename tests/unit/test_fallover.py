@@ -235,7 +235,7 @@ def test_a_type_the_gpu_gate_keeps_refusing_is_launched_no_more(tracker, monkeyp
     reads = []
     monkeypatch.setattr(gpugate, "read_records",
                         lambda s3, storage, since: reads.append((storage, since)) or records)
-    monkeypatch.setattr(gpugate, "s3_client", lambda: None)
+    monkeypatch.setattr(gpugate, "s3_client", lambda *timeouts: None)
     monkeypatch.setattr(fallover, "_health", {"at": None, "records": [], "said": set()})
     monkeypatch.setenv(fallover.ORDER_ENV, ",".join(ORDER))
     monkeypatch.setenv(fallover.HEALTH_ENV, "s3://b/p")
