@@ -8,10 +8,11 @@ YAML, its node types come in the YAML's order (the order the head's scorer launc
 rayfleet/agents/fallover.py) and its token file is found the way render wrote it; a node type
 no node has reached and no launch has touched still gets its line.
 
-Then, with the cluster YAML (its storage from render's facts), each GPU node's health as the
-GPU health gate recorded it in the bucket (``health/``, rayfleet/agents/gpugate.py): one line
-per gate run of the last HEALTH_SHOWN_S, its verdict as the node printed it, and the cap's line
-for a type the head's scorer no longer launches. Read with the operator's AWS credentials.
+Then, with a cluster YAML of GPU types (its storage from render's facts), each GPU node's health
+as the GPU health gate recorded it in the bucket (``health/``, rayfleet/agents/gpugate.py): one
+line per gate run of the last HEALTH_SHOWN_S, its verdict as the node printed it, and the cap's
+line for a type the head's scorer no longer launches; before the autoscaler's verdict, which
+stays last. Read with the operator's AWS credentials.
 """
 
 from __future__ import annotations
@@ -122,6 +123,18 @@ def health_lines(storage: str, s3=None, now: float | None = None) -> list[str]:
     return lines
 
 
+def _health(config: str) -> list[str]:
+    """The health lines of a cluster YAML with GPU types, where render's facts give its
+    storage; one line saying why not where they cannot."""
+    try:
+        facts = clusteryaml.render_facts(config)
+    except RayfleetError as e:
+        return [f"GPU health: not shown ({e})"]
+    if facts is None:
+        return [f"GPU health: not shown ({config} has no storage of `rayfleet render`'s)"]
+    return health_lines(facts.storage_uri)
+
+
 def main(address: str | None = None, config: str | None = None, out=None) -> int:
     cfg = _config(config)
     url = address_of(address)
@@ -135,11 +148,10 @@ def main(address: str | None = None, config: str | None = None, out=None) -> int
     if not rep:
         lines.insert(0, "the autoscaler has not reported yet (it does every few seconds "
                         "after `ray up`)")
+    if config and any(t.resources.get("GPU") for t in cluster.workers()):
+        lines += _health(config)
     failing = capacity.all_failing(rep, order) if order else []
     if failing:
         lines.append(capacity.failing_line(failing))
-    facts = clusteryaml.render_facts(config) if config else None
-    if facts is not None and any(t.resources.get("GPU") for t in cluster.workers()):
-        lines += health_lines(facts.storage_uri)
     print("\n".join(lines), file=out)
     return 0

@@ -229,3 +229,18 @@ def test_the_driver_ends_with_one_line_and_exit_2(tmp_path):
     assert proc.stdout == ""
     (line,) = proc.stderr.splitlines()
     assert line.startswith("workloads.train: error: no allowed worker type can launch (")
+
+
+def test_status_says_in_one_line_why_it_shows_no_gpu_health(tmp_path):
+    """A cluster YAML of GPU types that is not render's: no storage to read the gate's verdicts
+    from, said once (the verdicts themselves: tests/moto/test_health.py)."""
+    from rayfleet.commands import status
+
+    config = tmp_path / "cluster.yaml"
+    config.write_text(json.dumps({"cluster_name": "c", "available_node_types": {}}))
+    (line,) = status._health(str(config))
+    assert line.startswith(f"GPU health: not shown ({config}: not a Ray cluster YAML"), line
+    config.write_text(json.dumps({"cluster_name": "c", "provider": {"type": "aws"},
+                                  "available_node_types": {}}))
+    assert status._health(str(config)) == [
+        f"GPU health: not shown ({config} has no storage of `rayfleet render`'s)"]
