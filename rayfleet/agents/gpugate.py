@@ -159,10 +159,11 @@ def check_gpus(want: dict) -> str:
     for g in gpus:
         if not model_matches(g["name"], want["gpu"]):
             raise Refused(f"GPU {g['index']} is {g['name']}, not the catalog's {want['gpu']}")
-        if g["ecc"] != "Enabled" or g["uncorrected"] is None:
-            raise Refused(f"GPU {g['index']} ({g['bus']}): ECC {g['ecc']}, errors unreadable"
-                          if g["uncorrected"] is None else
-                          f"GPU {g['index']} ({g['bus']}): ECC {g['ecc']}")
+        if g["ecc"] != "Enabled":
+            raise Refused(f"GPU {g['index']} ({g['bus']}): ECC {g['ecc']}")
+        if g["uncorrected"] is None:
+            raise Refused(f"GPU {g['index']} ({g['bus']}): its uncorrectable ECC errors are "
+                          "unreadable")
         if g["uncorrected"]:
             raise Refused(f"GPU {g['index']} ({g['bus']}): {g['uncorrected']} uncorrectable "
                           "ECC error(s)")

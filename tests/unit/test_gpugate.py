@@ -41,7 +41,7 @@ def test_the_gpu_model_is_the_catalogs(name, gpu, ok):
 
 
 @pytest.mark.parametrize("text,says", [
-    ("0, 00000000:10:1C.0, NVIDIA A100-SXM4-40GB, Enabled, [N/A]\n", "errors unreadable"),
+    ("0, 00000000:10:1C.0, NVIDIA A100-SXM4-40GB, Enabled, [N/A]\n", "ECC errors are unreadable"),
     ("0, 00000000:10:1C.0, NVIDIA A100-SXM4-40GB, Disabled, 0\n", "ECC Disabled"),
     ("No devices were found\n", "not the 5 fields"),
 ])
